@@ -1,0 +1,26 @@
+"""moeblaze_ops: Mixture-of-Experts primitives as ``torch.library`` custom ops.
+
+Importing the package registers the ops in the ``moeblaze`` namespace
+(``torch.ops.moeblaze.dispatch``, ``expert_up``, ``expert_down``,
+``expert_up_backward``, ``expert_down_backward``). ``moe_experts`` composes them into
+a differentiable experts layer.
+"""
+
+from .activations import ACTIVATIONS, GATED_ACTIVATIONS, is_gated
+from .functional import moe_experts
+from .ops.dispatch import dispatch
+from .ops.experts import expert_down, expert_down_backward, expert_up, expert_up_backward
+
+__all__ = [
+    "ACTIVATIONS",
+    "GATED_ACTIVATIONS",
+    "is_gated",
+    "moe_experts",
+    "dispatch",
+    "expert_up",
+    "expert_down",
+    "expert_up_backward",
+    "expert_down_backward",
+]
+
+__version__ = "0.1.0"

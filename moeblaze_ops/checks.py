@@ -1,0 +1,235 @@
+"""Argument validation shared by the ops' fake functions, their kernels and the front door.
+
+Shape, dtype and device checks run in the fake functions too, so a bad call fails while
+``torch.compile`` traces it, with the same message as in eager mode. Checks that read
+tensor data (negative or duplicate expert ids) run only in the real kernels: on CPU they
+raise at once; on CUDA they are ``torch._assert_async`` checks, which need no host sync.
+
+Every error is a ``ValueError`` whose message names the op and the argument.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .activations import ACTIVATIONS, is_gated
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+ID_DTYPES = (torch.int32, torch.int64)
+
+
+def fail(op: str, arg: str, message: str) -> None:
+    raise ValueError(f"moeblaze.{op}: argument '{arg}' {message}")
+
+
+def check_tensor(
+    op: str,
+    arg: str,
+    t,
+    *,
+    ndim: int,
+    dtypes: Sequence[torch.dtype],
+    device: Optional[torch.device] = None,
+    shape: Optional[Sequence] = None,
+    shape_doc: str = "",
+) -> None:
+    """Checks type, rank, dtype, device and (entries not None of) ``shape`` of ``t``."""
+    if not isinstance(t, torch.Tensor):
+        fail(op, arg, f"must be a Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        fail(op, arg, f"must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        fail(op, arg, f"must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    if device is not None and t.device != device:
+        fail(op, arg, f"must be on device {device}, got {t.device}")
+    if shape is not None:
+        for want, got in zip(shape, t.shape):
+            if want is not None and want != got:
+                want_s = tuple("*" if s is None else s for s in shape)
+                fail(op, arg, f"must have shape {shape_doc or want_s}, got {tuple(t.shape)}")
+
+
+def check_activation(op: str, activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        fail(op, "activation", f"must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def check_index_arrays(op, expert_token_indices, expert_offsets, token_index_map, num_experts, device):
+    """The three arrays of ``dispatch``: int32, 1-D, contiguous, consistent sizes."""
+    for arg, t in (
+        ("expert_token_indices", expert_token_indices),
+        ("expert_offsets", expert_offsets),
+        ("token_index_map", token_index_map),
+    ):
+        check_tensor(op, arg, t, ndim=1, dtypes=(torch.int32,), device=device)
+        if not t.is_contiguous():
+            fail(op, arg, "must be contiguous")
+    if expert_offsets.shape[0] != num_experts + 1:
+        fail(op, "expert_offsets", f"must have num_experts + 1 = {num_experts + 1} entries, "
+             f"got {expert_offsets.shape[0]}")
+    if token_index_map.shape[0] != expert_token_indices.shape[0]:
+        fail(op, "token_index_map", f"must have as many entries as expert_token_indices "
+             f"({expert_token_indices.shape[0]}), got {token_index_map.shape[0]}")
+
+
+def check_routed_rows(op, num_tokens, num_rows):
+    """``num_rows`` routed rows must be ``num_tokens * K`` for a whole K."""
+    if num_tokens == 0:
+        if num_rows != 0:
+            fail(op, "token_index_map", f"must be empty when there are no tokens, got {num_rows} entries")
+    elif num_rows % num_tokens != 0:
+        fail(op, "token_index_map", f"must have L*K entries for L={num_tokens} tokens, got {num_rows}")
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def check_dispatch(topk_ids, num_experts) -> None:
+    check_tensor("dispatch", "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, shape_doc="[L, K]")
+    if not isinstance(num_experts, (int, torch.SymInt)) or num_experts < 1:
+        fail("dispatch", "num_experts", f"must be a positive int, got {num_experts!r}")
+
+
+def check_topk_id_values(op: str, topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Data checks: no negative id, no id repeated in a token's row (sentinels >= E may repeat)."""
+    if topk_ids.numel() == 0:
+        return
+    negative = (topk_ids < 0).any()
+    ids = topk_ids.sort(dim=1).values
+    repeated = ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] < num_experts)).any()
+    neg_msg = f"moeblaze.{op}: argument 'topk_ids' has a negative expert id"
+    dup_msg = f"moeblaze.{op}: argument 'topk_ids' has an expert id repeated in one token's row"
+    if topk_ids.device.type == "cpu":
+        if negative:
+            raise ValueError(neg_msg)
+        if repeated:
+            raise ValueError(dup_msg)
+    else:
+        torch._assert_async(~negative, neg_msg)
+        torch._assert_async(~repeated, dup_msg)
+
+
+# --------------------------------------------------------------------------- experts
+
+
+def _check_weight_dtype(op, arg, t, x_arg, x):
+    if t.dtype != x.dtype:
+        fail(op, arg, f"must have the dtype of '{x_arg}' ({x.dtype}), got {t.dtype}")
+
+
+def check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
+                    b_gate_up, transposed, op="expert_up"):
+    """Returns ``(E, N, d)``: experts, up-projection width (2I or I), hidden size."""
+    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="[L, d]")
+    dev = x.device
+    check_tensor(op, "w_gate_up", w_gate_up, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
+    _check_weight_dtype(op, "w_gate_up", w_gate_up, "x", x)
+    d = x.shape[1]
+    if transposed:
+        E, wd, N = w_gate_up.shape
+        layout = "[E, d, N]"
+    else:
+        E, N, wd = w_gate_up.shape
+        layout = "[E, N, d]"
+    if wd != d:
+        fail(op, "w_gate_up", f"must have layout {layout} with d={d} (x.shape[1]), got {tuple(w_gate_up.shape)}")
+    if b_gate_up is not None:
+        check_tensor(op, "b_gate_up", b_gate_up, ndim=2, dtypes=FLOAT_DTYPES, device=dev,
+                     shape=(E, N), shape_doc=f"[E, N] = ({E}, {N})")
+        _check_weight_dtype(op, "b_gate_up", b_gate_up, "x", x)
+    check_index_arrays(op, expert_token_indices, expert_offsets, token_index_map, E, dev)
+    check_routed_rows(op, x.shape[0], token_index_map.shape[0])
+    return E, N, d
+
+
+def check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map,
+                      topk_weights, b_down, activation, transposed, op="expert_down"):
+    """Returns ``(E, d, I)``: experts, hidden size, intermediate size."""
+    check_activation(op, activation)
+    check_tensor(op, "h", h, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="[L*K, N]")
+    dev = h.device
+    N = h.shape[1]
+    if is_gated(activation) and N % 2 != 0:
+        fail(op, "h", f"must have an even number of columns (2I) for the gated activation "
+             f"{activation!r}, got {N}")
+    I = N // 2 if is_gated(activation) else N
+    check_tensor(op, "w_down", w_down, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
+    _check_weight_dtype(op, "w_down", w_down, "h", h)
+    if transposed:
+        E, wi, d = w_down.shape
+        layout = "[E, I, d]"
+    else:
+        E, d, wi = w_down.shape
+        layout = "[E, d, I]"
+    if wi != I:
+        fail(op, "w_down", f"must have layout {layout} with I={I} (from h and activation "
+             f"{activation!r}), got {tuple(w_down.shape)}")
+    check_tensor(op, "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=dev,
+                 shape_doc="[L, K]")
+    if b_down is not None:
+        check_tensor(op, "b_down", b_down, ndim=2, dtypes=FLOAT_DTYPES, device=dev,
+                     shape=(E, d), shape_doc=f"[E, d] = ({E}, {d})")
+        _check_weight_dtype(op, "b_down", b_down, "h", h)
+    check_index_arrays(op, expert_token_indices, expert_offsets, token_index_map, E, dev)
+    L, K = topk_weights.shape
+    if L * K != token_index_map.shape[0]:
+        fail(op, "topk_weights", f"must have shape [L, K] with L*K = {token_index_map.shape[0]} "
+             f"routed rows, got {tuple(topk_weights.shape)}")
+    if h.shape[0] != token_index_map.shape[0]:
+        fail(op, "h", f"must have one row per routed row ({token_index_map.shape[0]}), got {h.shape[0]}")
+    return E, d, I
+
+
+def check_grad(op, arg, grad, like):
+    check_tensor(op, arg, grad, ndim=like.dim(), dtypes=FLOAT_DTYPES, device=like.device,
+                 shape=tuple(like.shape))
+
+
+# --------------------------------------------------------------------------- front door
+
+
+def check_moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down,
+                      activation, transposed):
+    """Cross-argument checks of ``moe_experts``, named as the caller named them."""
+    op = "moe_experts"
+    check_activation(op, activation)
+    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="[L, d]")
+    dev = x.device
+    L = x.shape[0]
+    check_tensor(op, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=dev,
+                 shape=(L, None), shape_doc=f"[L, K] with L={L}")
+    K = topk_ids.shape[1]
+    check_tensor(op, "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=dev,
+                 shape=(L, K), shape_doc=f"[L, K] = ({L}, {K}) like topk_ids")
+    check_tensor(op, "w_gate_up", w_gate_up, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor(op, "w_down", w_down, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
+    E = w_gate_up.shape[0]
+    if w_down.shape[0] != E:
+        fail(op, "w_down", f"must have as many experts as w_gate_up ({E}), got {w_down.shape[0]}")
+    N = w_gate_up.shape[2] if transposed else w_gate_up.shape[1]
+    if is_gated(activation) and N % 2 != 0:
+        fail(op, "w_gate_up", f"must have 2I output columns for the gated activation "
+             f"{activation!r}, got {N}")
+    I = N // 2 if is_gated(activation) else N
+    wi = w_down.shape[1] if transposed else w_down.shape[2]
+    if wi != I:
+        fail(op, "w_down", f"must have intermediate size I={I} (from w_gate_up and activation "
+             f"{activation!r}), got shape {tuple(w_down.shape)}")
+    for arg, b, width in (("b_gate_up", b_gate_up, N), ("b_down", b_down, x.shape[1])):
+        if b is not None:
+            check_tensor(op, arg, b, ndim=2, dtypes=FLOAT_DTYPES, device=dev, shape=(E, width),
+                         shape_doc=f"[E, {width}] with E={E}")
+    d = x.shape[1]
+    wd = w_gate_up.shape[1] if transposed else w_gate_up.shape[2]
+    if wd != d:
+        fail(op, "w_gate_up", f"must have hidden size d={d} (x.shape[1]), got shape {tuple(w_gate_up.shape)}")
+    wd = w_down.shape[2] if transposed else w_down.shape[1]
+    if wd != d:
+        fail(op, "w_down", f"must have hidden size d={d} (x.shape[1]), got shape {tuple(w_down.shape)}")
+    for arg, t in (("w_gate_up", w_gate_up), ("w_down", w_down), ("b_gate_up", b_gate_up), ("b_down", b_down)):
+        if t is not None:
+            _check_weight_dtype(op, arg, t, "x", x)
+    return E, N, d

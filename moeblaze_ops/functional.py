@@ -1,0 +1,65 @@
+"""``moe_experts``: the experts of an MoE layer in one call, composed of the moeblaze ops."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .checks import check_moe_experts
+
+
+def moe_experts(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    activation: str = "swiglu",
+    *,
+    b_gate_up: Optional[Tensor] = None,
+    b_down: Optional[Tensor] = None,
+    transposed: bool = False,
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> Tensor:
+    """Runs every token through its K experts and sums the results with their weights.
+
+    ``out[i] = sum_k topk_weights[i, k] * expert_{topk_ids[i, k]}(x[i])`` where an expert
+    is ``down(activation(up(x)))``. Differentiable in ``x``, the weights, the biases and
+    ``topk_weights``; works under ``torch.compile(fullgraph=True)``.
+
+    Args:
+        x: ``[..., d]`` tokens (bf16, fp16, fp32 or fp64); the output has this shape and dtype.
+        topk_ids: ``[..., K]`` int32/int64 expert ids. Ids ``>= E`` are sentinels that
+            contribute nothing (expert parallelism); negative or repeated ids are errors.
+        topk_weights: ``[..., K]`` combine weights, any float dtype (fp32 with bf16 x is fine).
+        w_gate_up: ``[E, N, d]``, or ``[E, d, N]`` when ``transposed``. N = 2I for the gated
+            activations (gate columns then up columns, or alternating when
+            ``interleaved``), N = I otherwise. HF's ``gate_up_proj``.
+        w_down: ``[E, d, I]``, or ``[E, I, d]`` when ``transposed``. HF's ``down_proj``.
+        activation: one of ``moeblaze_ops.ACTIVATIONS``: ``swiglu``, ``geglu``,
+            ``clamped_swiglu`` (GPT-OSS, uses ``alpha`` and ``limit``), ``silu``,
+            ``gelu``, ``relu``.
+        b_gate_up: optional ``[E, N]`` per-expert bias of the up projection.
+        b_down: optional ``[E, d]`` per-expert bias of the down projection.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    ids = topk_ids.reshape(-1, topk_ids.shape[-1]) if topk_ids.dim() > 0 else topk_ids
+    tw = topk_weights.reshape(-1, topk_weights.shape[-1]) if topk_weights.dim() > 0 else topk_weights
+    if topk_ids.shape[:-1] != lead:
+        raise ValueError(f"moeblaze.moe_experts: argument 'topk_ids' must have shape [..., K] with leading "
+                         f"dimensions {tuple(lead)} of x, got {tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"moeblaze.moe_experts: argument 'topk_weights' must have the shape of topk_ids "
+                         f"{tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    E, _, d = check_moe_experts(x2, ids, tw, w_gate_up, w_down, b_gate_up, b_down, activation, transposed)
+    ops = torch.ops.moeblaze
+    eti, offsets, tim = ops.dispatch(ids, E)
+    h = ops.expert_up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+    out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, activation, transposed, interleaved,
+                          alpha, limit)
+    return out.reshape(*lead, d)

@@ -1,0 +1,146 @@
+"""Portable PyTorch kernels of the expert ops: the gathered grouped GEMMs and the combine.
+
+Rows are processed expert by expert (a loop over experts, never over tokens): each
+expert gathers its token rows through ``expert_token_indices``, so no [L*K, d] copy of
+the input is made. Half-precision inputs compute in float32, float64 in float64.
+
+The expert row ranges are read to the host (``expert_offsets.tolist()``): free on CPU,
+a device sync on CUDA, where the Triton kernels take over.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..activations import activation_backward, activation_forward
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _expert_ranges(expert_offsets: torch.Tensor):
+    """(expert, first row, end row) of every expert that owns rows."""
+    bounds = expert_offsets.tolist()
+    return [(e, s, t) for e, (s, t) in enumerate(zip(bounds[:-1], bounds[1:])) if t > s]
+
+
+def _up_matrix(w: torch.Tensor, e: int, transposed: bool, acc: torch.dtype) -> torch.Tensor:
+    """Expert e's up weight as [d, N], so that h = x @ W."""
+    return (w[e] if transposed else w[e].t()).to(acc)
+
+
+def _down_matrix(w: torch.Tensor, e: int, transposed: bool, acc: torch.dtype) -> torch.Tensor:
+    """Expert e's down weight as [I, d], so that y = a @ W."""
+    return (w[e] if transposed else w[e].t()).to(acc)
+
+
+def _store_weight_grad(grad_w: torch.Tensor, e: int, grad: torch.Tensor, transposed: bool) -> None:
+    """Writes the gradient of ``_up_matrix``/``_down_matrix`` back in the weight's layout."""
+    grad_w[e] = grad if transposed else grad.t()
+
+
+def _gather_rows(x: torch.Tensor, expert_token_indices: torch.Tensor, s: int, t: int, acc) -> torch.Tensor:
+    return x.index_select(0, expert_token_indices[s:t].long()).to(acc)
+
+
+def combine(rows: torch.Tensor, token_index_map: torch.Tensor, num_tokens: int,
+            topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out[i] = sum over k = 0..K-1, in that order, of w[i, k] * rows[token_index_map[i*K+k]].
+
+    ``rows`` is in expert order; rows of sentinels are zero, so they add nothing.
+    Without ``topk_weights`` every weight is 1 (the input-gradient reduction).
+    """
+    out = rows.new_zeros(num_tokens, rows.shape[1])
+    if num_tokens == 0 or token_index_map.numel() == 0:
+        return out
+    index = token_index_map.view(num_tokens, -1).long()
+    for k in range(index.shape[1]):
+        picked = rows.index_select(0, index[:, k])
+        if topk_weights is not None:
+            picked = picked * topk_weights[:, k, None].to(rows.dtype)
+        out += picked
+    return out
+
+
+def row_weights(token_index_map: torch.Tensor, topk_weights: torch.Tensor, acc) -> torch.Tensor:
+    """Each routed row's combine weight, in expert order (a permutation: no collisions)."""
+    w = torch.zeros(token_index_map.shape[0], dtype=acc, device=topk_weights.device)
+    w[token_index_map.long()] = topk_weights.reshape(-1).to(acc)
+    return w
+
+
+def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
+              b_gate_up, transposed):
+    acc = _acc_dtype(x.dtype)
+    N = w_gate_up.shape[2] if transposed else w_gate_up.shape[1]
+    h = x.new_zeros(expert_token_indices.shape[0], N)
+    for e, s, t in _expert_ranges(expert_offsets):
+        he = _gather_rows(x, expert_token_indices, s, t, acc) @ _up_matrix(w_gate_up, e, transposed, acc)
+        if b_gate_up is not None:
+            he += b_gate_up[e].to(acc)
+        h[s:t] = he
+    return h
+
+
+def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
+                b_down, activation, transposed, interleaved, alpha, limit):
+    acc = _acc_dtype(h.dtype)
+    d = w_down.shape[2] if transposed else w_down.shape[1]
+    y = torch.zeros(h.shape[0], d, dtype=acc, device=h.device)
+    for e, s, t in _expert_ranges(expert_offsets):
+        a = activation_forward(h[s:t].to(acc), activation, alpha, limit, interleaved)
+        ye = a @ _down_matrix(w_down, e, transposed, acc)
+        if b_down is not None:
+            ye += b_down[e].to(acc)
+        y[s:t] = ye
+    return combine(y, token_index_map, topk_weights.shape[0], topk_weights).to(h.dtype)
+
+
+def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
+                         topk_weights, b_down, activation, transposed, interleaved, alpha, limit):
+    acc = _acc_dtype(h.dtype)
+    L, K = topk_weights.shape
+    rw = row_weights(token_index_map, topk_weights, acc)
+    grad_h = torch.zeros_like(h)
+    grad_w = torch.zeros(w_down.shape, dtype=acc, device=h.device)
+    grad_b = torch.zeros(b_down.shape if b_down is not None else (0,), dtype=acc, device=h.device)
+    # dL/dw for routed row r is <grad_out[token], y_r> = <grad_out[token] @ W^T, a_r> + <grad_out[token], b>.
+    row_dot = torch.zeros(h.shape[0], dtype=acc, device=h.device)
+    for e, s, t in _expert_ranges(expert_offsets):
+        go = _gather_rows(grad_out, expert_token_indices, s, t, acc)
+        W = _down_matrix(w_down, e, transposed, acc)
+        g = go @ W.t()
+        a, grad_h_e = activation_backward(h[s:t].to(acc), g * rw[s:t, None], activation, alpha, limit,
+                                          interleaved)
+        grad_h[s:t] = grad_h_e
+        row_dot[s:t] = (g * a).sum(-1)
+        weighted = go * rw[s:t, None]
+        _store_weight_grad(grad_w, e, a.t() @ weighted, transposed)
+        if b_down is not None:
+            row_dot[s:t] += go @ b_down[e].to(acc)
+            grad_b[e] = weighted.sum(0)
+    grad_topk_weights = row_dot[token_index_map.long()].view(L, K)
+    return (grad_h, grad_w.to(w_down.dtype),
+            grad_b.to(b_down.dtype if b_down is not None else h.dtype),
+            grad_topk_weights.to(topk_weights.dtype))
+
+
+def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
+                       has_bias, transposed):
+    acc = _acc_dtype(x.dtype)
+    E = w_gate_up.shape[0]
+    N = grad_h.shape[1]
+    grad_rows = torch.zeros(grad_h.shape[0], x.shape[1], dtype=acc, device=x.device)
+    grad_w = torch.zeros(w_gate_up.shape, dtype=acc, device=x.device)
+    grad_b = torch.zeros((E, N) if has_bias else (0,), dtype=acc, device=x.device)
+    for e, s, t in _expert_ranges(expert_offsets):
+        dh = grad_h[s:t].to(acc)
+        grad_rows[s:t] = dh @ _up_matrix(w_gate_up, e, transposed, acc).t()
+        _store_weight_grad(grad_w, e, _gather_rows(x, expert_token_indices, s, t, acc).t() @ dh, transposed)
+        if has_bias:
+            grad_b[e] = dh.sum(0)
+    grad_x = combine(grad_rows, token_index_map, x.shape[0])
+    return grad_x.to(x.dtype), grad_w.to(w_gate_up.dtype), grad_b.to(x.dtype)

@@ -1,0 +1,206 @@
+"""The expert ops: gathered up projection, activation + down projection + combine, and
+their backward ops, with fake functions and autograd formulas.
+
+What backward keeps (DESIGN.md §3): the layer input x, ``h``, the three index arrays and
+``topk_weights`` (plus the weights and biases, which are parameters). Neither the
+gathered [L*K, d] input, nor the activated [L*K, I] rows, nor the [L*K, d] expert outputs
+are saved: backward recomputes the activation from ``h``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..checks import check_expert_down, check_expert_up, check_grad
+from ..kernels import torch_experts
+
+# --------------------------------------------------------------------------- expert_up
+
+
+@torch.library.custom_op("moeblaze::expert_up", mutates_args=())
+def expert_up(
+    x: Tensor,
+    w_gate_up: Tensor,
+    expert_token_indices: Tensor,
+    expert_offsets: Tensor,
+    token_index_map: Tensor,
+    b_gate_up: Optional[Tensor] = None,
+    transposed: bool = False,
+) -> Tensor:
+    """Up projection of every routed row, in expert order: ``h[L*K, N]``.
+
+    Row r of expert e is ``x[expert_token_indices[r]] @ W_e^T (+ b_gate_up[e])``; the
+    token rows are gathered on the fly. ``w_gate_up`` is ``[E, N, d]``, or ``[E, d, N]``
+    when ``transposed``; N is 2I for gated activations (in the weight's own column order,
+    which ``expert_down`` is told with ``interleaved``) and I otherwise. Sentinel rows
+    (past ``expert_offsets[E]``) are zero. ``token_index_map`` is not read here: backward
+    needs it to sum each token's K input-gradient rows.
+    """
+    check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
+    return torch_experts.expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
+                                   b_gate_up, transposed)
+
+
+@expert_up.register_fake
+def _(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up=None, transposed=False):
+    _, N, _ = check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
+                              b_gate_up, transposed)
+    return x.new_empty(expert_token_indices.shape[0], N)
+
+
+@torch.library.custom_op("moeblaze::expert_up_backward", mutates_args=())
+def expert_up_backward(
+    grad_h: Tensor,
+    x: Tensor,
+    w_gate_up: Tensor,
+    expert_token_indices: Tensor,
+    expert_offsets: Tensor,
+    token_index_map: Tensor,
+    has_bias: bool,
+    transposed: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``expert_up``: ``(grad_x, grad_w_gate_up, grad_b_gate_up)``.
+
+    ``grad_x[i]`` sums token i's K rows of ``grad_h @ W`` in the order k = 0..K-1
+    (deterministic). ``grad_b_gate_up`` is ``[E, N]`` when ``has_bias``, else empty.
+    """
+    _check_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, transposed)
+    return torch_experts.expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets,
+                                            token_index_map, has_bias, transposed)
+
+
+def _check_up_backward(grad_h, x, w_gate_up, eti, offsets, tim, transposed):
+    E, N, _ = check_expert_up(x, w_gate_up, eti, offsets, tim, None, transposed, op="expert_up_backward")
+    check_grad("expert_up_backward", "grad_h", grad_h, x.new_empty(eti.shape[0], N))
+    return E, N
+
+
+@expert_up_backward.register_fake
+def _(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, has_bias, transposed):
+    E, N = _check_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
+                              transposed)
+    return torch.empty_like(x), torch.empty_like(w_gate_up), x.new_empty((E, N) if has_bias else (0,))
+
+
+def _expert_up_setup_context(ctx, inputs, output):
+    x, w_gate_up, eti, offsets, tim, b_gate_up, transposed = inputs
+    ctx.save_for_backward(x, w_gate_up, eti, offsets, tim)
+    ctx.has_bias = b_gate_up is not None
+    ctx.transposed = transposed
+
+
+def _expert_up_backward(ctx, grad_h):
+    x, w_gate_up, eti, offsets, tim = ctx.saved_tensors
+    grad_x, grad_w, grad_b = torch.ops.moeblaze.expert_up_backward(
+        grad_h, x, w_gate_up, eti, offsets, tim, ctx.has_bias, ctx.transposed)
+    return grad_x, grad_w, None, None, None, (grad_b if ctx.has_bias else None), None
+
+
+torch.library.register_autograd("moeblaze::expert_up", _expert_up_backward, setup_context=_expert_up_setup_context)
+
+# --------------------------------------------------------------------------- expert_down
+
+
+@torch.library.custom_op("moeblaze::expert_down", mutates_args=())
+def expert_down(
+    h: Tensor,
+    w_down: Tensor,
+    expert_token_indices: Tensor,
+    expert_offsets: Tensor,
+    token_index_map: Tensor,
+    topk_weights: Tensor,
+    b_down: Optional[Tensor] = None,
+    activation: str = "swiglu",
+    transposed: bool = False,
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> Tensor:
+    """Activation, down projection and weighted combine: ``out[L, d]`` in h's dtype.
+
+    ``a = activation(h)`` (never stored), ``y_r = a_r @ W_e^T (+ b_down[e])`` with
+    ``w_down`` ``[E, d, I]`` (``[E, I, d]`` when ``transposed``), and
+    ``out[i] = sum_k topk_weights[i, k] * y[token_index_map[i*K+k]]`` in the order
+    k = 0..K-1 with float32 accumulation (deterministic). Sentinel rows add nothing.
+    ``interleaved`` says h's gate and up columns alternate (GPT-OSS) instead of being two
+    halves; ``alpha`` and ``limit`` are read by ``clamped_swiglu`` only.
+    ``expert_token_indices`` is not read here: backward gathers grad_out rows with it.
+    """
+    check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
+                      b_down, activation, transposed)
+    return torch_experts.expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map,
+                                     topk_weights, b_down, activation, transposed, interleaved, alpha, limit)
+
+
+@expert_down.register_fake
+def _(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down=None,
+      activation="swiglu", transposed=False, interleaved=False, alpha=1.702, limit=7.0):
+    _, d, _ = check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map,
+                                topk_weights, b_down, activation, transposed)
+    return h.new_empty(topk_weights.shape[0], d)
+
+
+@torch.library.custom_op("moeblaze::expert_down_backward", mutates_args=())
+def expert_down_backward(
+    grad_out: Tensor,
+    h: Tensor,
+    w_down: Tensor,
+    expert_token_indices: Tensor,
+    expert_offsets: Tensor,
+    token_index_map: Tensor,
+    topk_weights: Tensor,
+    b_down: Optional[Tensor],
+    activation: str,
+    transposed: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``expert_down``: ``(grad_h, grad_w_down, grad_b_down, grad_topk_weights)``.
+
+    Recomputes the activation from ``h``. ``grad_topk_weights[i, k]`` is
+    ``<grad_out[i], y[token_index_map[i*K+k]]>`` (zero for sentinels): the router's
+    gradient. ``grad_b_down`` is ``[E, d]`` when ``b_down`` is given, else empty.
+    """
+    _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
+                         topk_weights, b_down, activation, transposed)
+    return torch_experts.expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets,
+                                              token_index_map, topk_weights, b_down, activation, transposed,
+                                              interleaved, alpha, limit)
+
+
+def _check_down_backward(grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed):
+    E, d, I = check_expert_down(h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed,
+                                op="expert_down_backward")
+    check_grad("expert_down_backward", "grad_out", grad_out, h.new_empty(topk_weights.shape[0], d))
+    return E, d
+
+
+@expert_down_backward.register_fake
+def _(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
+      activation, transposed, interleaved, alpha, limit):
+    _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
+                         topk_weights, b_down, activation, transposed)
+    grad_b = torch.empty_like(b_down) if b_down is not None else h.new_empty(0)
+    return torch.empty_like(h), torch.empty_like(w_down), grad_b, torch.empty_like(topk_weights)
+
+
+def _expert_down_setup_context(ctx, inputs, output):
+    h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed, interleaved, alpha, limit = inputs
+    ctx.save_for_backward(h, w_down, eti, offsets, tim, topk_weights, b_down)
+    ctx.args = (activation, transposed, interleaved, alpha, limit)
+
+
+def _expert_down_backward(ctx, grad_out):
+    h, w_down, eti, offsets, tim, topk_weights, b_down = ctx.saved_tensors
+    grad_h, grad_w, grad_b, grad_tw = torch.ops.moeblaze.expert_down_backward(
+        grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, *ctx.args)
+    grad_b = grad_b if b_down is not None else None
+    return grad_h, grad_w, None, None, None, grad_tw, grad_b, None, None, None, None, None
+
+
+torch.library.register_autograd("moeblaze::expert_down", _expert_down_backward,
+                                setup_context=_expert_down_setup_context)
