@@ -33,7 +33,7 @@ def check_tensor(
     dtypes: Sequence[torch.dtype],
     device: Optional[torch.device] = None,
     shape: Optional[Sequence] = None,
-    shape_doc: str = "",
+    shape_doc: str = "",  # names of the dimensions, e.g. "[L, K]"
 ) -> None:
     """Checks type, rank, dtype, device and (entries not None of) ``shape`` of ``t``."""
     if not isinstance(t, torch.Tensor):
@@ -48,8 +48,9 @@ def check_tensor(
     if shape is not None:
         for want, got in zip(shape, t.shape):
             if want is not None and want != got:
-                want_s = tuple("*" if s is None else s for s in shape)
-                fail(op, arg, f"must have shape {shape_doc or want_s}, got {tuple(t.shape)}")
+                # Format sizes only here: formatting a symbolic size would specialise it.
+                want_s = "(" + ", ".join("*" if s is None else str(int(s)) for s in shape) + ")"
+                fail(op, arg, f"must have shape {shape_doc} = {want_s}, got {tuple(t.shape)}")
 
 
 def check_activation(op: str, activation: str) -> None:
@@ -138,7 +139,7 @@ def check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_in
         fail(op, "w_gate_up", f"must have layout {layout} with d={d} (x.shape[1]), got {tuple(w_gate_up.shape)}")
     if b_gate_up is not None:
         check_tensor(op, "b_gate_up", b_gate_up, ndim=2, dtypes=FLOAT_DTYPES, device=dev,
-                     shape=(E, N), shape_doc=f"[E, N] = ({E}, {N})")
+                     shape=(E, N), shape_doc="[E, N]")
         _check_weight_dtype(op, "b_gate_up", b_gate_up, "x", x)
     check_index_arrays(op, expert_token_indices, expert_offsets, token_index_map, E, dev)
     check_routed_rows(op, x.shape[0], token_index_map.shape[0])
@@ -171,7 +172,7 @@ def check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_ind
                  shape_doc="[L, K]")
     if b_down is not None:
         check_tensor(op, "b_down", b_down, ndim=2, dtypes=FLOAT_DTYPES, device=dev,
-                     shape=(E, d), shape_doc=f"[E, d] = ({E}, {d})")
+                     shape=(E, d), shape_doc="[E, d]")
         _check_weight_dtype(op, "b_down", b_down, "h", h)
     check_index_arrays(op, expert_token_indices, expert_offsets, token_index_map, E, dev)
     L, K = topk_weights.shape
@@ -200,10 +201,10 @@ def check_moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b
     dev = x.device
     L = x.shape[0]
     check_tensor(op, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=dev,
-                 shape=(L, None), shape_doc=f"[L, K] with L={L}")
+                 shape=(L, None), shape_doc="[L, K] with L of x")
     K = topk_ids.shape[1]
     check_tensor(op, "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=dev,
-                 shape=(L, K), shape_doc=f"[L, K] = ({L}, {K}) like topk_ids")
+                 shape=(L, K), shape_doc="[L, K] of topk_ids")
     check_tensor(op, "w_gate_up", w_gate_up, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
     check_tensor(op, "w_down", w_down, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
     E = w_gate_up.shape[0]
@@ -221,7 +222,7 @@ def check_moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b
     for arg, b, width in (("b_gate_up", b_gate_up, N), ("b_down", b_down, x.shape[1])):
         if b is not None:
             check_tensor(op, arg, b, ndim=2, dtypes=FLOAT_DTYPES, device=dev, shape=(E, width),
-                         shape_doc=f"[E, {width}] with E={E}")
+                         shape_doc="[E, N]" if arg == "b_gate_up" else "[E, d]")
     d = x.shape[1]
     wd = w_gate_up.shape[1] if transposed else w_gate_up.shape[2]
     if wd != d:

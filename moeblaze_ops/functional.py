@@ -47,15 +47,15 @@ def moe_experts(
         b_down: optional ``[E, d]`` per-expert bias of the down projection.
     """
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    ids = topk_ids.reshape(-1, topk_ids.shape[-1]) if topk_ids.dim() > 0 else topk_ids
-    tw = topk_weights.reshape(-1, topk_weights.shape[-1]) if topk_weights.dim() > 0 else topk_weights
-    if topk_ids.shape[:-1] != lead:
+    if topk_ids.dim() != x.dim() or any(a != b for a, b in zip(topk_ids.shape[:-1], lead)):
         raise ValueError(f"moeblaze.moe_experts: argument 'topk_ids' must have shape [..., K] with leading "
                          f"dimensions {tuple(lead)} of x, got {tuple(topk_ids.shape)}")
-    if topk_weights.shape != topk_ids.shape:
+    if topk_weights.dim() != topk_ids.dim() or any(a != b for a, b in zip(topk_weights.shape, topk_ids.shape)):
         raise ValueError(f"moeblaze.moe_experts: argument 'topk_weights' must have the shape of topk_ids "
                          f"{tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    x2, ids, tw = x, topk_ids, topk_weights
+    if x.dim() > 2:  # flatten leading dimensions: [..., d] -> [L, d]
+        x2, ids, tw = x.flatten(0, -2), topk_ids.flatten(0, -2), topk_weights.flatten(0, -2)
     E, _, d = check_moe_experts(x2, ids, tw, w_gate_up, w_down, b_gate_up, b_down, activation, transposed)
     ops = torch.ops.moeblaze
     eti, offsets, tim = ops.dispatch(ids, E)

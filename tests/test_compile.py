@@ -1,0 +1,71 @@
+"""torch.compile(fullgraph=True): no graph breaks, one compilation for several token counts."""
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+from conftest import make_layer, rel_err
+from moeblaze_ops import moe_experts
+
+GRAD_ARGS = ("x", "topk_weights", "w_gate_up", "w_down")
+
+
+def loss_fn(x, topk_ids, topk_weights, w_gate_up, w_down):
+    out = moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, "swiglu")
+    return (out.float() * out.float()).mean()
+
+
+def _run(fn, layer, mark_dynamic=False):
+    """Forward through ``fn`` (compiled or not) and backward through the graph it built."""
+    args = {k: (v.detach().clone().requires_grad_(True) if k in GRAD_ARGS else v) for k, v in layer.items()
+            if k in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")}
+    if mark_dynamic:  # the token dimension
+        for k in ("x", "topk_ids", "topk_weights"):
+            torch._dynamo.mark_dynamic(args[k], 0)
+    loss = fn(**args)
+    loss.backward()
+    return loss, [args[k].grad for k in GRAD_ARGS]
+
+
+def _layers(Ls, seed):
+    return [make_layer(L, 16, 8, 4, 2, seed=seed + L) for L in Ls]
+
+
+def _assert_same(compiled_fn, layer, mark_dynamic=False):
+    loss, grads = _run(compiled_fn, layer, mark_dynamic)
+    ref_loss, ref_grads = _run(loss_fn, layer)
+    assert rel_err(loss, ref_loss) < 1e-6
+    for g, rg in zip(grads, ref_grads):
+        assert rel_err(g, rg) < 1e-6
+
+
+def test_no_graph_breaks(seed):
+    layer = _layers([12], seed)[0]
+    args = [layer[k] for k in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")]
+    explanation = torch._dynamo.explain(lambda *a: moe_experts(*a))(*args)
+    assert explanation.graph_break_count == 0
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "mark_dynamic"])
+def test_one_compilation_for_several_token_counts(mode, seed):
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(loss_fn, backend=counter, fullgraph=True, dynamic=True if mode == "dynamic" else None)
+    frames = []
+    for layer in _layers([9, 17, 33, 64], seed):
+        _assert_same(fn, layer, mark_dynamic=mode == "mark_dynamic")
+        frames.append(counter.frame_count)
+    # Later token counts reuse the first compilation. (With dynamic=True, Dynamo may restart
+    # its analysis once to specialise the float arguments; that leaves an empty graph.)
+    assert frames == frames[:1] * len(frames)
+    real_graphs = [g for g in counter.graphs if any(n.op == "call_function" for n in g.graph.nodes)]
+    assert len(real_graphs) == 1
+
+
+@pytest.mark.slow
+def test_inductor_forward_backward(seed):
+    torch._dynamo.reset()
+    fn = torch.compile(loss_fn, backend="inductor", fullgraph=True, dynamic=True)
+    for layer in _layers([10, 21], seed):
+        _assert_same(fn, layer)
