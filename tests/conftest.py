@@ -4,8 +4,13 @@ import random
 import pytest
 import torch
 
-import moeblaze_ops  # noqa: F401  (registers the ops)
-from moeblaze_ops import is_gated
+if not torch.cuda.is_available():
+    # CPU machines run the Triton kernels in Triton's interpreter (tests/test_triton_interpret.py).
+    # Set before any kernel module is imported: @triton.jit reads it then.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import moeblaze_ops  # noqa: E402,F401  (registers the ops)
+from moeblaze_ops import is_gated  # noqa: E402
 
 
 def fresh_seed():

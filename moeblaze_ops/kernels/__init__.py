@@ -1,5 +1,42 @@
-"""Kernels behind the ops.
+"""Kernels behind the ops, and the choice between them.
 
-``torch_dispatch`` and ``torch_experts`` are the portable implementations in vectorised
-PyTorch: the CPU kernels, and for now the CUDA ones too.
+- ``torch_dispatch``, ``torch_experts``: portable vectorised PyTorch. CPU, float64, and
+  the backward ops on every device for now.
+- ``triton_dispatch``, ``triton_experts``: Triton kernels of the forward ops, used for
+  CUDA tensors. Tests can force them on CPU tensors under ``TRITON_INTERPRET=1`` with
+  ``force_triton()`` (or ``MOEBLAZE_FORCE_TRITON=1``).
 """
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+
+import torch
+
+_force = os.environ.get("MOEBLAZE_FORCE_TRITON", "") == "1"
+
+
+@contextlib.contextmanager
+def force_triton(enabled: bool = True):
+    """Runs the Triton kernels on any device (CPU tensors need ``TRITON_INTERPRET=1``)."""
+    global _force
+    before, _force = _force, enabled
+    try:
+        yield
+    finally:
+        _force = before
+
+
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether the forward ops run their Triton kernels on tensors like ``t``."""
+    if t.dtype == torch.float64:
+        return False  # Triton's dot has no float64 path; float64 is for gradcheck on CPU
+    return _force or t.device.type == "cuda"
+
+
+def forward_kernels(t: torch.Tensor, family: str):
+    """The kernel module of ``family`` ("dispatch" or "experts") for tensors like ``t``."""
+    prefix = "triton" if uses_triton(t) else "torch"
+    return importlib.import_module(f"{__name__}.{prefix}_{family}")

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ..checks import check_dispatch, check_topk_id_values
-from ..kernels import torch_dispatch
+from ..kernels import forward_kernels
 
 
 @torch.library.custom_op("moeblaze::dispatch", mutates_args=())
@@ -33,7 +33,7 @@ def dispatch(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor
     """
     check_dispatch(topk_ids, num_experts)
     check_topk_id_values("dispatch", topk_ids, num_experts)
-    return torch_dispatch.dispatch(topk_ids, num_experts)
+    return forward_kernels(topk_ids, "dispatch").dispatch(topk_ids, num_experts)
 
 
 @dispatch.register_fake

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..checks import check_expert_down, check_expert_up, check_grad
-from ..kernels import torch_experts
+from ..kernels import forward_kernels, torch_experts
 
 # --------------------------------------------------------------------------- expert_up
 
@@ -40,7 +40,7 @@ def expert_up(
     needs it to sum each token's K input-gradient rows.
     """
     check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
-    return torch_experts.expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
+    return forward_kernels(x, "experts").expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
                                    b_gate_up, transposed)
 
 
@@ -131,7 +131,7 @@ def expert_down(
     """
     check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                       b_down, activation, transposed)
-    return torch_experts.expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map,
+    return forward_kernels(h, "experts").expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map,
                                      topk_weights, b_down, activation, transposed, interleaved, alpha, limit)
 
 

@@ -1,0 +1,44 @@
+"""The activations in Triton, for the GEMM prologues (fp32 in, fp32 out).
+
+The same math as ``moeblaze_ops.activations`` (the PyTorch side); ``ACT_CODES`` maps
+the activation names to the constexpr codes the kernels take.
+"""
+
+import triton
+import triton.language as tl
+
+ACT_CODES = {"swiglu": 0, "geglu": 1, "clamped_swiglu": 2, "silu": 3, "gelu": 4, "relu": 5}
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _gelu(x):
+    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def gated(g, u, ACT: tl.constexpr, alpha, limit):
+    """a = act(gate) * up, for the gated codes 0-2."""
+    if ACT == 0:
+        return g * _sigmoid(g) * u
+    elif ACT == 1:
+        return _gelu(g) * u
+    else:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        return (uc + 1.0) * gc * _sigmoid(alpha * gc)
+
+
+@triton.jit
+def plain(h, ACT: tl.constexpr):
+    """a = act(h), for the non-gated codes 3-5."""
+    if ACT == 3:
+        return h * _sigmoid(h)
+    elif ACT == 4:
+        return _gelu(h)
+    else:
+        return tl.maximum(h, 0.0)

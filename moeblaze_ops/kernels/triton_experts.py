@@ -1,0 +1,253 @@
+"""Triton kernels of the expert forward: gathered grouped GEMMs and the combine.
+
+Both GEMMs run one persistent grid over output tiles. A tile is (m-tile, n-tile) where
+the m-tiles are laid end to end over the experts' row ranges, read from the device-side
+``expert_offsets`` by every program (``_tile_of``): no host ever sees the counts. The
+rows past ``expert_offsets[E]`` (sentinels) form one more group whose tiles only write
+zeros. Tiles are numbered with n fastest, so programs running side by side share their
+gathered A rows and their expert's weights in L2.
+
+- ``_up_kernel``: h = x[expert_token_indices] @ W_e (+ b): the token rows are gathered
+  inside the A-operand load; no [L*K, d] copy exists.
+- ``_down_kernel``: y = act(h) @ W_e (+ b): the activation is computed on the A tile as it
+  is loaded (the activated [L*K, I] tensor is never written).
+- ``_combine_kernel``: out[i] = sum over k = 0..K-1, in that order, of
+  w[i, k] * y[token_index_map[i*K + k]] in fp32: deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_activations as acts
+from .triton_activations import ACT_CODES
+
+#: Tests set this to fill every buffer with NaN before the kernels run, so that any
+#: element a kernel forgets to write shows up.
+POISON = False
+
+
+def _empty(*shape, dtype, device):
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    if POISON:
+        t.fill_(float("nan"))
+    return t
+
+
+@triton.jit
+def _tile_of(tile, offsets_ptr, E, LK, n_tiles, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr):
+    """(group, first row, end row, n-tile) of a tile; group E holds the sentinel rows."""
+    g = tl.arange(0, GROUPS)
+    lo = tl.load(offsets_ptr + g, mask=g <= E, other=0)
+    hi = tl.load(offsets_ptr + g + 1, mask=g < E, other=0)
+    hi = tl.where(g == E, LK, hi)
+    m_tiles = tl.cdiv(hi - lo, BLOCK_M)
+    tile_end = tl.cumsum(m_tiles, axis=0)
+    m = tile // n_tiles
+    grp = tl.sum((tile_end <= m).to(tl.int32), axis=0)
+    first_tile = tl.sum(tl.where(g == grp, tile_end - m_tiles, 0), axis=0)
+    row0 = tl.sum(tl.where(g == grp, lo, 0), axis=0) + (m - first_tile) * BLOCK_M
+    row_end = tl.sum(tl.where(g == grp, hi, 0), axis=0)
+    return grp, row0, row_end, tile % n_tiles
+
+
+@triton.jit
+def _num_tiles(offsets_ptr, E, LK, n_tiles, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr):
+    g = tl.arange(0, GROUPS)
+    lo = tl.load(offsets_ptr + g, mask=g <= E, other=0)
+    hi = tl.load(offsets_ptr + g + 1, mask=g < E, other=0)
+    hi = tl.where(g == E, LK, hi)
+    return tl.sum(tl.cdiv(hi - lo, BLOCK_M), axis=0) * n_tiles
+
+
+@triton.jit
+def _up_kernel(
+    x_ptr, w_ptr, b_ptr, eti_ptr, offsets_ptr, h_ptr,
+    LK, E, N, D,
+    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_hm,
+    HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    total = _num_tiles(offsets_ptr, E, LK, n_tiles, BLOCK_M, GROUPS)
+    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
+        e, row0, row_end, n_idx = _tile_of(tile, offsets_ptr, E, LK, n_tiles, BLOCK_M, GROUPS)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        cols = n_idx * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if e < E:
+            tok = tl.load(eti_ptr + rows, mask=rmask, other=0).to(tl.int64)
+            for k0 in range(0, D, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                kmask = ks < D
+                a = tl.load(x_ptr + tok[:, None] * stride_xm + ks[None, :] * stride_xk,
+                            mask=rmask[:, None] & kmask[None, :], other=0.0)
+                b = tl.load(w_ptr + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+                            mask=kmask[:, None] & cmask[None, :], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + e * stride_be + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :],
+                 acc.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, b_ptr, offsets_ptr, y_ptr,
+    LK, E, N, I, alpha, limit,
+    stride_hm, stride_we, stride_wk, stride_wn, stride_be, stride_ym,
+    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    total = _num_tiles(offsets_ptr, E, LK, n_tiles, BLOCK_M, GROUPS)
+    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
+        e, row0, row_end, n_idx = _tile_of(tile, offsets_ptr, E, LK, n_tiles, BLOCK_M, GROUPS)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_hm
+        cols = n_idx * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if e < E:
+            for k0 in range(0, I, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                amask = rmask[:, None] & (ks < I)[None, :]
+                # Prologue: the A tile is act(h), computed in fp32 as it is loaded.
+                if ACT < 3:
+                    if INTERLEAVED:
+                        ks2 = k0 * 2 + tl.arange(0, 2 * BLOCK_K)
+                        gu = tl.load(h_rows + ks2[None, :], mask=rmask[:, None] & (ks2 < 2 * I)[None, :], other=0.0)
+                        g, u = tl.split(tl.reshape(gu.to(tl.float32), (BLOCK_M, BLOCK_K, 2)))
+                    else:
+                        g = tl.load(h_rows + ks[None, :], mask=amask, other=0.0).to(tl.float32)
+                        u = tl.load(h_rows + I + ks[None, :], mask=amask, other=0.0).to(tl.float32)
+                    a = acts.gated(g, u, ACT, alpha, limit)
+                else:
+                    a = acts.plain(tl.load(h_rows + ks[None, :], mask=amask, other=0.0).to(tl.float32), ACT)
+                b = tl.load(w_ptr + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+                            mask=(ks < I)[:, None] & cmask[None, :], other=0.0)
+                acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + e * stride_be + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, tim_ptr, tw_ptr, offsets_ptr, out_ptr, L, D, E,
+    stride_ym, stride_tw0, stride_tw1, stride_om,
+    K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    toks = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tmask = toks < L
+    cmask = cols < D
+    real_rows = tl.load(offsets_ptr + E)
+    acc = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
+    for k in tl.static_range(K):  # fixed order: bitwise deterministic
+        pos = tl.load(tim_ptr + toks.to(tl.int64) * K + k, mask=tmask, other=0)
+        keep = tmask & (pos < real_rows)  # sentinel rows add nothing
+        w = tl.load(tw_ptr + toks * stride_tw0 + k * stride_tw1, mask=keep, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + pos.to(tl.int64)[:, None] * stride_ym + cols[None, :],
+                    mask=keep[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        acc += w[:, None] * y
+    tl.store(out_ptr + toks.to(tl.int64)[:, None] * stride_om + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 is fp32: no silent tf32
+
+
+def _num_programs(device, max_tiles):
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:  # the interpreter
+        sms = 4
+    return max(1, min(2 * sms, max_tiles))
+
+
+def _gemm_config(dtype, M, N, K_dim):
+    """Tile shapes: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    if dtype == torch.float32:
+        return 64, 64, 32, 4, 3
+    return 128, 128, 64, 8, 3
+
+
+def _launch_gemm(kernel, device, dtype, **kwargs):
+    LK, E, N = kwargs["LK"], kwargs["E"], kwargs["N"]
+    BM, BN, BK, warps, stages = _gemm_config(dtype, LK, N, 0)
+    if device.type != "cuda":  # the interpreter: small tiles keep CPU tests quick
+        BM, BN, BK = 16, 16, 16
+    max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(N, BN)
+    grid = (_num_programs(device, max_tiles),)
+    kernel[grid](**kwargs, GROUPS=triton.next_power_of_2(E + 1), PRECISION=_precision(dtype),
+                 BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages)
+
+
+def _weight_strides(w, transposed):
+    """(expert, reduction, output) strides of a weight, for either layout."""
+    return (w.stride(0), w.stride(1), w.stride(2)) if transposed else (w.stride(0), w.stride(2), w.stride(1))
+
+
+def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed):
+    LK = expert_token_indices.shape[0]
+    E = w_gate_up.shape[0]
+    N = w_gate_up.shape[2] if transposed else w_gate_up.shape[1]
+    d = x.shape[1]
+    h = _empty(LK, N, dtype=x.dtype, device=x.device)
+    if LK == 0 or N == 0:
+        return h
+    swe, swk, swn = _weight_strides(w_gate_up, transposed)
+    bias = b_gate_up if b_gate_up is not None else w_gate_up
+    _launch_gemm(
+        _up_kernel, x.device, x.dtype,
+        x_ptr=x, w_ptr=w_gate_up, b_ptr=bias, eti_ptr=expert_token_indices, offsets_ptr=expert_offsets, h_ptr=h,
+        LK=LK, E=E, N=N, D=d, stride_xm=x.stride(0), stride_xk=x.stride(1),
+        stride_we=swe, stride_wk=swk, stride_wn=swn,
+        stride_be=b_gate_up.stride(0) if b_gate_up is not None else 0, stride_hm=h.stride(0),
+        HAS_BIAS=b_gate_up is not None,
+    )
+    return h
+
+
+def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
+                activation, transposed, interleaved, alpha, limit):
+    L, K = topk_weights.shape
+    LK = h.shape[0]
+    E = w_down.shape[0]
+    d = w_down.shape[2] if transposed else w_down.shape[1]
+    I = w_down.shape[1] if transposed else w_down.shape[2]
+    if h.stride(1) != 1:
+        h = h.contiguous()
+    # The expert outputs, in expert order; sentinel rows are written as zeros.
+    y = _empty(LK, d, dtype=h.dtype, device=h.device)
+    out = _empty(L, d, dtype=h.dtype, device=h.device)
+    if LK > 0 and d > 0:
+        swe, swk, swn = _weight_strides(w_down, transposed)
+        _launch_gemm(
+            _down_kernel, h.device, h.dtype,
+            h_ptr=h, w_ptr=w_down, b_ptr=b_down if b_down is not None else w_down, offsets_ptr=expert_offsets,
+            y_ptr=y, LK=LK, E=E, N=d, I=I, alpha=float(alpha), limit=float(limit),
+            stride_hm=h.stride(0), stride_we=swe, stride_wk=swk, stride_wn=swn,
+            stride_be=b_down.stride(0) if b_down is not None else 0, stride_ym=y.stride(0),
+            ACT=ACT_CODES[activation], INTERLEAVED=interleaved, HAS_BIAS=b_down is not None,
+        )
+    if L > 0 and d > 0:
+        BLOCK_L, BLOCK_D = (32, 128) if h.is_cuda else (16, 16)
+        grid = (triton.cdiv(L, BLOCK_L), triton.cdiv(d, BLOCK_D))
+        _combine_kernel[grid](
+            y, token_index_map, topk_weights, expert_offsets, out, L, d, E,
+            y.stride(0), topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
+            K=K, BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D,
+        )
+    return out

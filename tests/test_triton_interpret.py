@@ -1,0 +1,53 @@
+"""The Triton forward kernels, run by Triton's interpreter on CPU tensors at tiny sizes."""
+
+import os
+
+import pytest
+import torch
+
+from forward_cases import check_dispatch_bitwise, check_forward
+from moeblaze_ops import ACTIVATIONS
+from moeblaze_ops.kernels import force_triton
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
+
+
+@pytest.fixture(autouse=True)
+def triton_on_cpu():
+    from moeblaze_ops.kernels import triton_experts
+
+    triton_experts.POISON = True
+    with force_triton():
+        yield
+    triton_experts.POISON = False
+
+
+@pytest.mark.parametrize(
+    "L,K,E,routing,sentinel_frac",
+    [(33, 2, 8, "uniform", 0.0), (1, 1, 1, "uniform", 0.0), (200, 8, 64, "skewed", 0.1), (50, 3, 6, "first", 0.4),
+     (40, 2, 6, "no_last", 0.0), (3000, 4, 16, "uniform", 0.0)],
+)
+def test_dispatch_kernel_bitwise(L, K, E, routing, sentinel_frac, seed):
+    check_dispatch_bitwise(L, K, E, device="cpu", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
+def test_forward_kernels(activation, layout, seed):
+    check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, activation=activation,
+                  layout=layout, bias=layout != "concatenated")
+
+
+@pytest.mark.parametrize(
+    "L,E,K,routing,sentinel_frac",
+    [(1, 4, 2, "uniform", 0.0), (30, 4, 1, "first", 0.0), (30, 5, 2, "no_last", 0.0), (30, 4, 2, "skewed", 0.3),
+     (12, 16, 8, "uniform", 0.0)],
+)
+def test_forward_routings(L, E, K, routing, sentinel_frac, seed):
+    check_forward(L, 18, 10, E, K, dtype=torch.float32, device="cpu", seed=seed, routing=routing,
+                  sentinel_frac=sentinel_frac, bias=True)
+
+
+def test_forward_half(seed):
+    check_forward(24, 16, 16, 4, 2, dtype=torch.float16, device="cpu", seed=seed, tw_dtype=torch.float32)
