@@ -20,10 +20,10 @@ def check_forward(L, d, I, E, K, *, dtype, device, seed, activation="swiglu", la
     out = moe_experts(**on_dev, limit=1.5 if dtype == torch.float32 else 7.0)
     again = moe_experts(**on_dev, limit=1.5 if dtype == torch.float32 else 7.0)
     ref = reference_moe(**{k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v)
-                           for k, v in layer.items()}, limit=1.5 if dtype == torch.float32 else 7.0)
+                           for k, v in on_dev.items()}, limit=1.5 if dtype == torch.float32 else 7.0)
     assert out.dtype == dtype and out.shape == (L, d)
     assert not torch.isnan(out).any(), f"unwritten output (poisoned NaN) seed={seed}"
-    err = rel_err(out.cpu(), ref)
+    err = rel_err(out, ref)
     assert err <= TOL[dtype], f"rel err {err} > {TOL[dtype]} seed={seed}"
     assert torch.equal(out, again), f"two runs differ seed={seed}"
     return err

@@ -1,0 +1,91 @@
+"""GPU tests of the Triton forward kernels (run on the GPU machine: scripts/gpu_check.sh)."""
+
+import pytest
+import torch
+
+from conftest import make_layer, rel_err
+from forward_cases import check_dispatch_bitwise, check_forward
+from moeblaze_ops import ACTIVATIONS, moe_experts
+from reference import reference_moe
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.fixture(autouse=True)
+def poison():
+    from moeblaze_ops.kernels import triton_experts
+
+    triton_experts.POISON = True
+    yield
+    triton_experts.POISON = False
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
+def test_forward(dtype, activation, layout, seed):
+    check_forward(512, 256, 192, 8, 2, dtype=dtype, device="cuda", seed=seed, activation=activation,
+                  layout=layout, bias=layout != "concatenated", tw_dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "L,E,K,routing,sentinel_frac",
+    [(2048, 16, 2, "uniform", 0.0), (2048, 16, 2, "skewed", 0.0), (2048, 8, 1, "first", 0.0),
+     (2048, 9, 2, "no_last", 0.0), (2048, 256, 8, "uniform", 0.0), (1, 8, 2, "uniform", 0.0),
+     (1024, 8, 2, "uniform", 0.3)],
+)
+def test_forward_routings(L, E, K, routing, sentinel_frac, seed):
+    check_forward(L, 256, 128, E, K, dtype=torch.bfloat16, device="cuda", seed=seed, routing=routing,
+                  sentinel_frac=sentinel_frac, bias=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,I", [(2880, 1408), (200, 100), (72, 40)])
+def test_forward_odd_sizes(d, I, dtype, seed):
+    check_forward(777, d, I, 8, 2, dtype=dtype, device="cuda", seed=seed, tw_dtype=torch.float32,
+                  layout="transposed_interleaved" if d == 2880 else "concatenated")
+
+
+@pytest.mark.parametrize("L,K,E,routing,sentinel_frac",
+                         [(65536, 8, 128, "uniform", 0.0), (50000, 4, 16, "skewed", 0.0), (7, 2, 256, "uniform", 0.0),
+                          (30000, 8, 64, "uniform", 0.2), (4096, 1, 1, "uniform", 0.0)])
+def test_dispatch_bitwise(L, K, E, routing, sentinel_frac, seed):
+    check_dispatch_bitwise(L, K, E, device="cuda", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
+
+
+def _cuda_layer(seed, L=1024):
+    layer = make_layer(L, 256, 128, 8, 2, dtype=torch.bfloat16, seed=seed, tw_dtype=torch.float32)
+    return {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in layer.items()}
+
+
+def test_forward_without_host_sync(seed):
+    layer = _cuda_layer(seed)
+    moe_experts(**layer)  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = moe_experts(**layer)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not torch.isnan(out).any()
+
+
+def test_forward_in_cuda_graph(seed):
+    static = _cuda_layer(seed)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe_experts(**static)  # warm up (compiles the kernels) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts(**static)
+    for step in range(3):  # new inputs, new routing, same shapes
+        fresh = _cuda_layer(seed + 1 + step)
+        for k in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down"):
+            static[k].copy_(fresh[k])
+        graph.replay()
+        ref = reference_moe(**{k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v)
+                               for k, v in fresh.items()})
+        assert rel_err(out, ref) <= 1e-2, f"replay {step} seed={seed}"
