@@ -27,6 +27,10 @@ from .triton_activations import ACT_CODES
 #: Tests set this to fill every buffer with NaN before the kernels run, so that any
 #: element a kernel forgets to write shows up.
 POISON = False
+#: Tuning scripts set these to try tile configs: {"up"|"down": (BM, BN, BK, warps, stages)}
+#: and the number of persistent programs per SM.
+CONFIG_OVERRIDE: dict = {}
+PROGRAMS_PER_SM = 2
 
 
 def _empty(*shape, dtype, device):
@@ -173,7 +177,7 @@ def _num_programs(device, max_tiles):
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:  # the interpreter
         sms = 4
-    return max(1, min(2 * sms, max_tiles))
+    return max(1, min(PROGRAMS_PER_SM * sms, max_tiles))
 
 
 def _gemm_config(dtype, M, N, K_dim):
@@ -185,7 +189,8 @@ def _gemm_config(dtype, M, N, K_dim):
 
 def _launch_gemm(kernel, device, dtype, **kwargs):
     LK, E, N = kwargs["LK"], kwargs["E"], kwargs["N"]
-    BM, BN, BK, warps, stages = _gemm_config(dtype, LK, N, 0)
+    BM, BN, BK, warps, stages = CONFIG_OVERRIDE.get("up" if kernel is _up_kernel else "down") or \
+        _gemm_config(dtype, LK, N, 0)
     if device.type != "cuda":  # the interpreter: small tiles keep CPU tests quick
         BM, BN, BK = 16, 16, 16
     max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(N, BN)

@@ -1,0 +1,67 @@
+"""Sweeps tile configs of the forward GEMM kernels on benchmark shapes (GPU).
+
+    python scripts/tune_forward.py [--configs olmoe mixtral]
+
+Prints, per shape and kernel, the time and TFLOP/s of each config next to a dense cuBLAS
+matmul of the same size (the ceiling to aim at).
+"""
+
+import argparse
+
+import torch
+import triton.testing
+
+from moeblaze_ops.bench import CONFIGS, make_inputs
+from moeblaze_ops.kernels import triton_dispatch, triton_experts as te
+
+TILES = [
+    (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
+    (64, 256, 64, 4, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4),
+]
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--configs", nargs="*", default=["olmoe", "mixtral"])
+    p.add_argument("--programs-per-sm", nargs="*", type=int, default=[1, 2])
+    a = p.parse_args()
+    for name in a.configs:
+        T, d, I, E, K = CONFIGS[name]
+        x, ids, w, wgu, wd = make_inputs(T, d, I, E, K)
+        eti, offs, tim = triton_dispatch.dispatch(ids, E)
+        LK = T * K
+        h = te.expert_up(x, wgu, eti, offs, tim, None, False)
+        dense_a = torch.randn(LK, d, device="cuda", dtype=torch.bfloat16)
+        dense_up = bench(lambda: dense_a @ wgu[0].t())
+        dense_h = torch.randn(LK, I, device="cuda", dtype=torch.bfloat16)
+        dense_down = bench(lambda: dense_h @ wd[0].t())
+        up_flops, down_flops = 2 * LK * d * 2 * I, 2 * LK * I * d
+        print(f"\n{name} LK={LK} d={d} I={I} E={E}: cuBLAS dense up {up_flops / dense_up / 1e9:.0f} TFLOP/s, "
+              f"down {down_flops / dense_down / 1e9:.0f} TFLOP/s")
+        for pps in a.programs_per_sm:
+            te.PROGRAMS_PER_SM = pps
+            for tile in TILES:
+                row = []
+                for kind in ("up", "down"):
+                    te.CONFIG_OVERRIDE = {kind: tile}
+                    try:
+                        if kind == "up":
+                            ms = bench(lambda: te.expert_up(x, wgu, eti, offs, tim, None, False))
+                        else:
+                            ms = bench(lambda: te.expert_down(h, wd, eti, offs, tim, w, None, "swiglu", False, False,
+                                                              1.702, 7.0))
+                        row.append(f"{kind} {ms:7.3f} ms {(up_flops if kind == 'up' else down_flops) / ms / 1e9:4.0f}")
+                    except Exception as e:  # out of shared memory etc.
+                        row.append(f"{kind} failed ({type(e).__name__})")
+                print(f"  pps={pps} tile={tile}: " + " | ".join(row), flush=True)
+        te.CONFIG_OVERRIDE = {}
+        del x, wgu, wd, h, dense_a, dense_h
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
