@@ -1,15 +1,18 @@
 """Triton kernel of ``moeblaze.dispatch``: no global sort, no atomics, counts stay on device.
 
-The flat routed rows ``j = i*K + k`` are cut into chunks, one program per chunk:
+The flat routed rows ``j = i*K + k`` are cut into chunks, one program per chunk. Each
+chunk's counts live in one row of a ``[chunks, BINS + 1]`` table: one column per expert
+(``BINS`` is E rounded up to a power of two) and a last column for the sentinel ids.
 
-1. ``_chunk_histogram``: each program counts its rows per bin (one bin per expert, plus
-   bin E for every sentinel id) by summing a one-hot tile; writes ``counts[chunk, bin]``.
-2. ``_bin_scan``: for each bin, an exclusive prefix sum over chunks gives where the chunk's
-   rows of that bin start inside the bin; the bin totals' prefix sum gives
-   ``expert_offsets``.
-3. ``_chunk_scatter``: each program ranks its rows inside their bin (a cumulative sum of
-   the one-hot tile, in flat order) and writes ``token_index_map[j]`` and
-   ``expert_token_indices[pos]``: every position is written by exactly one row.
+1. ``_chunk_histogram``: each program counts its rows per expert by summing a one-hot
+   tile, and its sentinel rows.
+2. ``_column_scan``: for each column, an exclusive prefix sum over the chunks turns the
+   counts into where each chunk's rows start inside that expert (in place), and leaves
+   the column total.
+3. ``_chunk_scatter``: each program ranks its rows inside their expert in flat order
+   (earlier rows of the same step with the same id, plus the rows of earlier steps and
+   chunks) and writes ``token_index_map[j]`` and ``expert_token_indices[pos]``: every
+   position is written by exactly one row. Program 0 writes ``expert_offsets``.
 
 Ranking in flat order is what a stable sort does, so the result equals the portable
 kernel's bit for bit.
@@ -21,63 +24,84 @@ import torch
 import triton
 import triton.language as tl
 
-SUB = 64  # rows ranked per step inside a program (the one-hot tile is SUB x bins)
+SUB = 64  # rows ranked per step inside a program
+
+
+SENTINEL = tl.constexpr(-2)
 
 
 @triton.jit
-def _one_hot(ids_ptr, rows, LK, E, BINS: tl.constexpr):
+def _keys(ids_ptr, rows, LK, E):
+    """Expert ids of ``rows``; every sentinel id becomes SENTINEL and padding past LK -1."""
     ids = tl.load(ids_ptr + rows, mask=rows < LK, other=-1)
-    key = tl.minimum(ids, E).to(tl.int32)  # sentinels share bin E; padding (-1) matches no bin
-    return (key[:, None] == tl.arange(0, BINS)[None, :]).to(tl.int32)
+    return tl.where(ids >= E, SENTINEL, ids).to(tl.int32)
 
 
 @triton.jit
 def _chunk_histogram(ids_ptr, counts_ptr, LK, E, CHUNK, BINS: tl.constexpr, SUB: tl.constexpr):
     chunk = tl.program_id(0)
+    bins = tl.arange(0, BINS)
     acc = tl.zeros((BINS,), dtype=tl.int32)
+    sentinels = 0
     for s in range(0, CHUNK, SUB):
-        rows = chunk * CHUNK + s + tl.arange(0, SUB)
-        acc += tl.sum(_one_hot(ids_ptr, rows, LK, E, BINS), axis=0)
-    tl.store(counts_ptr + chunk * BINS + tl.arange(0, BINS), acc)
+        key = _keys(ids_ptr, chunk * CHUNK + s + tl.arange(0, SUB), LK, E)
+        acc += tl.sum((key[:, None] == bins[None, :]).to(tl.int32), axis=0)
+        sentinels += tl.sum((key == SENTINEL).to(tl.int32), axis=0)
+    row = counts_ptr + chunk * (BINS + 1)
+    tl.store(row + bins, acc)
+    tl.store(row + BINS, sentinels)
 
 
 @triton.jit
-def _bin_scan(counts_ptr, totals_ptr, offsets_ptr, NUM_CHUNKS, E, BINS: tl.constexpr, ROWS: tl.constexpr):
-    # One program: the [NUM_CHUNKS, BINS] counts become exclusive per-bin starts, in place.
-    bins = tl.arange(0, BINS)
-    carry = tl.zeros((BINS,), dtype=tl.int32)
+def _column_scan(counts_ptr, totals_ptr, NUM_CHUNKS, WIDTH, COLS: tl.constexpr, ROWS: tl.constexpr):
+    cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
+    cmask = cols < WIDTH
+    carry = tl.zeros((COLS,), dtype=tl.int32)
     for r in range(0, NUM_CHUNKS, ROWS):
         rows = r + tl.arange(0, ROWS)
-        ptrs = counts_ptr + rows[:, None] * BINS + bins[None, :]
-        mask = (rows < NUM_CHUNKS)[:, None]
+        ptrs = counts_ptr + rows[:, None] * WIDTH + cols[None, :]
+        mask = (rows < NUM_CHUNKS)[:, None] & cmask[None, :]
         c = tl.load(ptrs, mask=mask, other=0)
         tl.store(ptrs, tl.cumsum(c, axis=0) - c + carry[None, :], mask=mask)
         carry += tl.sum(c, axis=0)
-    starts = tl.cumsum(carry, axis=0) - carry  # exclusive: where each bin begins
-    tl.store(totals_ptr + bins, starts)
-    tl.store(offsets_ptr + bins, starts, mask=bins <= E)
+    tl.store(totals_ptr + cols, carry, mask=cmask)
 
 
 @triton.jit
-def _chunk_scatter(ids_ptr, starts_ptr, bin_starts_ptr, eti_ptr, tim_ptr, LK, E, K, CHUNK,
+def _chunk_scatter(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_ptr, LK, E, K, CHUNK,
                    BINS: tl.constexpr, SUB: tl.constexpr):
     chunk = tl.program_id(0)
     bins = tl.arange(0, BINS)
-    carry = tl.load(starts_ptr + chunk * BINS + bins) + tl.load(bin_starts_ptr + bins)
+    totals = tl.load(totals_ptr + bins)
+    expert_start = tl.cumsum(totals, axis=0) - totals  # expert_offsets[:BINS]
+    real_rows = tl.sum(totals, axis=0)  # expert_offsets[E]: the sentinels start here
+    if chunk == 0:
+        tl.store(offsets_ptr + bins, expert_start, mask=bins < E)
+        tl.store(offsets_ptr + E, real_rows)
+    row = starts_ptr + chunk * (BINS + 1)
+    carry = tl.load(row + bins) + expert_start
+    sentinel_carry = tl.load(row + BINS) + real_rows
+    sub = tl.arange(0, SUB)
+    earlier = sub[None, :] < sub[:, None]  # [i, j]: row j comes before row i in flat order
     for s in range(0, CHUNK, SUB):
-        rows = chunk * CHUNK + s + tl.arange(0, SUB)
-        hot = _one_hot(ids_ptr, rows, LK, E, BINS)
-        # Position = where this chunk's rows of the bin start + earlier rows of the bin.
-        pos = tl.sum(hot * (tl.cumsum(hot, axis=0) - 1 + carry[None, :]), axis=1)
+        rows = chunk * CHUNK + s + sub
+        key = _keys(ids_ptr, rows, LK, E)
+        hot = (key[:, None] == bins[None, :]).to(tl.int32)
+        # Rank among this step's earlier rows with the same id, then the carry of the bin.
+        same_before = tl.sum(((key[:, None] == key[None, :]) & earlier).to(tl.int32), axis=1)
+        pos = tl.sum(hot * carry[None, :], axis=1) + same_before
+        is_sentinel = key == SENTINEL
+        pos = tl.where(is_sentinel, sentinel_carry + same_before, pos)
         carry += tl.sum(hot, axis=0)
+        sentinel_carry += tl.sum(is_sentinel.to(tl.int32), axis=0)
         valid = rows < LK
         tl.store(tim_ptr + rows, pos, mask=valid)
         tl.store(eti_ptr + pos, (rows // K).to(tl.int32), mask=valid)
 
 
 def _chunk_size(LK: int) -> int:
-    # Enough programs to fill the GPU, few enough chunks that the scan stays short.
-    return max(SUB, min(8192, triton.next_power_of_2(triton.cdiv(LK, 1024))))
+    # Enough programs to fill the GPU, few enough chunks that the column scan stays short.
+    return max(SUB, min(8192, triton.next_power_of_2(triton.cdiv(LK, 512))))
 
 
 def dispatch(topk_ids: torch.Tensor, num_experts: int):
@@ -85,19 +109,19 @@ def dispatch(topk_ids: torch.Tensor, num_experts: int):
     LK = L * K
     dev = topk_ids.device
     E = num_experts
-    BINS = triton.next_power_of_2(E + 1)
+    BINS = triton.next_power_of_2(E)
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
     chunk = _chunk_size(LK)
     num_chunks = max(1, triton.cdiv(LK, chunk))
-    counts = torch.empty(num_chunks, BINS, dtype=torch.int32, device=dev)
-    bin_starts = torch.empty(BINS, dtype=torch.int32, device=dev)
+    counts = torch.empty(num_chunks, BINS + 1, dtype=torch.int32, device=dev)
+    totals = torch.empty(BINS + 1, dtype=torch.int32, device=dev)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     eti = torch.empty(LK, dtype=torch.int32, device=dev)
     tim = torch.empty(LK, dtype=torch.int32, device=dev)
     _chunk_histogram[(num_chunks,)](ids, counts, LK, E, chunk, BINS=BINS, SUB=SUB)
-    _bin_scan[(1,)](counts, bin_starts, offsets, num_chunks, E, BINS=BINS, ROWS=max(1, 4096 // BINS))
-    if LK > 0:
-        _chunk_scatter[(num_chunks,)](ids, counts, bin_starts, eti, tim, LK, E, K, chunk, BINS=BINS, SUB=SUB)
+    cols = 32
+    _column_scan[(triton.cdiv(BINS + 1, cols),)](counts, totals, num_chunks, BINS + 1, COLS=cols, ROWS=64)
+    _chunk_scatter[(num_chunks,)](ids, counts, totals, offsets, eti, tim, LK, E, K, chunk, BINS=BINS, SUB=SUB)
     return eti, offsets, tim

@@ -30,7 +30,7 @@ POISON = False
 #: Tuning scripts set these to try tile configs: {"up"|"down": (BM, BN, BK, warps, stages)}
 #: and the number of persistent programs per SM.
 CONFIG_OVERRIDE: dict = {}
-PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM = 1
 
 
 def _empty(*shape, dtype, device):
@@ -100,6 +100,33 @@ def _up_kernel(
 
 
 @triton.jit
+def _load_act_operand(h_rows, rmask, k0, I, alpha, limit, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The raw h tiles behind A columns [k0, k0 + BLOCK_K): (gate, up), or (h, h) when not gated."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    amask = rmask[:, None] & (ks < I)[None, :]
+    if ACT < 3:
+        if INTERLEAVED:
+            ks2 = k0 * 2 + tl.arange(0, 2 * BLOCK_K)
+            gu = tl.load(h_rows + ks2[None, :], mask=rmask[:, None] & (ks2 < 2 * I)[None, :], other=0.0)
+            g, u = tl.split(tl.reshape(gu, (BLOCK_M, BLOCK_K, 2)))
+        else:
+            g = tl.load(h_rows + ks[None, :], mask=amask, other=0.0)
+            u = tl.load(h_rows + I + ks[None, :], mask=amask, other=0.0)
+    else:
+        g = tl.load(h_rows + ks[None, :], mask=amask, other=0.0)
+        u = g
+    return g, u
+
+
+@triton.jit
+def _activate(g, u, alpha, limit, ACT: tl.constexpr):
+    if ACT < 3:
+        return acts.gated(g.to(tl.float32), u.to(tl.float32), ACT, alpha, limit)
+    return acts.plain(g.to(tl.float32), ACT)
+
+
+@triton.jit
 def _down_kernel(
     h_ptr, w_ptr, b_ptr, offsets_ptr, y_ptr,
     LK, E, N, I, alpha, limit,
@@ -118,23 +145,18 @@ def _down_kernel(
         cmask = cols < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if e < E:
+            w_tile = w_ptr + e.to(tl.int64) * stride_we + cols[None, :] * stride_wn
+            # The A operand is act(h), computed in registers (the activated tensor is never
+            # written), so the pipeliner cannot stage it: prefetch the next h tiles by hand
+            # while the current one is multiplied.
+            g_next, u_next = _load_act_operand(h_rows, rmask, 0, I, alpha, limit, ACT, INTERLEAVED, BLOCK_M, BLOCK_K)
             for k0 in range(0, I, BLOCK_K):
+                g, u = g_next, u_next
+                g_next, u_next = _load_act_operand(h_rows, rmask, k0 + BLOCK_K, I, alpha, limit, ACT, INTERLEAVED,
+                                                   BLOCK_M, BLOCK_K)
                 ks = k0 + tl.arange(0, BLOCK_K)
-                amask = rmask[:, None] & (ks < I)[None, :]
-                # Prologue: the A tile is act(h), computed in fp32 as it is loaded.
-                if ACT < 3:
-                    if INTERLEAVED:
-                        ks2 = k0 * 2 + tl.arange(0, 2 * BLOCK_K)
-                        gu = tl.load(h_rows + ks2[None, :], mask=rmask[:, None] & (ks2 < 2 * I)[None, :], other=0.0)
-                        g, u = tl.split(tl.reshape(gu.to(tl.float32), (BLOCK_M, BLOCK_K, 2)))
-                    else:
-                        g = tl.load(h_rows + ks[None, :], mask=amask, other=0.0).to(tl.float32)
-                        u = tl.load(h_rows + I + ks[None, :], mask=amask, other=0.0).to(tl.float32)
-                    a = acts.gated(g, u, ACT, alpha, limit)
-                else:
-                    a = acts.plain(tl.load(h_rows + ks[None, :], mask=amask, other=0.0).to(tl.float32), ACT)
-                b = tl.load(w_ptr + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
-                            mask=(ks < I)[:, None] & cmask[None, :], other=0.0)
+                b = tl.load(w_tile + ks[:, None] * stride_wk, mask=(ks < I)[:, None] & cmask[None, :], other=0.0)
+                a = _activate(g, u, alpha, limit, ACT)
                 acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
             if HAS_BIAS:
                 acc += tl.load(b_ptr + e * stride_be + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -184,7 +206,7 @@ def _gemm_config(dtype, M, N, K_dim):
     """Tile shapes: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     if dtype == torch.float32:
         return 64, 64, 32, 4, 3
-    return 128, 128, 64, 8, 3
+    return 128, 256, 64, 8, 3  # the best of scripts/tune_forward.py on the H200 (olmoe, mixtral)
 
 
 def _launch_gemm(kernel, device, dtype, **kwargs):
