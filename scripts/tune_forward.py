@@ -28,6 +28,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--configs", nargs="*", default=["olmoe", "mixtral"])
     p.add_argument("--programs-per-sm", nargs="*", type=int, default=[1, 2])
+    p.add_argument("--kinds", nargs="*", default=["up", "down"], choices=["up", "down"])
+    p.add_argument("--tiles", nargs="*", default=None, help="BM,BN,BK,warps,stages ...")
     a = p.parse_args()
     for name in a.configs:
         T, d, I, E, K = CONFIGS[name]
@@ -44,9 +46,10 @@ def main():
               f"down {down_flops / dense_down / 1e9:.0f} TFLOP/s")
         for pps in a.programs_per_sm:
             te.PROGRAMS_PER_SM = pps
-            for tile in TILES:
+            tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
+            for tile in tiles:
                 row = []
-                for kind in ("up", "down"):
+                for kind in a.kinds:
                     te.CONFIG_OVERRIDE = {kind: tile}
                     try:
                         if kind == "up":

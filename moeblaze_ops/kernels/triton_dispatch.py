@@ -10,8 +10,8 @@ chunk's counts live in one row of a ``[chunks, BINS + 1]`` table: one column per
    counts into where each chunk's rows start inside that expert (in place), and leaves
    the column total.
 3. ``_chunk_scatter``: each program ranks its rows inside their expert in flat order
-   (earlier rows of the same step with the same id, plus the rows of earlier steps and
-   chunks) and writes ``token_index_map[j]`` and ``expert_token_indices[pos]``: every
+   (a running count per expert: the chunk's start plus a cumulative sum of the one-hot
+   tile) and writes ``token_index_map[j]`` and ``expert_token_indices[pos]``: every
    position is written by exactly one row. Program 0 writes ``expert_offsets``.
 
 Ranking in flat order is what a stable sort does, so the result equals the portable
@@ -81,19 +81,16 @@ def _chunk_scatter(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_pt
     row = starts_ptr + chunk * (BINS + 1)
     carry = tl.load(row + bins) + expert_start
     sentinel_carry = tl.load(row + BINS) + real_rows
-    sub = tl.arange(0, SUB)
-    earlier = sub[None, :] < sub[:, None]  # [i, j]: row j comes before row i in flat order
     for s in range(0, CHUNK, SUB):
-        rows = chunk * CHUNK + s + sub
+        rows = chunk * CHUNK + s + tl.arange(0, SUB)
         key = _keys(ids_ptr, rows, LK, E)
         hot = (key[:, None] == bins[None, :]).to(tl.int32)
-        # Rank among this step's earlier rows with the same id, then the carry of the bin.
-        same_before = tl.sum(((key[:, None] == key[None, :]) & earlier).to(tl.int32), axis=1)
-        pos = tl.sum(hot * carry[None, :], axis=1) + same_before
-        is_sentinel = key == SENTINEL
-        pos = tl.where(is_sentinel, sentinel_carry + same_before, pos)
+        # Position = where the bin's rows of this step start + earlier rows of the step in the bin.
+        pos = tl.sum(hot * (tl.cumsum(hot, axis=0) - 1 + carry[None, :]), axis=1)
+        is_sentinel = (key == SENTINEL).to(tl.int32)
+        pos = tl.where(is_sentinel != 0, sentinel_carry + tl.cumsum(is_sentinel, axis=0) - 1, pos)
         carry += tl.sum(hot, axis=0)
-        sentinel_carry += tl.sum(is_sentinel.to(tl.int32), axis=0)
+        sentinel_carry += tl.sum(is_sentinel, axis=0)
         valid = rows < LK
         tl.store(tim_ptr + rows, pos, mask=valid)
         tl.store(eti_ptr + pos, (rows // K).to(tl.int32), mask=valid)
@@ -101,7 +98,7 @@ def _chunk_scatter(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_pt
 
 def _chunk_size(LK: int) -> int:
     # Enough programs to fill the GPU, few enough chunks that the column scan stays short.
-    return max(SUB, min(8192, triton.next_power_of_2(triton.cdiv(LK, 512))))
+    return max(SUB, min(8192, triton.next_power_of_2(triton.cdiv(LK, 1024))))
 
 
 def dispatch(topk_ids: torch.Tensor, num_experts: int):

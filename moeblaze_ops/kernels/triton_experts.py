@@ -146,14 +146,10 @@ def _down_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if e < E:
             w_tile = w_ptr + e.to(tl.int64) * stride_we + cols[None, :] * stride_wn
-            # The A operand is act(h), computed in registers (the activated tensor is never
-            # written), so the pipeliner cannot stage it: prefetch the next h tiles by hand
-            # while the current one is multiplied.
-            g_next, u_next = _load_act_operand(h_rows, rmask, 0, I, alpha, limit, ACT, INTERLEAVED, BLOCK_M, BLOCK_K)
             for k0 in range(0, I, BLOCK_K):
-                g, u = g_next, u_next
-                g_next, u_next = _load_act_operand(h_rows, rmask, k0 + BLOCK_K, I, alpha, limit, ACT, INTERLEAVED,
-                                                   BLOCK_M, BLOCK_K)
+                # Prologue: the A tile is act(h), computed in fp32 in registers as it is
+                # loaded; the activated [L*K, I] tensor is never written.
+                g, u = _load_act_operand(h_rows, rmask, k0, I, alpha, limit, ACT, INTERLEAVED, BLOCK_M, BLOCK_K)
                 ks = k0 + tl.arange(0, BLOCK_K)
                 b = tl.load(w_tile + ks[:, None] * stride_wk, mask=(ks < I)[:, None] & cmask[None, :], other=0.0)
                 a = _activate(g, u, alpha, limit, ACT)
