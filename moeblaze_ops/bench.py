@@ -52,8 +52,9 @@ class _HFExperts(torch.nn.Module):
     def __init__(self, w_gate_up, w_down):
         super().__init__()
         self.num_experts = w_gate_up.shape[0]
-        self.gate_up_proj = torch.nn.Parameter(w_gate_up, requires_grad=w_gate_up.requires_grad)
-        self.down_proj = torch.nn.Parameter(w_down, requires_grad=w_down.requires_grad)
+        # Plain tensor attributes, so the benchmark's requires_grad switch reaches them.
+        self.gate_up_proj = w_gate_up
+        self.down_proj = w_down
         self.act_fn = F.silu
         self.has_gate, self.has_bias, self.is_transposed, self.is_concatenated = True, False, False, True
         self.has_post_expert_norm, self._is_expert_parallel = False, False
@@ -140,8 +141,17 @@ def bench_forward(names, skip):
                 err = float((out.float() - ref).norm() / ref.norm())
                 ms = time_ms(fn)
                 mem = peak_bytes(fn)
+            # A training forward: the weights require grad, so each peer also keeps what its
+            # backward needs. Measured once, after a warm-up (compile) call.
+            trainable = [inputs[i] for i in (0, 2, 3, 4)]  # x, topk_weights, w_gate_up, w_down
+            for t in trainable:
+                t.requires_grad_(True)
+            fn()
+            train_mem = peak_bytes(fn)
+            for t in trainable:
+                t.requires_grad_(False)
             rows.append(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=mem / 1e9,
-                             rel_diff_vs_first=err))
+                             train_fwd_peak_gb=train_mem / 1e9, rel_diff_vs_first=err))
         del fns, inputs
         torch.cuda.empty_cache()
     return rows
@@ -172,14 +182,17 @@ def forward_table(rows):
     by = {}
     for r in rows:
         by.setdefault(r["config"], {})[r["peer"]] = r
-    lines = ["| config | peer | ms | TFLOP/s | peak GB | speed vs compiled grouped_mm | peak vs compiled grouped_mm |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| config | peer | ms | TFLOP/s | peak GB (no grad) | peak GB (training fwd) | speed vs compiled "
+             "grouped_mm | peak vs compiled grouped_mm (no grad / training fwd) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for cfg, peers_ in by.items():
         base = peers_.get("hf_grouped_mm_compiled")
         for peer, r in peers_.items():
             speed = f"{base['ms'] / r['ms']:.2f}x" if base else "-"
-            mem = f"{r['peak_gb'] / base['peak_gb']:.2f}x" if base and base["peak_gb"] > 0 else "-"
-            lines.append(f"| {cfg} | {peer} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['peak_gb']:.2f} | {speed} | {mem} |")
+            mem = (f"{r['peak_gb'] / base['peak_gb']:.2f}x / {r['train_fwd_peak_gb'] / base['train_fwd_peak_gb']:.2f}x"
+                   if base and base["peak_gb"] > 0 else "-")
+            lines.append(f"| {cfg} | {peer} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['peak_gb']:.2f} "
+                         f"| {r['train_fwd_peak_gb']:.2f} | {speed} | {mem} |")
     return "\n".join(lines)
 
 
