@@ -198,17 +198,21 @@ def _num_programs(device, max_tiles):
     return max(1, min(PROGRAMS_PER_SM * sms, max_tiles))
 
 
-def _gemm_config(dtype, M, N, K_dim):
-    """Tile shapes: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+def _gemm_config(dtype, kind):
+    """Tile shapes (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the "up" or "down" GEMM.
+
+    The 16-bit ones are the best of scripts/tune_forward.py on the H200 (olmoe, mixtral
+    shapes; docs/perf-notes.md).
+    """
     if dtype == torch.float32:
         return 64, 64, 32, 4, 3
-    return 128, 256, 64, 8, 3  # the best of scripts/tune_forward.py on the H200 (olmoe, mixtral)
+    return (128, 256, 64, 8, 3) if kind == "up" else (128, 256, 32, 8, 4)
 
 
 def _launch_gemm(kernel, device, dtype, **kwargs):
     LK, E, N = kwargs["LK"], kwargs["E"], kwargs["N"]
-    BM, BN, BK, warps, stages = CONFIG_OVERRIDE.get("up" if kernel is _up_kernel else "down") or \
-        _gemm_config(dtype, LK, N, 0)
+    kind = "up" if kernel is _up_kernel else "down"
+    BM, BN, BK, warps, stages = CONFIG_OVERRIDE.get(kind) or _gemm_config(dtype, kind)
     if device.type != "cuda":  # the interpreter: small tiles keep CPU tests quick
         BM, BN, BK = 16, 16, 16
     max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(N, BN)
