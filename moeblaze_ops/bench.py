@@ -127,6 +127,7 @@ def bench_forward(names, skip):
     rows = []
     for name in _progress(names, "forward"):
         T, d, I, E, K = CONFIGS[name]
+        torch._dynamo.reset()  # each config compiles its peers afresh: no recompile limit across configs
         inputs = make_inputs(T, d, I, E, K)
         flops = 6 * T * K * d * I  # forward: 2*LK*d*2I + 2*LK*I*d
         fns = peers(*inputs)
