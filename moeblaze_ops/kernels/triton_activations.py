@@ -10,6 +10,10 @@ import triton.language as tl
 ACT_CODES = {"swiglu": 0, "geglu": 1, "clamped_swiglu": 2, "silu": 3, "gelu": 4, "relu": 5}
 
 
+def is_gated_code(code: int) -> bool:
+    return code < 3
+
+
 @triton.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))

@@ -100,22 +100,41 @@ def _up_kernel(
 
 
 @triton.jit
-def _load_act_operand(h_rows, rmask, k0, I, alpha, limit, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The raw h tiles behind A columns [k0, k0 + BLOCK_K): (gate, up), or (h, h) when not gated."""
+def _load_act_operand(h_src, row0, rmask, stride_hm, k0, I, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                      H_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The raw h tiles behind A columns [k0, k0 + BLOCK_K): (gate, up), or (h, h) when not gated.
+
+    With H_TMA, ``h_src`` is a tensor descriptor of h: the expert's rows are contiguous, so
+    whole tiles come through the copy engine, and the pipeliner can stage them although
+    they feed the activation rather than the dot. Rows past the expert's range and columns
+    past the gate half are read too; they only reach outputs that are masked or A columns
+    that are zeroed before the dot.
+    """
     ks = k0 + tl.arange(0, BLOCK_K)
-    amask = rmask[:, None] & (ks < I)[None, :]
-    if ACT < 3:
-        if INTERLEAVED:
-            ks2 = k0 * 2 + tl.arange(0, 2 * BLOCK_K)
-            gu = tl.load(h_rows + ks2[None, :], mask=rmask[:, None] & (ks2 < 2 * I)[None, :], other=0.0)
-            g, u = tl.split(tl.reshape(gu, (BLOCK_M, BLOCK_K, 2)))
+    if H_TMA:
+        if ACT < 3:
+            if INTERLEAVED:
+                g, u = tl.split(tl.reshape(h_src.load([row0, 2 * k0]), (BLOCK_M, BLOCK_K, 2)))
+            else:
+                g = h_src.load([row0, k0])
+                u = h_src.load([row0, I + k0])
+        else:
+            g = h_src.load([row0, k0])
+            u = g
+    else:
+        h_rows = h_src + (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None] * stride_hm
+        amask = rmask[:, None] & (ks < I)[None, :]
+        if ACT < 3:
+            if INTERLEAVED:
+                ks2 = k0 * 2 + tl.arange(0, 2 * BLOCK_K)
+                gu = tl.load(h_rows + ks2[None, :], mask=rmask[:, None] & (ks2 < 2 * I)[None, :], other=0.0)
+                g, u = tl.split(tl.reshape(gu, (BLOCK_M, BLOCK_K, 2)))
+            else:
+                g = tl.load(h_rows + ks[None, :], mask=amask, other=0.0)
+                u = tl.load(h_rows + I + ks[None, :], mask=amask, other=0.0)
         else:
             g = tl.load(h_rows + ks[None, :], mask=amask, other=0.0)
-            u = tl.load(h_rows + I + ks[None, :], mask=amask, other=0.0)
-    else:
-        g = tl.load(h_rows + ks[None, :], mask=amask, other=0.0)
-        u = g
+            u = g
     return g, u
 
 
@@ -128,11 +147,12 @@ def _activate(g, u, alpha, limit, ACT: tl.constexpr):
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, b_ptr, offsets_ptr, y_ptr,
+    h_src, w_ptr, b_ptr, offsets_ptr, y_ptr,
     LK, E, N, I, alpha, limit,
     stride_hm, stride_we, stride_wk, stride_wn, stride_be, stride_ym,
-    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, H_TMA: tl.constexpr,
+    GROUPS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     n_tiles = tl.cdiv(N, BLOCK_N)
     total = _num_tiles(offsets_ptr, E, LK, n_tiles, BLOCK_M, GROUPS)
@@ -140,7 +160,6 @@ def _down_kernel(
         e, row0, row_end, n_idx = _tile_of(tile, offsets_ptr, E, LK, n_tiles, BLOCK_M, GROUPS)
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = rows < row_end
-        h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_hm
         cols = n_idx * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -149,10 +168,11 @@ def _down_kernel(
             for k0 in range(0, I, BLOCK_K):
                 # Prologue: the A tile is act(h), computed in fp32 in registers as it is
                 # loaded; the activated [L*K, I] tensor is never written.
-                g, u = _load_act_operand(h_rows, rmask, k0, I, alpha, limit, ACT, INTERLEAVED, BLOCK_M, BLOCK_K)
+                g, u = _load_act_operand(h_src, row0, rmask, stride_hm, k0, I, ACT, INTERLEAVED, H_TMA,
+                                         BLOCK_M, BLOCK_K)
                 ks = k0 + tl.arange(0, BLOCK_K)
                 b = tl.load(w_tile + ks[:, None] * stride_wk, mask=(ks < I)[:, None] & cmask[None, :], other=0.0)
-                a = _activate(g, u, alpha, limit, ACT)
+                a = tl.where((ks < I)[None, :], _activate(g, u, alpha, limit, ACT), 0.0)
                 acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
             if HAS_BIAS:
                 acc += tl.load(b_ptr + e * stride_be + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -209,16 +229,38 @@ def _gemm_config(dtype, kind):
     return (128, 256, 64, 8, 3) if kind == "up" else (128, 256, 32, 8, 4)
 
 
-def _launch_gemm(kernel, device, dtype, **kwargs):
-    LK, E, N = kwargs["LK"], kwargs["E"], kwargs["N"]
-    kind = "up" if kernel is _up_kernel else "down"
-    BM, BN, BK, warps, stages = CONFIG_OVERRIDE.get(kind) or _gemm_config(dtype, kind)
+def _tiles(device, dtype, kind):
     if device.type != "cuda":  # the interpreter: small tiles keep CPU tests quick
-        BM, BN, BK = 16, 16, 16
+        return 16, 16, 16, 4, 1
+    return CONFIG_OVERRIDE.get(kind) or _gemm_config(dtype, kind)
+
+
+def _launch_gemm(kernel, device, dtype, tiles, **kwargs):
+    LK, E, N = kwargs["LK"], kwargs["E"], kwargs["N"]
+    BM, BN, BK, warps, stages = tiles
     max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(N, BN)
     grid = (_num_programs(device, max_tiles),)
     kernel[grid](**kwargs, GROUPS=triton.next_power_of_2(E + 1), PRECISION=_precision(dtype),
                  BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages)
+
+
+#: Whether the down kernel reads h through a TMA tensor descriptor when it can (tuning switch).
+H_TMA = True
+
+
+def _h_source(h, activation, interleaved, I, BM, BK):
+    """h as the down kernel reads it: a tensor descriptor where TMA allows, else the tensor."""
+    from .triton_activations import is_gated_code
+
+    # TMA needs 16-byte aligned rows and tile starts (the up half starts at column I).
+    aligned = (h.stride(1) == 1 and (h.stride(0) * h.element_size()) % 16 == 0 and h.data_ptr() % 16 == 0
+               and (I * h.element_size()) % 16 == 0)
+    if not (H_TMA and aligned):
+        return h, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    width = 2 * BK if is_gated_code(ACT_CODES[activation]) and interleaved else BK
+    return TensorDescriptor.from_tensor(h, [BM, width]), True
 
 
 def _weight_strides(w, transposed):
@@ -237,7 +279,7 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
     swe, swk, swn = _weight_strides(w_gate_up, transposed)
     bias = b_gate_up if b_gate_up is not None else w_gate_up
     _launch_gemm(
-        _up_kernel, x.device, x.dtype,
+        _up_kernel, x.device, x.dtype, _tiles(x.device, x.dtype, "up"),
         x_ptr=x, w_ptr=w_gate_up, b_ptr=bias, eti_ptr=expert_token_indices, offsets_ptr=expert_offsets, h_ptr=h,
         LK=LK, E=E, N=N, D=d, stride_xm=x.stride(0), stride_xk=x.stride(1),
         stride_we=swe, stride_wk=swk, stride_wn=swn,
@@ -261,13 +303,15 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
     out = _empty(L, d, dtype=h.dtype, device=h.device)
     if LK > 0 and d > 0:
         swe, swk, swn = _weight_strides(w_down, transposed)
+        tiles = _tiles(h.device, h.dtype, "down")
+        h_src, h_tma = _h_source(h, activation, interleaved, I, tiles[0], tiles[2])
         _launch_gemm(
-            _down_kernel, h.device, h.dtype,
-            h_ptr=h, w_ptr=w_down, b_ptr=b_down if b_down is not None else w_down, offsets_ptr=expert_offsets,
+            _down_kernel, h.device, h.dtype, tiles,
+            h_src=h_src, w_ptr=w_down, b_ptr=b_down if b_down is not None else w_down, offsets_ptr=expert_offsets,
             y_ptr=y, LK=LK, E=E, N=d, I=I, alpha=float(alpha), limit=float(limit),
             stride_hm=h.stride(0), stride_we=swe, stride_wk=swk, stride_wn=swn,
             stride_be=b_down.stride(0) if b_down is not None else 0, stride_ym=y.stride(0),
-            ACT=ACT_CODES[activation], INTERLEAVED=interleaved, HAS_BIAS=b_down is not None,
+            ACT=ACT_CODES[activation], INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, H_TMA=h_tma,
         )
     if L > 0 and d > 0:
         BLOCK_L, BLOCK_D = (32, 128) if h.is_cuda else (16, 16)
