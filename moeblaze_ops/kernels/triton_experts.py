@@ -226,7 +226,7 @@ def _gemm_config(dtype, kind):
     """
     if dtype == torch.float32:
         return 64, 64, 32, 4, 3
-    return (128, 256, 64, 8, 3) if kind == "up" else (128, 256, 32, 8, 4)
+    return 128, 256, 64, 8, 3
 
 
 def _tiles(device, dtype, kind):
