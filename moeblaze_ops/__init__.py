@@ -3,7 +3,9 @@
 Importing the package registers the ops in the ``moeblaze`` namespace
 (``torch.ops.moeblaze.dispatch``, ``expert_up``, ``expert_down``,
 ``expert_up_backward``, ``expert_down_backward``). ``moe_experts`` composes them into
-a differentiable experts layer.
+a differentiable experts layer. ``import moeblaze_ops.hf`` registers the transformers
+(v5) experts backend ``experts_implementation="moeblaze"``; importing ``moeblaze_ops``
+after transformers does too.
 """
 
 from .activations import ACTIVATIONS, GATED_ACTIVATIONS, is_gated
@@ -24,3 +26,19 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def _register_hf_backend():
+    """Registers ``experts_implementation="moeblaze"`` if transformers is already imported.
+
+    Importing transformers' experts interface costs seconds, so a program that has not
+    imported transformers does not pay for it here: ``import moeblaze_ops.hf`` registers
+    the backend in every case.
+    """
+    import sys
+
+    if "transformers" in sys.modules:
+        from . import hf  # noqa: F401  (registers on import)
+
+
+_register_hf_backend()

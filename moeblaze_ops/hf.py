@@ -1,0 +1,119 @@
+"""The ``"moeblaze"`` experts backend of HuggingFace transformers (v5).
+
+transformers v5 dispatches the experts of every model decorated with
+``@use_experts_implementation`` through ``transformers.integrations.moe.ExpertsInterface``.
+Importing this module adds ``"moeblaze"`` there (``register()``, idempotent); so does
+importing ``moeblaze_ops`` after transformers. Then any of
+
+    AutoModelForCausalLM.from_pretrained(name, experts_implementation="moeblaze")
+    AutoModelForCausalLM.from_config(config, experts_implementation="moeblaze")
+    model.set_experts_implementation("moeblaze")
+
+runs the experts through ``moeblaze_ops.moe_experts``. The backend reads the experts
+module's flags: ``is_transposed`` and ``is_concatenated`` (weight layout), ``has_bias``,
+``has_gate`` (``gate_up_proj`` or ``up_proj``), and its gate: HF's default gate with the
+config's ``hidden_act`` (silu -> swiglu, gelu -> geglu), or GPT-OSS's clamped gate.
+Expert-parallel sentinel ids (>= num_experts) contribute nothing, as ``dispatch`` defines.
+
+Not covered, with a clear error: experts with ``has_post_expert_norm``, other custom
+``_apply_gate`` functions, activations without a moeblaze kernel (e.g. tanh-approximated
+GELU), and Llama 4, whose experts are not decorated (its ``Llama4TextExperts`` keeps the
+transformers implementation).
+"""
+
+from __future__ import annotations
+
+from .functional import moe_experts
+
+BACKEND = "moeblaze"
+
+# hidden_act of HF's default gate (act(gate) * up) -> moeblaze's gated activation.
+_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
+# hidden_act of experts without a gate -> moeblaze's activation.
+_PLAIN = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu"}
+# Experts classes whose own _apply_gate moeblaze implements: class name -> activation.
+# Their alpha and limit are read from the module.
+_CUSTOM_GATES = {"GptOssExperts": "clamped_swiglu"}
+
+
+def _activation(module):
+    """(activation, alpha, limit) of an HF experts module, or a clear error."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    name = type(module).__name__
+    hidden_act = getattr(getattr(module, "config", None), "hidden_act", None)
+    if not module.has_gate:
+        if hidden_act not in _PLAIN:
+            raise NotImplementedError(f"moeblaze experts backend: {name} uses hidden_act={hidden_act!r}; "
+                                      f"supported without a gate: {sorted(_PLAIN)}")
+        return _PLAIN[hidden_act], 1.702, 7.0
+    if type(module)._apply_gate is _default_apply_gate:
+        if hidden_act not in _GATED:
+            raise NotImplementedError(f"moeblaze experts backend: {name} uses hidden_act={hidden_act!r}; "
+                                      f"supported gated activations: {sorted(_GATED)}")
+        return _GATED[hidden_act], 1.702, 7.0
+    if name in _CUSTOM_GATES:
+        return _CUSTOM_GATES[name], float(module.alpha), float(module.limit)
+    raise NotImplementedError(f"moeblaze experts backend: {name} has its own _apply_gate, which moeblaze does "
+                              f"not implement (implemented: {sorted(_CUSTOM_GATES)})")
+
+
+def moeblaze_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The experts forward of an HF experts module, through ``moeblaze_ops.moe_experts``.
+
+    Signature of transformers' experts backends: ``hidden_states [S, d]``,
+    ``top_k_index [S, K]``, ``top_k_weights [S, K]``; returns ``[S, d]``.
+    """
+    if getattr(self, "has_post_expert_norm", False):
+        raise NotImplementedError(f"moeblaze experts backend: {type(self).__name__} normalises each expert's "
+                                  "output before the combine (has_post_expert_norm), which moeblaze does not fuse")
+    activation, alpha, limit = _activation(self)
+    w_up = self.gate_up_proj if self.has_gate else self.up_proj
+    b_up = b_down = None
+    if self.has_bias:
+        b_up = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
+        b_down = self.down_proj_bias
+    return moe_experts(
+        hidden_states, top_k_index, top_k_weights, w_up, self.down_proj, activation,
+        b_gate_up=b_up, b_down=b_down, transposed=self.is_transposed, interleaved=not self.is_concatenated,
+        alpha=alpha, limit=limit,
+    )
+
+
+def check_model(model) -> int:
+    """Checks that every experts module of ``model`` runs through moeblaze; returns their count.
+
+    transformers routes only the experts classes decorated with
+    ``@use_experts_implementation`` through the experts interface. Others, such as Llama
+    4's ``Llama4TextExperts`` (its router scales the expert *inputs*, which moeblaze's
+    weighted combine does not express), keep their own forward even when the model's
+    ``experts_implementation`` says ``"moeblaze"``. This raises ``NotImplementedError``
+    for them instead of letting them run silently, and for decorated experts that the
+    backend cannot run (an unsupported gate or activation).
+    """
+    count = 0
+    for name, module in model.named_modules():
+        is_experts = type(module).__name__.endswith("Experts") and hasattr(module, "down_proj")
+        if not is_experts:
+            continue
+        if not hasattr(module, "has_gate"):  # not decorated: the interface never sees it
+            raise NotImplementedError(
+                f"moeblaze experts backend: {name} ({type(module).__name__}) is not routed through transformers' "
+                "experts interface, so experts_implementation='moeblaze' does not reach it; moeblaze does not "
+                "support this model's experts")
+        if getattr(getattr(module, "config", None), "_experts_implementation", None) == BACKEND:
+            _activation(module)
+            if getattr(module, "has_post_expert_norm", False):
+                raise NotImplementedError(f"moeblaze experts backend: {name} has has_post_expert_norm")
+            count += 1
+    return count
+
+
+def register() -> None:
+    """Registers ``"moeblaze"`` in transformers' ``ExpertsInterface`` (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(BACKEND, moeblaze_experts_forward)
+
+
+register()
