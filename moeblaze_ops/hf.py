@@ -80,6 +80,52 @@ def moeblaze_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     )
 
 
+#: The MoE families whose experts the backend runs, with how each config names its sizes.
+FAMILIES = {
+    # family: (model_type, experts key, expert intermediate key, extra config)
+    "mixtral": ("mixtral", "num_local_experts", "intermediate_size", {}),
+    "qwen2_moe": ("qwen2_moe", "num_experts", "moe_intermediate_size", {"decoder_sparse_step": 1}),
+    "qwen3_moe": ("qwen3_moe", "num_experts", "moe_intermediate_size", {}),
+    "olmoe": ("olmoe", "num_experts", "intermediate_size", {}),
+    "deepseek_v3": ("deepseek_v3", "n_routed_experts", "moe_intermediate_size",
+                    {"n_shared_experts": 1, "first_k_dense_replace": 0, "n_group": 2, "topk_group": 1}),
+    "gpt_oss": ("gpt_oss", "num_local_experts", "intermediate_size", {}),
+    "granitemoe": ("granitemoe", "num_local_experts", "intermediate_size", {}),
+    "phimoe": ("phimoe", "num_local_experts", "intermediate_size", {}),
+}
+
+
+def model_config(family: str, *, hidden_size=64, num_layers=2, num_heads=4, num_experts=8, top_k=2,
+                 expert_intermediate_size=32, vocab_size=256, max_positions=512, **overrides):
+    """A transformers config of ``family`` (a key of ``FAMILIES``) at the given sizes.
+
+    For tests and examples: build a model with ``AutoModelForCausalLM.from_config``, no
+    download. The attention and dense-MLP sizes follow the expert sizes.
+    """
+    from transformers import AutoConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"moeblaze_ops.hf.model_config: unknown family {family!r}; known: {sorted(FAMILIES)}")
+    model_type, experts_key, inter_key, extra = FAMILIES[family]
+    head_dim = hidden_size // num_heads
+    kw = dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+              num_key_value_heads=num_heads, vocab_size=vocab_size, max_position_embeddings=max_positions,
+              num_experts_per_tok=top_k, intermediate_size=2 * expert_intermediate_size, head_dim=head_dim)
+    kw[experts_key] = num_experts
+    kw[inter_key] = expert_intermediate_size
+    if family == "qwen2_moe":
+        kw["shared_expert_intermediate_size"] = expert_intermediate_size
+    if family == "deepseek_v3":
+        del kw["head_dim"]  # its rotary width is qk_rope_head_dim
+        kw.update(q_lora_rank=hidden_size // 2, kv_lora_rank=hidden_size // 2, qk_rope_head_dim=head_dim,
+                  qk_nope_head_dim=head_dim, v_head_dim=head_dim)
+    if family == "gpt_oss":
+        kw["sliding_window"] = 64
+    kw.update(extra)
+    kw.update(overrides)
+    return AutoConfig.for_model(model_type, **kw)
+
+
 def check_model(model) -> int:
     """Checks that every experts module of ``model`` runs through moeblaze; returns their count.
 

@@ -8,28 +8,14 @@ import moeblaze_ops.hf  # noqa: E402  (registers experts_implementation="moeblaz
 from conftest import rel_err  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=96,
-              max_position_embeddings=64)
-FAMILIES = {
-    "mixtral": dict(model_type="mixtral", intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(model_type="qwen2_moe", intermediate_size=48, moe_intermediate_size=24,
-                      shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1),
-    "qwen3_moe": dict(model_type="qwen3_moe", intermediate_size=48, moe_intermediate_size=24, num_experts=4,
-                      num_experts_per_tok=2, head_dim=8),
-    "olmoe": dict(model_type="olmoe", intermediate_size=24, num_experts=4, num_experts_per_tok=2),
-    "deepseek_v3": dict(model_type="deepseek_v3", intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4,
-                        num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=0,
-                        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
-    "gpt_oss": dict(model_type="gpt_oss", intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
-                    sliding_window=16),
-    "granitemoe": dict(model_type="granitemoe", intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
-    "phimoe": dict(model_type="phimoe", intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
-}
+from moeblaze_ops.hf import FAMILIES, model_config  # noqa: E402
+
+LAYERS, VOCAB = 2, 96
 
 
 def tiny_model(family, seed, **extra):
-    kw = dict(FAMILIES[family])
-    config = AutoConfig.for_model(kw.pop("model_type"), **COMMON, **kw, **extra)
+    config = model_config(family, hidden_size=32, num_layers=LAYERS, num_experts=4, top_k=2,
+                          expert_intermediate_size=24, vocab_size=VOCAB, max_positions=64, **extra)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # from_config leaves some weights at zero (biases, norms): give every parameter a value.
@@ -52,11 +38,11 @@ def loss_and_grads(model, ids, run=None):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_matches_eager_backend(family, seed):
     model = tiny_model(family, seed, output_router_logits=True)
-    ids = torch.randint(0, COMMON["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(seed))
     model.set_experts_implementation("eager")
     ref, ref_grads = loss_and_grads(model, ids)
     model.set_experts_implementation("moeblaze")
-    assert moeblaze_ops.hf.check_model(model) == COMMON["num_hidden_layers"]
+    assert moeblaze_ops.hf.check_model(model) == LAYERS
     out, grads = loss_and_grads(model, ids)
     assert rel_err(out.logits, ref.logits) <= 1e-5, f"seed={seed}"
     assert rel_err(out.loss, ref.loss) <= 1e-5
@@ -67,7 +53,7 @@ def test_matches_eager_backend(family, seed):
         assert rel_err(grads[name], ref_grads[name]) <= 1e-5, f"grad {name} seed={seed}"
     # The router's gradient comes through topk_weights (grad_topk_weights of expert_down).
     router = [n for n in grads if n.endswith("mlp.gate.weight") or ".router." in n]
-    assert len(router) >= COMMON["num_hidden_layers"], sorted(grads)
+    assert len(router) >= LAYERS, sorted(grads)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -76,7 +62,7 @@ def test_compiled_train_step(family, seed):
     model.set_experts_implementation("moeblaze")
     if family == "phimoe":
         model.eval()  # its training-mode router samples, and compiled code draws other random numbers
-    ids = torch.randint(0, COMMON["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(seed))
     eager, eager_grads = loss_and_grads(model, ids)  # also installs transformers' output hooks
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # fullgraph: any graph break raises
@@ -91,11 +77,10 @@ def test_compiled_train_step(family, seed):
 
 
 def test_selection_paths(seed):
-    kw = dict(FAMILIES["qwen3_moe"])
-    config = AutoConfig.for_model(kw.pop("model_type"), **COMMON, **kw)
+    config = model_config("qwen3_moe", hidden_size=32, num_layers=LAYERS, num_experts=4)
     model = AutoModelForCausalLM.from_config(config, experts_implementation="moeblaze")
     assert model.config._experts_implementation == "moeblaze"
-    assert moeblaze_ops.hf.check_model(model) == COMMON["num_hidden_layers"]
+    assert moeblaze_ops.hf.check_model(model) == LAYERS
     model.set_experts_implementation("grouped_mm")
     assert moeblaze_ops.hf.check_model(model) == 0
 
@@ -103,7 +88,7 @@ def test_selection_paths(seed):
 def test_sentinel_ids_contribute_nothing(seed):
     model = tiny_model("qwen3_moe", seed)
     experts = model.model.layers[0].mlp.experts
-    x = torch.randn(6, COMMON["hidden_size"])
+    x = torch.randn(6, 32)
     ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]])
     w = torch.rand(6, 2)
     E = experts.num_experts
@@ -122,12 +107,13 @@ def test_unsupported_activation_is_a_clear_error(seed):
     with pytest.raises(NotImplementedError, match="gelu_pytorch_tanh"):
         moeblaze_ops.hf.check_model(model)
     with pytest.raises(NotImplementedError, match="gelu_pytorch_tanh"):
-        model(torch.randint(0, COMMON["vocab_size"], (1, 4)))
+        model(torch.randint(0, VOCAB, (1, 4)))
 
 
 def test_llama4_is_a_clear_error():
-    config = AutoConfig.for_model("llama4_text", **COMMON, intermediate_size=24, intermediate_size_mlp=48,
-                                  num_local_experts=4, num_experts_per_tok=1, head_dim=8)
+    config = AutoConfig.for_model("llama4_text", hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
+                                  num_key_value_heads=4, vocab_size=VOCAB, intermediate_size=24,
+                                  intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1, head_dim=8)
     model = AutoModelForCausalLM.from_config(config, experts_implementation="moeblaze")
     with pytest.raises(NotImplementedError, match="Llama4TextExperts"):
         moeblaze_ops.hf.check_model(model)
