@@ -25,6 +25,16 @@ def tiny_model(family, seed, **extra):
     return model
 
 
+def router_logits_flag(family):
+    """output_router_logits=True (the aux loss) where this transformers computes it: 5.17's
+    GraniteMoE fails in its own aux-loss code with every backend, eager included."""
+    if family == "granitemoe":
+        from packaging.version import Version
+
+        return Version(transformers.__version__) >= Version("5.24")
+    return True
+
+
 def loss_and_grads(model, ids, run=None):
     """Loss and parameter gradients of ``model``, running it through ``run`` (e.g. compiled)."""
     model.zero_grad()
@@ -37,7 +47,7 @@ def loss_and_grads(model, ids, run=None):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_matches_eager_backend(family, seed):
-    model = tiny_model(family, seed, output_router_logits=True)
+    model = tiny_model(family, seed, output_router_logits=router_logits_flag(family))
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(seed))
     model.set_experts_implementation("eager")
     ref, ref_grads = loss_and_grads(model, ids)
@@ -58,7 +68,7 @@ def test_matches_eager_backend(family, seed):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_compiled_train_step(family, seed):
-    model = tiny_model(family, seed, output_router_logits=True)
+    model = tiny_model(family, seed, output_router_logits=router_logits_flag(family))
     model.set_experts_implementation("moeblaze")
     if family == "phimoe":
         model.eval()  # its training-mode router samples, and compiled code draws other random numbers
