@@ -1,10 +1,10 @@
-"""GPU tests of the Triton forward kernels (run on the GPU machine: scripts/gpu_check.sh)."""
+"""GPU tests of the Triton kernels (run on the GPU machine: scripts/gpu_check.sh)."""
 
 import pytest
 import torch
 
 from conftest import make_layer, rel_err
-from forward_cases import check_dispatch_bitwise, check_forward
+from kernel_cases import check_backward, check_dispatch_bitwise, check_forward
 from moeblaze_ops import ACTIVATIONS, moe_experts
 from reference import reference_moe
 
@@ -89,3 +89,53 @@ def test_forward_in_cuda_graph(seed):
         ref = reference_moe(**{k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v)
                                for k, v in fresh.items()})
         assert rel_err(out, ref) <= 1e-2, f"replay {step} seed={seed}"
+
+
+# ----------------------------------------------------------------------------- backward
+# The Triton backward kernels are opt-in (moeblaze_ops.kernels.triton_backward) until these
+# tests have passed on a GPU.
+
+
+@pytest.fixture
+def triton_bwd():
+    from moeblaze_ops.kernels import triton_backward
+
+    with triton_backward():
+        yield
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu", "gelu"])
+@pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
+def test_backward(dtype, activation, layout, seed, triton_bwd):
+    check_backward(512, 256, 192, 8, 2, dtype=dtype, device="cuda", seed=seed, activation=activation,
+                   layout=layout, bias=layout != "concatenated", tw_dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "L,E,K,routing,sentinel_frac",
+    [(2048, 16, 2, "skewed", 0.0), (2048, 8, 1, "first", 0.0), (2048, 9, 2, "no_last", 0.0),
+     (2048, 256, 8, "uniform", 0.0), (1, 8, 2, "uniform", 0.0), (1024, 8, 2, "uniform", 0.3)],
+)
+def test_backward_routings(L, E, K, routing, sentinel_frac, seed, triton_bwd):
+    check_backward(L, 256, 128, E, K, dtype=torch.bfloat16, device="cuda", seed=seed, routing=routing,
+                   sentinel_frac=sentinel_frac, bias=True)
+
+
+@pytest.mark.parametrize("d,I", [(2880, 1408), (200, 100)])
+def test_backward_odd_sizes(d, I, seed, triton_bwd):
+    check_backward(777, d, I, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, tw_dtype=torch.float32,
+                   layout="transposed_interleaved" if d == 2880 else "concatenated")
+
+
+def test_forward_backward_without_host_sync(seed, triton_bwd):
+    layer = _cuda_layer(seed)
+    params = [layer[k].requires_grad_(True) for k in ("x", "topk_weights", "w_gate_up", "w_down")]
+    moe_experts(**layer).float().square().mean().backward()  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grads = torch.autograd.grad(moe_experts(**layer).float().square().mean(), params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(not torch.isnan(g).any() for g in grads)

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from forward_cases import check_dispatch_bitwise, check_forward
+from kernel_cases import check_backward, check_dispatch_bitwise, check_forward
 from moeblaze_ops import ACTIVATIONS
-from moeblaze_ops.kernels import force_triton
+from moeblaze_ops.kernels import force_triton, triton_backward
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
@@ -18,7 +18,7 @@ def triton_on_cpu():
     from moeblaze_ops.kernels import triton_experts
 
     triton_experts.POISON = True
-    with force_triton():
+    with force_triton(), triton_backward():
         yield
     triton_experts.POISON = False
 
@@ -51,3 +51,19 @@ def test_forward_routings(L, E, K, routing, sentinel_frac, seed):
 
 def test_forward_half(seed):
     check_forward(24, 16, 16, 4, 2, dtype=torch.float16, device="cpu", seed=seed, tw_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
+def test_backward_kernels(activation, layout, seed):
+    check_backward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, activation=activation,
+                   layout=layout, bias=layout != "concatenated")
+
+
+@pytest.mark.parametrize(
+    "L,E,K,routing,sentinel_frac",
+    [(1, 4, 2, "uniform", 0.0), (30, 4, 1, "first", 0.0), (30, 5, 2, "no_last", 0.0), (30, 4, 2, "skewed", 0.3)],
+)
+def test_backward_routings(L, E, K, routing, sentinel_frac, seed):
+    check_backward(L, 18, 10, E, K, dtype=torch.float32, device="cpu", seed=seed, routing=routing,
+                   sentinel_frac=sentinel_frac, bias=True)

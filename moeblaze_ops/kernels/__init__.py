@@ -16,6 +16,19 @@ import os
 import torch
 
 _force = os.environ.get("MOEBLAZE_FORCE_TRITON", "") == "1"
+# The Triton backward kernels are opt-in until they have run on a GPU (docs/perf-notes.md).
+_triton_backward = os.environ.get("MOEBLAZE_TRITON_BACKWARD", "") == "1"
+
+
+@contextlib.contextmanager
+def triton_backward(enabled: bool = True):
+    """Runs the backward ops' Triton kernels where the forward's run (opt-in for now)."""
+    global _triton_backward
+    before, _triton_backward = _triton_backward, enabled
+    try:
+        yield
+    finally:
+        _triton_backward = before
 
 
 @contextlib.contextmanager
@@ -40,3 +53,10 @@ def forward_kernels(t: torch.Tensor, family: str):
     """The kernel module of ``family`` ("dispatch" or "experts") for tensors like ``t``."""
     prefix = "triton" if uses_triton(t) else "torch"
     return importlib.import_module(f"{__name__}.{prefix}_{family}")
+
+
+def backward_kernels(t: torch.Tensor):
+    """The kernel module of the backward ops for tensors like ``t``."""
+    if _triton_backward and uses_triton(t):
+        return importlib.import_module(f"{__name__}.triton_experts_backward")
+    return importlib.import_module(f"{__name__}.torch_experts")

@@ -57,3 +57,46 @@ def plain(h, ACT: tl.constexpr, FAST: tl.constexpr):
         return _gelu(h)
     else:
         return tl.maximum(h, 0.0)
+
+
+@triton.jit
+def _silu_and_grad(g):
+    s = _sigmoid(g, False)
+    return g * s, s * (1.0 + g * (1.0 - s))
+
+
+@triton.jit
+def _gelu_and_grad(g):
+    cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    return g * cdf, cdf + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)
+
+
+@triton.jit
+def gated_grad(g, u, ACT: tl.constexpr, alpha, limit):
+    """(a, da/dgate, da/dup) of the gated codes 0-2; the clamps pass gradient on their
+    closed intervals, as torch.clamp does."""
+    if ACT == 0:
+        f, df = _silu_and_grad(g)
+        return f * u, df * u, f
+    elif ACT == 1:
+        f, df = _gelu_and_grad(g)
+        return f * u, df * u, f
+    else:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        s = _sigmoid(alpha * gc, False)
+        glu = gc * s
+        dglu = s * (1.0 + alpha * gc * (1.0 - s))
+        return ((uc + 1.0) * glu, tl.where(g <= limit, (uc + 1.0) * dglu, 0.0),
+                tl.where((u >= -limit) & (u <= limit), glu, 0.0))
+
+
+@triton.jit
+def plain_grad(h, ACT: tl.constexpr):
+    """(a, da/dh) of the non-gated codes 3-5."""
+    if ACT == 3:
+        return _silu_and_grad(h)
+    elif ACT == 4:
+        return _gelu_and_grad(h)
+    else:
+        return tl.maximum(h, 0.0), tl.where(h > 0, 1.0, 0.0)

@@ -77,14 +77,18 @@ def _up_kernel(
     LK, E, N, D,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_hm,
     HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr = True,
 ):
     total = _num_tiles(offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS)
     for tile in range(tl.program_id(0), total, tl.num_programs(0)):
         e, row0, rows, rmask, cols, cmask = _tile_of(tile, offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if e < E:
-            tok = tl.load(eti_ptr + rows, mask=rmask, other=0).to(tl.int64)
+            # A rows: gathered token rows (forward), or the rows themselves (input gradient).
+            if GATHER:
+                tok = tl.load(eti_ptr + rows, mask=rmask, other=0).to(tl.int64)
+            else:
+                tok = rows.to(tl.int64)
             for k0 in range(0, D, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 kmask = ks < D
@@ -179,7 +183,7 @@ def _down_kernel(
 def _combine_kernel(
     y_ptr, tim_ptr, tw_ptr, offsets_ptr, out_ptr, L, D, E,
     stride_ym, stride_tw0, stride_tw1, stride_om,
-    K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr = True,
 ):
     toks = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -190,7 +194,10 @@ def _combine_kernel(
     for k in tl.static_range(K):  # fixed order: bitwise deterministic
         pos = tl.load(tim_ptr + toks.to(tl.int64) * K + k, mask=tmask, other=0)
         keep = tmask & (pos < real_rows)  # sentinel rows add nothing
-        w = tl.load(tw_ptr + toks * stride_tw0 + k * stride_tw1, mask=keep, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            w = tl.load(tw_ptr + toks * stride_tw0 + k * stride_tw1, mask=keep, other=0.0).to(tl.float32)
+        else:  # the input gradient: a plain sum of the K rows
+            w = tl.where(keep, 1.0, 0.0)
         y = tl.load(y_ptr + pos.to(tl.int64)[:, None] * stride_ym + cols[None, :],
                     mask=keep[:, None] & cmask[None, :], other=0.0).to(tl.float32)
         acc += w[:, None] * y
@@ -315,12 +322,23 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
             # is below their rounding); fp32 keeps the exact form.
             FAST_ACT=FAST_ACT and h.is_cuda and h.dtype != torch.float32,
         )
-    if L > 0 and d > 0:
-        BLOCK_L, BLOCK_D = (32, 128) if h.is_cuda else (16, 16)
-        grid = (triton.cdiv(L, BLOCK_L), triton.cdiv(d, BLOCK_D))
-        _combine_kernel[grid](
-            y, token_index_map, topk_weights, expert_offsets, out, L, d, E,
-            y.stride(0), topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
-            K=K, BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D,
-        )
+    combine(y, token_index_map, topk_weights, expert_offsets, out, E)
+    return out
+
+
+def combine(rows, token_index_map, topk_weights, expert_offsets, out, E):
+    """out[i] = sum_k w[i, k] * rows[token_index_map[i*K + k]]; unit weights when topk_weights is None."""
+    L, d = out.shape
+    if L == 0 or d == 0:
+        return out
+    K = token_index_map.shape[0] // L
+    BLOCK_L, BLOCK_D = (32, 128) if rows.is_cuda else (16, 16)
+    grid = (triton.cdiv(L, BLOCK_L), triton.cdiv(d, BLOCK_D))
+    tw = topk_weights if topk_weights is not None else rows
+    _combine_kernel[grid](
+        rows, token_index_map, tw, expert_offsets, out, L, d, E,
+        rows.stride(0), tw.stride(0) if topk_weights is not None else 0,
+        tw.stride(1) if topk_weights is not None else 0, out.stride(0),
+        K=K, BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D, WEIGHTED=topk_weights is not None,
+    )
     return out

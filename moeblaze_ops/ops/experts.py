@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..checks import check_expert_down, check_expert_up, check_grad
-from ..kernels import forward_kernels, torch_experts
+from ..kernels import backward_kernels, forward_kernels
 
 # --------------------------------------------------------------------------- expert_up
 
@@ -68,7 +68,7 @@ def expert_up_backward(
     (deterministic). ``grad_b_gate_up`` is ``[E, N]`` when ``has_bias``, else empty.
     """
     _check_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, transposed)
-    return torch_experts.expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets,
+    return backward_kernels(x).expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets,
                                             token_index_map, has_bias, transposed)
 
 
@@ -167,7 +167,7 @@ def expert_down_backward(
     """
     _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
                          topk_weights, b_down, activation, transposed)
-    return torch_experts.expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets,
+    return backward_kernels(h).expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets,
                                               token_index_map, topk_weights, b_down, activation, transposed,
                                               interleaved, alpha, limit)
 

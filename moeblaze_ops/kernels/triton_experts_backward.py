@@ -1,0 +1,269 @@
+"""Triton kernels of the expert backward ops (DESIGN.md §4).
+
+- ``_dh_kernel``: gathers the output-gradient rows of each routed row, multiplies by
+  W_down^T (a grouped GEMM over the same tile schedule as the forward), recomputes the
+  activation from h in the epilogue and writes dH; it also writes each row's partial
+  products <g, a> per column tile, which ``_router_grad_kernel`` sums in a fixed order
+  into the router gradient.
+- ``_wgrad_kernel``: the weight gradients, one program per (expert, output tile), whose
+  reduction runs over the expert's own row range; the down projection's B operand is
+  act(h), recomputed; the up projection's is x, gathered. Bias gradients come from the
+  same loop. No atomics.
+- The input gradient is the forward's up kernel over dH rows (no gather) and the
+  forward's combine with unit weights: each token's K rows summed in order k = 0..K-1.
+
+Every kernel is deterministic: fixed reduction orders, no float atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_activations as acts
+from .triton_activations import ACT_CODES
+from .triton_experts import (
+    _empty, _load_act_operand, _num_programs, _num_tiles, _precision, _tile_of, _up_kernel, combine,
+)
+
+BLOCK_ROWS = 32  # rows reduced per step in the weight-gradient kernels
+
+
+@triton.jit
+def _dh_kernel(
+    go_ptr, w_ptr, h_ptr, eti_ptr, rw_ptr, offsets_ptr, b_ptr, dh_ptr, part_ptr, bdot_ptr,
+    LK, E, D, I, alpha, limit, n_parts,
+    stride_gm, stride_we, stride_wk, stride_wn, stride_be, stride_hm, stride_dhm,
+    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    total = _num_tiles(offsets_ptr, E, LK, I, BLOCK_M, BLOCK_N, GROUPS)
+    n_tiles = tl.cdiv(I, BLOCK_N)
+    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
+        e, row0, rows, rmask, cols, cmask = _tile_of(tile, offsets_ptr, E, LK, I, BLOCK_M, BLOCK_N, GROUPS)
+        n_idx = tile % n_tiles
+        real = rmask & ((rows * 0 + e) < E)  # rows of a real expert (not the sentinel group)
+        tok = tl.load(eti_ptr + rows, mask=real, other=0).to(tl.int64)
+        g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dL/da / w: grad_out[token] @ W_e
+        if e < E:
+            for k0 in range(0, D, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(go_ptr + tok[:, None] * stride_gm + ks[None, :], mask=real[:, None] & (ks < D)[None, :],
+                            other=0.0)
+                b = tl.load(w_ptr + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+                            mask=(ks < D)[:, None] & cmask[None, :], other=0.0)
+                g = tl.dot(a, b, g, input_precision=PRECISION)
+        # Epilogue: recompute the activation from h, apply its derivative.
+        hg, hu = _load_act_operand(h_ptr, row0, real, stride_hm, n_idx * BLOCK_N, I, ACT, INTERLEAVED, False,
+                                   BLOCK_M, BLOCK_N)
+        w = tl.load(rw_ptr + rows, mask=real, other=0.0)[:, None]
+        out_rows = dh_ptr + rows.to(tl.int64)[:, None] * stride_dhm
+        smask = rmask[:, None] & cmask[None, :]
+        if ACT < 3:
+            a, da_dg, da_du = acts.gated_grad(hg.to(tl.float32), hu.to(tl.float32), ACT, alpha, limit)
+            dg = (g * w * da_dg).to(dh_ptr.dtype.element_ty)
+            du = (g * w * da_du).to(dh_ptr.dtype.element_ty)
+            if INTERLEAVED:
+                tl.store(out_rows + 2 * cols[None, :], dg, mask=smask)
+                tl.store(out_rows + 2 * cols[None, :] + 1, du, mask=smask)
+            else:
+                tl.store(out_rows + cols[None, :], dg, mask=smask)
+                tl.store(out_rows + I + cols[None, :], du, mask=smask)
+        else:
+            a, da = acts.plain_grad(hg.to(tl.float32), ACT)
+            tl.store(out_rows + cols[None, :], (g * w * da).to(dh_ptr.dtype.element_ty), mask=smask)
+        a = tl.where(smask, a, 0.0)
+        tl.store(part_ptr + rows.to(tl.int64) * n_parts + n_idx, tl.sum(g * a, axis=1), mask=rmask)
+        if HAS_BIAS:
+            if n_idx == 0:  # <grad_out[token], b_e>, once per row
+                bd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                if e < E:
+                    for k0 in range(0, D, BLOCK_K):
+                        ks = k0 + tl.arange(0, BLOCK_K)
+                        go = tl.load(go_ptr + tok[:, None] * stride_gm + ks[None, :],
+                                     mask=real[:, None] & (ks < D)[None, :], other=0.0).to(tl.float32)
+                        bias = tl.load(b_ptr + e * stride_be + ks, mask=ks < D, other=0.0).to(tl.float32)
+                        bd += tl.sum(go * bias[None, :], axis=1)
+                tl.store(bdot_ptr + rows, bd, mask=rmask)
+
+
+@triton.jit
+def _router_grad_kernel(part_ptr, bdot_ptr, tim_ptr, offsets_ptr, out_ptr, LK, E, K, n_parts,
+                        stride_o0, stride_o1, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat (token, k)
+    inside = j < LK
+    r = tl.load(tim_ptr + j, mask=inside, other=0).to(tl.int64)
+    valid = inside & (r < tl.load(offsets_ptr + E))  # sentinels: zero
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for p in range(0, n_parts):  # fixed order
+        acc += tl.load(part_ptr + r * n_parts + p, mask=valid, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bdot_ptr + r, mask=valid, other=0.0)
+    tl.store(out_ptr + (j // K) * stride_o0 + (j % K) * stride_o1, acc.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _wgrad_kernel(
+    a_ptr, b_ptr, eti_ptr, rw_ptr, offsets_ptr, out_ptr, bias_out_ptr,
+    E, P, Q, I, alpha, limit,
+    stride_am, stride_bm, stride_oe, stride_op, stride_oq, stride_be,
+    DOWN: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """out[e] = sum over the expert's rows r of A[r]^T B[r] ([P, Q] per expert).
+
+    DOWN: A[r] = w_r * grad_out[token_r] (P = d), B[r] = act(h[r]) (Q = I).
+    else: A[r] = dH[r] (P = N), B[r] = x[token_r] (Q = d).
+    """
+    p_tiles = tl.cdiv(P, BLOCK_P)
+    q_tiles = tl.cdiv(Q, BLOCK_Q)
+    for tile in range(tl.program_id(0), E * p_tiles * q_tiles, tl.num_programs(0)):
+        e = tile // (p_tiles * q_tiles)
+        p_idx = (tile // q_tiles) % p_tiles
+        q_idx = tile % q_tiles
+        ps = p_idx * BLOCK_P + tl.arange(0, BLOCK_P)
+        qs = q_idx * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        lo = tl.load(offsets_ptr + e)
+        hi = tl.load(offsets_ptr + e + 1)
+        acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+        bias_acc = tl.zeros((BLOCK_P,), dtype=tl.float32)
+        for r0 in range(lo, hi, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            rmask = rows < hi
+            tok = tl.load(eti_ptr + rows, mask=rmask, other=0).to(tl.int64)
+            if DOWN:
+                w = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
+                a = tl.load(a_ptr + tok[:, None] * stride_am + ps[None, :], mask=rmask[:, None] & (ps < P)[None, :],
+                            other=0.0).to(tl.float32) * w[:, None]
+                hg, hu = _load_act_operand(b_ptr, r0, rmask, stride_bm, q_idx * BLOCK_Q, I, ACT, INTERLEAVED, False,
+                                           BLOCK_R, BLOCK_Q)
+                if ACT < 3:
+                    b = acts.gated(hg.to(tl.float32), hu.to(tl.float32), ACT, alpha, limit, False)
+                else:
+                    b = acts.plain(hg.to(tl.float32), ACT, False)
+                b = tl.where(rmask[:, None] & (qs < Q)[None, :], b, 0.0).to(out_ptr.dtype.element_ty)
+            else:
+                a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * stride_am + ps[None, :],
+                            mask=rmask[:, None] & (ps < P)[None, :], other=0.0).to(tl.float32)
+                b = tl.load(b_ptr + tok[:, None] * stride_bm + qs[None, :], mask=rmask[:, None] & (qs < Q)[None, :],
+                            other=0.0)
+            acc = tl.dot(tl.trans(a.to(b.dtype)), b, acc, input_precision=PRECISION)
+            if HAS_BIAS:
+                bias_acc += tl.sum(a, axis=0)
+        tl.store(out_ptr + e.to(tl.int64) * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq,
+                 acc.to(out_ptr.dtype.element_ty), mask=(ps < P)[:, None] & (qs < Q)[None, :])
+        if HAS_BIAS:
+            if q_idx == 0:
+                tl.store(bias_out_ptr + e * stride_be + ps, bias_acc.to(bias_out_ptr.dtype.element_ty), mask=ps < P)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _tiles(device, dtype):
+    if device.type != "cuda":  # the interpreter
+        return 16, 16, 16, 4, 1
+    if dtype == torch.float32:
+        return 64, 64, 32, 4, 3
+    return 128, 128, 64, 8, 3
+
+
+def _row_weights(token_index_map, topk_weights):
+    """Each routed row's combine weight in expert order (a permutation: no collisions)."""
+    rw = torch.zeros(token_index_map.shape[0], dtype=torch.float32, device=topk_weights.device)
+    rw[token_index_map.long()] = topk_weights.reshape(-1).to(torch.float32)
+    return rw
+
+
+def _launch_wgrad(a, b, eti, rw, offsets, grad_w, grad_b, P, Q, I, transposed_out, down, act, interleaved,
+                  alpha, limit):
+    E = grad_w.shape[0]
+    BP, BQ, BR = (64, 64, BLOCK_ROWS) if a.is_cuda else (16, 16, 16)
+    # grad_w is [E, P, Q], or [E, Q, P] when the weight layout is transposed.
+    sop, soq = (grad_w.stride(2), grad_w.stride(1)) if transposed_out else (grad_w.stride(1), grad_w.stride(2))
+    tiles = E * triton.cdiv(P, BP) * triton.cdiv(Q, BQ)
+    _wgrad_kernel[(_num_programs(a.device, tiles),)](
+        a, b, eti, rw, offsets, grad_w, grad_b if grad_b is not None else grad_w,
+        E, P, Q, I, float(alpha), float(limit),
+        a.stride(0), b.stride(0), grad_w.stride(0), sop, soq, grad_b.stride(0) if grad_b is not None else 0,
+        DOWN=down, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=grad_b is not None,
+        PRECISION=_precision(a.dtype), BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BR,
+    )
+
+
+def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
+                         topk_weights, b_down, activation, transposed, interleaved, alpha, limit):
+    L, K = topk_weights.shape
+    LK = h.shape[0]
+    E = w_down.shape[0]
+    d = w_down.shape[2] if transposed else w_down.shape[1]
+    I = w_down.shape[1] if transposed else w_down.shape[2]
+    grad_out = grad_out.contiguous()
+    h = h.contiguous()
+    act = ACT_CODES[activation]
+    dev = h.device
+    rw = _row_weights(token_index_map, topk_weights)
+    grad_h = _empty(LK, h.shape[1], dtype=h.dtype, device=dev)
+    grad_w = _empty(*w_down.shape, dtype=w_down.dtype, device=dev)
+    grad_b = _empty(*b_down.shape, dtype=b_down.dtype, device=dev) if b_down is not None else h.new_empty(0)
+    grad_tw = _empty(L, K, dtype=topk_weights.dtype, device=dev)
+    BM, BN, BK, warps, stages = _tiles(dev, h.dtype)
+    n_parts = max(1, triton.cdiv(I, BN))
+    parts = torch.empty(LK, n_parts, dtype=torch.float32, device=dev)
+    bdot = torch.empty(LK, dtype=torch.float32, device=dev)
+    if LK > 0:
+        # grad_out rows @ W_e as [d, I]: reduction over d, output over I.
+        swe = w_down.stride(0)
+        swk, swn = (w_down.stride(2), w_down.stride(1)) if transposed else (w_down.stride(1), w_down.stride(2))
+        max_tiles = (triton.cdiv(LK, BM) + E + 1) * n_parts
+        _dh_kernel[(_num_programs(dev, max_tiles),)](
+            grad_out, w_down, h, expert_token_indices, rw, expert_offsets,
+            b_down if b_down is not None else w_down, grad_h, parts, bdot,
+            LK, E, d, I, float(alpha), float(limit), n_parts,
+            grad_out.stride(0), swe, swk, swn, b_down.stride(0) if b_down is not None else 0, h.stride(0),
+            grad_h.stride(0),
+            ACT=act, INTERLEAVED=interleaved, HAS_BIAS=b_down is not None,
+            GROUPS=triton.next_power_of_2(E + 1), PRECISION=_precision(h.dtype),
+            BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages,
+        )
+        BLOCK = 256
+        _router_grad_kernel[(triton.cdiv(LK, BLOCK),)](
+            parts, bdot, token_index_map, expert_offsets, grad_tw, LK, E, K, n_parts,
+            grad_tw.stride(0), grad_tw.stride(1), HAS_BIAS=b_down is not None, BLOCK=BLOCK,
+        )
+    else:
+        grad_tw.zero_()
+    _launch_wgrad(grad_out, h, expert_token_indices, rw, expert_offsets, grad_w,
+                  grad_b if b_down is not None else None, d, I, I, transposed, True, act, interleaved, alpha, limit)
+    return grad_h, grad_w, grad_b, grad_tw
+
+
+def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
+                       has_bias, transposed):
+    LK, N = grad_h.shape
+    E = w_gate_up.shape[0]
+    L, d = x.shape
+    dev = x.device
+    grad_h = grad_h.contiguous()
+    grad_w = _empty(*w_gate_up.shape, dtype=w_gate_up.dtype, device=dev)
+    grad_b = _empty(E, N, dtype=x.dtype, device=dev) if has_bias else x.new_empty(0)
+    grad_rows = _empty(LK, d, dtype=x.dtype, device=dev)
+    grad_x = _empty(L, d, dtype=x.dtype, device=dev)
+    if LK > 0:
+        # dX rows = dH @ W_e with W_e as [N, d]: the forward's up kernel, without the gather.
+        BM, BN, BK, warps, stages = _tiles(dev, x.dtype)
+        swe = w_gate_up.stride(0)
+        swk, swn = (w_gate_up.stride(2), w_gate_up.stride(1)) if transposed else (w_gate_up.stride(1),
+                                                                                   w_gate_up.stride(2))
+        max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(d, BN)
+        _up_kernel[(_num_programs(dev, max_tiles),)](
+            grad_h, w_gate_up, w_gate_up, expert_token_indices, expert_offsets, grad_rows,
+            LK, E, d, N, grad_h.stride(0), 1, swe, swk, swn, 0, grad_rows.stride(0),
+            HAS_BIAS=False, GROUPS=triton.next_power_of_2(E + 1), PRECISION=_precision(x.dtype),
+            BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GATHER=False, num_warps=warps, num_stages=stages,
+        )
+    combine(grad_rows, token_index_map, None, expert_offsets, grad_x, E)
+    _launch_wgrad(grad_h, x.contiguous(), expert_token_indices, grad_h, expert_offsets, grad_w,
+                  grad_b if has_bias else None, N, d, 0, transposed, False, 0, False, 0.0, 0.0)
+    return grad_x, grad_w, grad_b
