@@ -5,6 +5,8 @@
 - ``triton_dispatch``, ``triton_experts``: Triton kernels of the forward ops, used for
   CUDA tensors. Tests can force them on CPU tensors under ``TRITON_INTERPRET=1`` with
   ``force_triton()`` (or ``MOEBLAZE_FORCE_TRITON=1``).
+- ``triton_experts_backward``: Triton kernels of the backward ops, opt-in with
+  ``triton_backward()`` (or ``MOEBLAZE_TRITON_BACKWARD=1``) until verified on a GPU.
 """
 
 from __future__ import annotations
@@ -15,38 +17,38 @@ import os
 
 import torch
 
-_force = os.environ.get("MOEBLAZE_FORCE_TRITON", "") == "1"
-# The Triton backward kernels are opt-in until they have run on a GPU (docs/perf-notes.md).
-_triton_backward = os.environ.get("MOEBLAZE_TRITON_BACKWARD", "") == "1"
+_switches = {
+    "force": os.environ.get("MOEBLAZE_FORCE_TRITON", "") == "1",
+    # The Triton backward kernels are opt-in until they have run on a GPU (docs/perf-notes.md).
+    "backward": os.environ.get("MOEBLAZE_TRITON_BACKWARD", "") == "1",
+}
 
 
 @contextlib.contextmanager
-def triton_backward(enabled: bool = True):
-    """Runs the backward ops' Triton kernels where the forward's run (opt-in for now)."""
-    global _triton_backward
-    before, _triton_backward = _triton_backward, enabled
+def _switched(name, enabled):
+    before, _switches[name] = _switches[name], enabled
     try:
         yield
     finally:
-        _triton_backward = before
+        _switches[name] = before
 
 
-@contextlib.contextmanager
 def force_triton(enabled: bool = True):
     """Runs the Triton kernels on any device (CPU tensors need ``TRITON_INTERPRET=1``)."""
-    global _force
-    before, _force = _force, enabled
-    try:
-        yield
-    finally:
-        _force = before
+    return _switched("force", enabled)
+
+
+def triton_backward(enabled: bool = True):
+    """Runs the backward ops' Triton kernels where the forward's run (opt-in for now;
+    ``MOEBLAZE_TRITON_BACKWARD=1`` sets it for the process)."""
+    return _switched("backward", enabled)
 
 
 def uses_triton(t: torch.Tensor) -> bool:
     """Whether the forward ops run their Triton kernels on tensors like ``t``."""
     if t.dtype == torch.float64:
         return False  # Triton's dot has no float64 path; float64 is for gradcheck on CPU
-    return _force or t.device.type == "cuda"
+    return _switches["force"] or t.device.type == "cuda"
 
 
 def forward_kernels(t: torch.Tensor, family: str):
@@ -57,6 +59,6 @@ def forward_kernels(t: torch.Tensor, family: str):
 
 def backward_kernels(t: torch.Tensor):
     """The kernel module of the backward ops for tensors like ``t``."""
-    if _triton_backward and uses_triton(t):
+    if _switches["backward"] and uses_triton(t):
         return importlib.import_module(f"{__name__}.triton_experts_backward")
     return importlib.import_module(f"{__name__}.torch_experts")
