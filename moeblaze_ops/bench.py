@@ -3,9 +3,12 @@
 Peers (DESIGN.md §8): HF transformers' experts backends ``eager`` (a loop over experts),
 ``grouped_mm`` and ``grouped_mm`` under ``torch.compile``; moeblaze eager and compiled.
 Forward mode times the experts' forward (bf16, SwiGLU, uniform routing) and measures its
-peak memory above the inputs; a dispatch micro-benchmark compares ``moeblaze.dispatch``
-with the sort + histc + cumsum that ``grouped_mm`` runs. Writes a markdown table, JSON
-and PNG bar charts under ``--out``.
+peak memory above the inputs; train mode times forward + backward and measures the
+activation memory kept for backward (the unique storages autograd saves, parameters and
+the layer input excluded) and the peak memory of one step. A dispatch micro-benchmark
+compares ``moeblaze.dispatch`` with the sort + histc + cumsum that ``grouped_mm`` runs.
+Writes a markdown table, JSON and PNG bar charts under ``--out``. ``--device cpu`` with
+the ``smoke`` config is a quick check of the benchmark itself (no peak memory there).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ CONFIGS = {
     "qwen3_a3b": (32768, 2048, 768, 128, 8),
     "mixtral": (16384, 4096, 14336, 8, 2),
     "deepseek_v3": (8192, 7168, 2048, 256, 8),
+    "smoke": (512, 64, 128, 8, 2),  # a seconds-long check of the benchmark itself
 }
 DISPATCH_CASES = [(65536, 8, 128), (262144, 4, 16), (1048576, 8, 256)]
 
@@ -79,7 +83,8 @@ def _hf_eager_forward(mod, x, ids, w):
     return out
 
 
-def make_inputs(T, d, I, E, K, dtype=torch.bfloat16, device="cuda", seed=0):
+def make_inputs(T, d, I, E, K, dtype=None, device="cuda", seed=0):
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(T, d, device=device, dtype=dtype, generator=g)
     logits = torch.randn(T, E, device=device, generator=g)
@@ -106,13 +111,25 @@ def peers(x, ids, w, w_gate_up, w_down):
 
 
 def time_ms(fn, reps_ms=200):
+    if not torch.cuda.is_available() or _DEVICE == "cpu":
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        return (time.perf_counter() - t0) / 3 * 1e3
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=50, rep=reps_ms, return_mode="median")
 
 
+_DEVICE = "cuda"
+
+
 def peak_bytes(fn):
-    """Peak memory one call adds above what is allocated before it."""
+    """Peak memory one call adds above what is allocated before it (CUDA; NaN on CPU)."""
+    if _DEVICE == "cpu":
+        fn()
+        return float("nan")
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -156,6 +173,73 @@ def bench_forward(names, skip):
         del fns, inputs
         torch.cuda.empty_cache()
     return rows
+
+
+def activation_bytes(fn, exclude):
+    """Runs ``fn()`` and returns (its output, the bytes of the unique storages autograd saved
+    for backward, those of ``exclude`` (parameters, the layer input) left out)."""
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(saved.values())
+
+
+def bench_train(names, skip):
+    rows = []
+    for name in _progress(names, "train"):
+        T, d, I, E, K = CONFIGS[name]
+        torch._dynamo.reset()
+        inputs = make_inputs(T, d, I, E, K, device=_DEVICE)
+        x, ids, w, w_gate_up, w_down = inputs
+        for t in (x, w, w_gate_up, w_down):
+            t.requires_grad_(True)
+        flops = 18 * T * K * d * I  # forward + backward (DESIGN.md §8)
+        grad = torch.randn(T, d, device=_DEVICE, dtype=x.dtype, generator=torch.Generator(_DEVICE).manual_seed(1))
+        for peer, fn in peers(*inputs).items():
+            if peer in skip:
+                continue
+
+            def step(fn=fn):
+                fn().backward(grad)
+
+            step()  # warm up / compile
+            ms = time_ms(step)
+            mem = peak_bytes(step)
+            out, act = activation_bytes(fn, exclude=[x, w_gate_up, w_down])
+            del out
+            for t in (x, w, w_gate_up, w_down):
+                t.grad = None
+            rows.append(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=mem / 1e9,
+                             activation_gb=act / 1e9, activation_bytes=act))
+        del inputs, x, w, w_gate_up, w_down
+        if _DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def train_table(rows):
+    by = {}
+    for r in rows:
+        by.setdefault(r["config"], {})[r["peer"]] = r
+    lines = ["| config | peer | fwd+bwd ms | TFLOP/s | activation GB | peak GB | speed vs compiled grouped_mm "
+             "| activation vs compiled grouped_mm | peak vs compiled grouped_mm |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for cfg, peers_ in by.items():
+        base = peers_.get("hf_grouped_mm_compiled")
+        for peer, r in peers_.items():
+            ratio = lambda k: f"{r[k] / base[k]:.2f}x" if base and base[k] > 0 else "-"  # noqa: E731
+            speed = f"{base['ms'] / r['ms']:.2f}x" if base else "-"
+            lines.append(f"| {cfg} | {peer} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['activation_gb']:.3f} "
+                         f"| {r['peak_gb']:.2f} | {speed} | {ratio('activation_gb')} | {ratio('peak_gb')} |")
+    return "\n".join(lines)
 
 
 def bench_dispatch():
@@ -234,19 +318,29 @@ def plot(rows, path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["forward"], default="forward",
-                   help="forward: the experts' forward (forward+backward comes with the GPU backward kernels)")
+    p.add_argument("--mode", choices=["forward", "train"], default="forward",
+                   help="forward: the experts' forward; train: forward + backward, activation and peak memory")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--triton-backward", action="store_true",
+                   help="moeblaze's backward through its Triton kernels (opt-in until GPU-verified)")
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--skip", nargs="*", default=[], help="peers to leave out, e.g. hf_eager")
     p.add_argument("--no-dispatch", action="store_true", help="skip the dispatch micro-benchmark")
     p.add_argument("--out", default="bench_out")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        p.error("the benchmark needs a CUDA GPU")
+    global _DEVICE
+    _DEVICE = a.device
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA GPU here: --device cpu runs the smoke check")
+    if a.triton_backward:
+        from .kernels import _switches
+
+        _switches["backward"] = True
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, mode=a.mode)
+    device_name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
+    result = dict(device=device_name, torch=torch.__version__, mode=a.mode, triton_backward=a.triton_backward)
     try:
         import transformers
         import triton
@@ -255,15 +349,20 @@ def main(argv=None):
     except ImportError:
         pass
     text = [f"# moeblaze bench ({a.mode}) on {result['device']}, torch {torch.__version__}"]
-    if not a.no_dispatch:
+    if not a.no_dispatch and a.device == "cuda":
         result["dispatch"] = bench_dispatch()
         text += ["", "## dispatch", "", dispatch_table(result["dispatch"])]
         print("\n".join(text[-3:]), flush=True)
-    result["forward"] = bench_forward(a.configs, set(a.skip))
-    text += ["", "## forward (bf16, SwiGLU, uniform routing)", "", forward_table(result["forward"])]
+    if a.mode == "forward":
+        result["forward"] = bench_forward(a.configs, set(a.skip))
+        text += ["", "## forward (bf16, SwiGLU, uniform routing)", "", forward_table(result["forward"])]
+    else:
+        result["train"] = bench_train(a.configs, set(a.skip))
+        text += ["", "## forward + backward (SwiGLU, uniform routing)", "", train_table(result["train"])]
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     (out / "bench.md").write_text("\n".join(text) + "\n")
-    plot(result["forward"], out / "forward.png")
+    if a.mode == "forward":
+        plot(result["forward"], out / "forward.png")
     print("\n".join(text), flush=True)
     print(f"\n({time.time() - t0:.0f} s)")
 
