@@ -94,20 +94,24 @@ def make_inputs(T, d, I, E, K, dtype=None, device="cuda", seed=0):
     return x, ids, w, w_gate_up, w_down
 
 
-def peers(x, ids, w, w_gate_up, w_down):
-    """name -> callable running the experts' forward on these inputs."""
+def peers(x, ids, w, w_gate_up, w_down, train=False):
+    """name -> callable running the experts' forward on these inputs (train mode adds
+    moeblaze's full-recompute mode, whose forward is the same)."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     mod = _HFExperts(w_gate_up, w_down)
     hf_grouped = lambda x, ids, w: grouped_mm_experts_forward(mod, x, ids, w)  # noqa: E731
     ours = lambda x, ids, w: moeblaze_ops.moe_experts(x, ids, w, w_gate_up, w_down)  # noqa: E731
-    return {
+    fns = {
         "hf_eager": lambda: _hf_eager_forward(mod, x, ids, w),
         "hf_grouped_mm": lambda: hf_grouped(x, ids, w),
         "hf_grouped_mm_compiled": (lambda f: lambda: f(x, ids, w))(torch.compile(hf_grouped, fullgraph=True)),
         "moeblaze": lambda: ours(x, ids, w),
         "moeblaze_compiled": (lambda f: lambda: f(x, ids, w))(torch.compile(ours, fullgraph=True)),
     }
+    if train:
+        fns["moeblaze_recompute"] = lambda: moeblaze_ops.moe_experts(x, ids, w, w_gate_up, w_down, recompute=True)
+    return fns
 
 
 def time_ms(fn, reps_ms=200):
@@ -203,7 +207,7 @@ def bench_train(names, skip):
             t.requires_grad_(True)
         flops = 18 * T * K * d * I  # forward + backward (DESIGN.md §8)
         grad = torch.randn(T, d, device=_DEVICE, dtype=x.dtype, generator=torch.Generator(_DEVICE).manual_seed(1))
-        for peer, fn in peers(*inputs).items():
+        for peer, fn in peers(*inputs, train=True).items():
             if peer in skip:
                 continue
 

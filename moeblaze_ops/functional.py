@@ -24,6 +24,7 @@ def moe_experts(
     interleaved: bool = False,
     alpha: float = 1.702,
     limit: float = 7.0,
+    recompute: bool = False,
 ) -> Tensor:
     """Runs every token through its K experts and sums the results with their weights.
 
@@ -45,6 +46,9 @@ def moe_experts(
             ``gelu``, ``relu``.
         b_gate_up: optional ``[E, N]`` per-expert bias of the up projection.
         b_down: optional ``[E, d]`` per-expert bias of the down projection.
+        recompute: keep only x, the index arrays and topk_weights for backward, and
+            recompute h there with one more up-projection GEMM (for the longest
+            sequences). By default backward keeps h as well.
     """
     lead = x.shape[:-1]
     if topk_ids.dim() != x.dim() or any(a != b for a, b in zip(topk_ids.shape[:-1], lead)):
@@ -59,7 +63,41 @@ def moe_experts(
     E, _, d = check_moe_experts(x2, ids, tw, w_gate_up, w_down, b_gate_up, b_down, activation, transposed)
     ops = torch.ops.moeblaze
     eti, offsets, tim = ops.dispatch(ids, E)
-    h = ops.expert_up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
-    out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, activation, transposed, interleaved,
-                          alpha, limit)
+    if recompute:
+        out = _RecomputedExperts.apply(x2, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim,
+                                       (activation, transposed, interleaved, alpha, limit))
+    else:
+        h = ops.expert_up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+        out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, activation, transposed, interleaved,
+                              alpha, limit)
     return out.reshape(*lead, d)
+
+
+class _RecomputedExperts(torch.autograd.Function):
+    """expert_up + expert_down whose backward recomputes h instead of keeping it."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args):
+        activation, transposed, interleaved, alpha, limit = args
+        ops = torch.ops.moeblaze
+        h = ops.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+        out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, activation, transposed, interleaved,
+                              alpha, limit)
+        ctx.save_for_backward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim)
+        ctx.args = args
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim = ctx.saved_tensors
+        activation, transposed, interleaved, alpha, limit = ctx.args
+        ops = torch.ops.moeblaze
+        h = ops.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+        grad_h, grad_w_down, grad_b_down, grad_tw = ops.expert_down_backward(
+            grad_out.contiguous(), h, w_down, eti, offsets, tim, tw, b_down, activation, transposed, interleaved,
+            alpha, limit)
+        del h
+        grad_x, grad_w_gate_up, grad_b_gate_up = ops.expert_up_backward(
+            grad_h, x, w_gate_up, eti, offsets, tim, b_gate_up is not None, transposed)
+        return (grad_x, grad_w_gate_up, grad_w_down, grad_b_gate_up if b_gate_up is not None else None,
+                grad_b_down if b_down is not None else None, grad_tw, None, None, None, None)

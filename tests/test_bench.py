@@ -10,11 +10,13 @@ def test_train_smoke_measures_what_backward_keeps(tmp_path):
           "--skip", "hf_eager", "hf_grouped_mm_compiled", "moeblaze_compiled"])
     result = json.loads((tmp_path / "bench.json").read_text())
     rows = {r["peer"]: r for r in result["train"]}
-    assert set(rows) == {"hf_grouped_mm", "moeblaze"}
+    assert set(rows) == {"hf_grouped_mm", "moeblaze", "moeblaze_recompute"}
     T, d, I, E, K = CONFIGS["smoke"]
     LK, f32, i32 = T * K, 4, 4
     # h, expert_token_indices, expert_offsets, token_index_map, topk_weights: nothing else.
     expected = LK * 2 * I * f32 + LK * i32 + (E + 1) * i32 + LK * i32 + T * K * f32
     assert rows["moeblaze"]["activation_bytes"] == expected
     assert rows["hf_grouped_mm"]["activation_bytes"] > expected
-    assert (tmp_path / "bench.md").read_text().count("| smoke |") == 2
+    # Full recompute: the index arrays and topk_weights only.
+    assert rows["moeblaze_recompute"]["activation_bytes"] == expected - LK * 2 * I * f32
+    assert (tmp_path / "bench.md").read_text().count("| smoke |") == 3

@@ -69,3 +69,14 @@ def test_inductor_forward_backward(seed):
     fn = torch.compile(loss_fn, backend="inductor", fullgraph=True, dynamic=True)
     for layer in _layers([10, 21], seed):
         _assert_same(fn, layer)
+
+
+def test_recompute_mode_compiles(seed):
+    torch._dynamo.reset()
+    layer = _layers([12], seed)[0]
+
+    def recompute_loss(x, topk_ids, topk_weights, w_gate_up, w_down):
+        out = moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, "swiglu", recompute=True)
+        return (out.float() * out.float()).mean()
+
+    _assert_same(torch.compile(recompute_loss, backend="aot_eager", fullgraph=True), layer)

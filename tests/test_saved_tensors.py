@@ -44,3 +44,27 @@ def test_backward_keeps_only_h_and_indices(activation, bias, seed):
     # The recompute really is a recompute: backward still works from these alone.
     out.sum().backward()
     assert layer["x"].grad is not None and layer["topk_weights"].grad is not None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_recompute_mode_keeps_no_activation(bias, seed):
+    L, d, I, E, K = 16, 12, 5, 4, 2
+    layer = make_layer(L, d, I, E, K, bias=bias, seed=seed, requires_grad=True, dtype=torch.float64)
+    out, saved = _saved_during(lambda: moe_experts(**layer, recompute=True))
+    params = {layer[k].data_ptr() for k in ("w_gate_up", "w_down", "b_gate_up", "b_down") if layer[k] is not None}
+    kept = {(t.data_ptr(), tuple(t.shape), t.dtype): t for t in saved if t.data_ptr() not in params}
+    kinds = sorted((tuple(t.shape), str(t.dtype)) for t in kept.values())
+    assert kinds == sorted([((L, d), "torch.float64"), ((L * K,), "torch.int32"), ((E + 1,), "torch.int32"),
+                            ((L * K,), "torch.int32"), ((L, K), "torch.float64")])  # no h
+    names = [k for k in ("x", "topk_weights", "w_gate_up", "w_down", "b_gate_up", "b_down") if layer[k] is not None]
+    grads = torch.autograd.grad(out.sum(), [layer[k] for k in names])
+    ref = torch.autograd.grad(moe_experts(**layer).sum(), [layer[k] for k in names])
+    for g, r in zip(grads, ref):
+        assert torch.allclose(g, r, rtol=1e-12, atol=1e-12)
+
+
+def test_recompute_mode_gradcheck(seed):
+    layer = make_layer(5, 4, 3, 3, 2, dtype=torch.float64, bias=True, seed=seed, requires_grad=True)
+    names = [k for k in ("x", "topk_weights", "w_gate_up", "w_down", "b_gate_up", "b_down")]
+    f = lambda *t: moe_experts(**{**layer, **dict(zip(names, t))}, recompute=True)  # noqa: E731
+    assert torch.autograd.gradcheck(f, [layer[k] for k in names])
