@@ -139,3 +139,40 @@ def test_forward_backward_without_host_sync(seed, triton_bwd):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(not torch.isnan(g).any() for g in grads)
+
+
+def test_training_step_in_cuda_graph(seed, triton_bwd):
+    """Forward, backward and an SGD step of the experts layer, captured once and replayed
+    on new inputs: the weights move as an eager step from the same state moves them."""
+    static = _cuda_layer(seed)
+    params = [static[k].requires_grad_(True) for k in ("w_gate_up", "w_down")]
+    lr = 0.1
+
+    def step(layer, weights):
+        out = moe_experts(**{**layer, "w_gate_up": weights[0], "w_down": weights[1]})
+        grads = torch.autograd.grad(out.float().square().mean(), weights)
+        with torch.no_grad():
+            for p, g in zip(weights, grads):
+                p.sub_(lr * g)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(static, params)  # warm up (compiles the kernels) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(static, params)
+    for i in range(2):
+        fresh = _cuda_layer(seed + 10 + i)
+        for k in ("x", "topk_ids", "topk_weights"):
+            static[k].copy_(fresh[k])
+        before = [p.detach().clone().requires_grad_(True) for p in params]
+        expected = [p.detach().clone().requires_grad_(True) for p in params]
+        step(static, expected)  # eager step from the same state
+        with torch.no_grad():
+            for p, b in zip(params, before):
+                p.copy_(b)
+        graph.replay()
+        for p, e in zip(params, expected):
+            assert rel_err(p, e) <= 1e-3, f"replay {i} seed={seed}"
