@@ -50,6 +50,9 @@ def moe_experts(
             recompute h there with one more up-projection GEMM (for the longest
             sequences). By default backward keeps h as well.
     """
+    for arg, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not isinstance(t, Tensor) or t.dim() == 0:
+            raise ValueError(f"moeblaze.moe_experts: argument '{arg}' must be a Tensor with at least one dimension")
     lead = x.shape[:-1]
     if topk_ids.dim() != x.dim() or any(a != b for a, b in zip(topk_ids.shape[:-1], lead)):
         raise ValueError(f"moeblaze.moe_experts: argument 'topk_ids' must have shape [..., K] with leading "

@@ -21,6 +21,7 @@ def _with(layer, **changes):
 FRONT_DOOR_CASES = {
     # name: (changes as a function of the layer, argument named in the error)
     "x_int": (lambda l: dict(x=l["x"].long()), "x"),
+    "x_not_tensor": (lambda l: dict(x=l["x"].tolist()), "x"),
     "x_rank1": (lambda l: dict(x=l["x"][0], topk_ids=l["topk_ids"][0], topk_weights=l["topk_weights"][0]), "x"),
     "ids_float": (lambda l: dict(topk_ids=l["topk_ids"].float()), "topk_ids"),
     "ids_rows": (lambda l: dict(topk_ids=l["topk_ids"][:5]), "topk_ids"),
