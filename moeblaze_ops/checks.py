@@ -99,18 +99,21 @@ def check_topk_id_values(op: str, topk_ids: torch.Tensor, num_experts: int) -> N
     if topk_ids.numel() == 0:
         return
     negative = (topk_ids < 0).any()
-    ids = topk_ids.sort(dim=1).values
-    repeated = ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] < num_experts)).any()
+    repeated = None
+    if topk_ids.shape[1] > 1:  # a single choice per token cannot repeat
+        ids = topk_ids.sort(dim=1).values
+        repeated = ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] < num_experts)).any()
     neg_msg = f"moeblaze.{op}: argument 'topk_ids' has a negative expert id"
     dup_msg = f"moeblaze.{op}: argument 'topk_ids' has an expert id repeated in one token's row"
     if topk_ids.device.type == "cpu":
         if negative:
             raise ValueError(neg_msg)
-        if repeated:
+        if repeated is not None and repeated:
             raise ValueError(dup_msg)
     else:
         torch._assert_async(~negative, neg_msg)
-        torch._assert_async(~repeated, dup_msg)
+        if repeated is not None:
+            torch._assert_async(~repeated, dup_msg)
 
 
 # --------------------------------------------------------------------------- experts
