@@ -97,7 +97,7 @@ class _RecomputedExperts(torch.autograd.Function):
         ops = torch.ops.moeblaze
         h = ops.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
         grad_h, grad_w_down, grad_b_down, grad_tw = ops.expert_down_backward(
-            grad_out.contiguous(), h, w_down, eti, offsets, tim, tw, b_down, activation, transposed, interleaved,
+            grad_out, h, w_down, eti, offsets, tim, tw, b_down, activation, transposed, interleaved,
             alpha, limit)
         del h
         grad_x, grad_w_gate_up, grad_b_gate_up = ops.expert_up_backward(

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from . import triton_activations as acts
+from .torch_experts import row_weights
 from .triton_activations import ACT_CODES
 from .triton_experts import (
     _empty, _load_act_operand, _num_programs, _num_tiles, _precision, _tile_of, _up_kernel, combine,
@@ -169,13 +170,6 @@ def _tiles(device, dtype):
     return 128, 128, 64, 8, 3
 
 
-def _row_weights(token_index_map, topk_weights):
-    """Each routed row's combine weight in expert order (a permutation: no collisions)."""
-    rw = torch.zeros(token_index_map.shape[0], dtype=torch.float32, device=topk_weights.device)
-    rw[token_index_map.long()] = topk_weights.reshape(-1).to(torch.float32)
-    return rw
-
-
 def _launch_wgrad(a, b, eti, rw, offsets, grad_w, grad_b, P, Q, I, transposed_out, down, act, interleaved,
                   alpha, limit):
     E = grad_w.shape[0]
@@ -203,7 +197,7 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
     h = h.contiguous()
     act = ACT_CODES[activation]
     dev = h.device
-    rw = _row_weights(token_index_map, topk_weights)
+    rw = row_weights(token_index_map, topk_weights, torch.float32)
     grad_h = _empty(LK, h.shape[1], dtype=h.dtype, device=dev)
     grad_w = _empty(*w_down.shape, dtype=w_down.dtype, device=dev)
     grad_b = _empty(*b_down.shape, dtype=b_down.dtype, device=dev) if b_down is not None else h.new_empty(0)
