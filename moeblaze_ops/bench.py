@@ -144,6 +144,12 @@ def peak_bytes(fn):
     return peak
 
 
+def _emit(row):
+    """Prints one measured row as it lands (a run cut short still shows what it measured)."""
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
+
+
 def bench_forward(names, skip):
     rows = []
     for name in _progress(names, "forward"):
@@ -172,8 +178,8 @@ def bench_forward(names, skip):
             train_mem = peak_bytes(fn)
             for t in trainable:
                 t.requires_grad_(False)
-            rows.append(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=mem / 1e9,
-                             train_fwd_peak_gb=train_mem / 1e9, rel_diff_vs_first=err))
+            rows.append(_emit(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=mem / 1e9,
+                                   train_fwd_peak_gb=train_mem / 1e9, rel_diff_vs_first=err)))
         del fns, inputs
         torch.cuda.empty_cache()
     return rows
@@ -221,8 +227,8 @@ def bench_train(names, skip):
             del out
             for t in (x, w, w_gate_up, w_down):
                 t.grad = None
-            rows.append(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=mem / 1e9,
-                             activation_gb=act / 1e9, activation_bytes=act))
+            rows.append(_emit(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=mem / 1e9,
+                                   activation_gb=act / 1e9, activation_bytes=act)))
         del inputs, x, w, w_gate_up, w_down
         if _DEVICE == "cuda":
             torch.cuda.empty_cache()

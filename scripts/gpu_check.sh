@@ -24,7 +24,7 @@ fi
 } 2>&1 | tee "$LOG"
 if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
   echo "== GPU tests" | tee -a "$LOG"
-  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -15
+  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rf --tb=short --durations=8 2>&1 | tee -a "$LOG" | tail -15
 fi
 if [ "${SKIP_CPU_SUITE:-0}" != 1 ]; then
   echo "== CPU suite on this machine's torch" | tee -a "$LOG"
