@@ -331,8 +331,8 @@ def main(argv=None):
     p.add_argument("--mode", choices=["forward", "train"], default="forward",
                    help="forward: the experts' forward; train: forward + backward, activation and peak memory")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--triton-backward", action="store_true",
-                   help="moeblaze's backward through its Triton kernels (opt-in until GPU-verified)")
+    p.add_argument("--torch-backward", action="store_true",
+                   help="moeblaze's backward through the PyTorch kernels instead of the Triton ones")
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--skip", nargs="*", default=[], help="peers to leave out, e.g. hf_eager")
     p.add_argument("--no-dispatch", action="store_true", help="skip the dispatch micro-benchmark")
@@ -342,15 +342,15 @@ def main(argv=None):
     _DEVICE = a.device
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA GPU here: --device cpu runs the smoke check")
-    if a.triton_backward:
+    if a.torch_backward:
         from .kernels import _switches
 
-        _switches["backward"] = True
+        _switches["backward"] = False
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
-    result = dict(device=device_name, torch=torch.__version__, mode=a.mode, triton_backward=a.triton_backward)
+    result = dict(device=device_name, torch=torch.__version__, mode=a.mode, triton_backward=not a.torch_backward)
     try:
         import transformers
         import triton

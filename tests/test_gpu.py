@@ -92,8 +92,7 @@ def test_forward_in_cuda_graph(seed):
 
 
 # ----------------------------------------------------------------------------- backward
-# The Triton backward kernels are opt-in (moeblaze_ops.kernels.triton_backward) until these
-# tests have passed on a GPU.
+# The Triton backward is the default on CUDA; the fixture pins it whatever the environment says.
 
 
 @pytest.fixture

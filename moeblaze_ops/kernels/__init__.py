@@ -1,12 +1,12 @@
 """Kernels behind the ops, and the choice between them.
 
-- ``torch_dispatch``, ``torch_experts``: portable vectorised PyTorch. CPU, float64, and
-  the backward ops on every device for now.
+- ``torch_dispatch``, ``torch_experts``: portable vectorised PyTorch: CPU and float64.
 - ``triton_dispatch``, ``triton_experts``: Triton kernels of the forward ops, used for
   CUDA tensors. Tests can force them on CPU tensors under ``TRITON_INTERPRET=1`` with
   ``force_triton()`` (or ``MOEBLAZE_FORCE_TRITON=1``).
-- ``triton_experts_backward``: Triton kernels of the backward ops, opt-in with
-  ``triton_backward()`` (or ``MOEBLAZE_TRITON_BACKWARD=1``) until verified on a GPU.
+- ``triton_experts_backward``: Triton kernels of the backward ops, used wherever the
+  forward's are; ``triton_backward(False)`` (or ``MOEBLAZE_TRITON_BACKWARD=0``) falls back
+  to the PyTorch backward (a debugging aid).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import torch
 
 _switches = {
     "force": os.environ.get("MOEBLAZE_FORCE_TRITON", "") == "1",
-    # The Triton backward kernels are opt-in until they have run on a GPU (docs/perf-notes.md).
-    "backward": os.environ.get("MOEBLAZE_TRITON_BACKWARD", "") == "1",
+    "backward": os.environ.get("MOEBLAZE_TRITON_BACKWARD", "1") != "0",
 }
 
 
@@ -39,8 +38,8 @@ def force_triton(enabled: bool = True):
 
 
 def triton_backward(enabled: bool = True):
-    """Runs the backward ops' Triton kernels where the forward's run (opt-in for now;
-    ``MOEBLAZE_TRITON_BACKWARD=1`` sets it for the process)."""
+    """Whether the backward ops run their Triton kernels where the forward's run (the
+    default; ``MOEBLAZE_TRITON_BACKWARD=0`` turns it off for the process)."""
     return _switched("backward", enabled)
 
 

@@ -24,11 +24,10 @@ import triton.language as tl
 from . import triton_activations as acts
 from .torch_experts import row_weights
 from .triton_activations import ACT_CODES
+from . import triton_experts as fwd
 from .triton_experts import (
-    _empty, _load_act_operand, _num_programs, _num_tiles, _precision, _tile_of, _up_kernel, combine,
+    _activate, _empty, _load_act_operand, _num_programs, _num_tiles, _precision, _tile_of, _up_kernel, combine,
 )
-
-BLOCK_ROWS = 32  # rows reduced per step in the weight-gradient kernels
 
 
 @triton.jit
@@ -110,12 +109,16 @@ def _wgrad_kernel(
     E, P, Q, I, alpha, limit,
     stride_am, stride_bm, stride_oe, stride_op, stride_oq, stride_be,
     DOWN: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+    FAST_ACT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """out[e] = sum over the expert's rows r of A[r]^T B[r] ([P, Q] per expert).
 
-    DOWN: A[r] = w_r * grad_out[token_r] (P = d), B[r] = act(h[r]) (Q = I).
+    DOWN: A[r] = grad_out[token_r] (P = d), B[r] = w_r * act(h[r]) (Q = I).
     else: A[r] = dH[r] (P = N), B[r] = x[token_r] (Q = d).
+    A^T is loaded as a [P, R] tile straight from the row-major rows (P contiguous), so the
+    MMA reads it from shared memory as is: no register transpose, no up-cast. The router
+    weight rides on the computed B operand, where it costs one multiply.
     """
     p_tiles = tl.cdiv(P, BLOCK_P)
     q_tiles = tl.cdiv(Q, BLOCK_Q)
@@ -125,6 +128,7 @@ def _wgrad_kernel(
         q_idx = tile % q_tiles
         ps = p_idx * BLOCK_P + tl.arange(0, BLOCK_P)
         qs = q_idx * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        pmask = ps < P
         lo = tl.load(offsets_ptr + e)
         hi = tl.load(offsets_ptr + e + 1)
         acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
@@ -134,46 +138,85 @@ def _wgrad_kernel(
             rmask = rows < hi
             tok = tl.load(eti_ptr + rows, mask=rmask, other=0).to(tl.int64)
             if DOWN:
+                at = tl.load(a_ptr + tok[None, :] * stride_am + ps[:, None], mask=pmask[:, None] & rmask[None, :],
+                             other=0.0)
                 w = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
-                a = tl.load(a_ptr + tok[:, None] * stride_am + ps[None, :], mask=rmask[:, None] & (ps < P)[None, :],
-                            other=0.0).to(tl.float32) * w[:, None]
                 hg, hu = _load_act_operand(b_ptr, r0, rmask, stride_bm, q_idx * BLOCK_Q, I, ACT, INTERLEAVED, False,
                                            BLOCK_R, BLOCK_Q)
-                if ACT < 3:
-                    b = acts.gated(hg.to(tl.float32), hu.to(tl.float32), ACT, alpha, limit, False)
-                else:
-                    b = acts.plain(hg.to(tl.float32), ACT, False)
-                b = tl.where(rmask[:, None] & (qs < Q)[None, :], b, 0.0).to(out_ptr.dtype.element_ty)
+                # Masked rows load h = 0 and w = 0; columns past I only reach masked outputs.
+                b = (_activate(hg, hu, alpha, limit, ACT, FAST_ACT) * w[:, None]).to(at.dtype)
+                if HAS_BIAS:
+                    if q_idx == 0:
+                        bias_acc += tl.sum(at.to(tl.float32) * w[None, :], axis=1)
             else:
-                a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * stride_am + ps[None, :],
-                            mask=rmask[:, None] & (ps < P)[None, :], other=0.0).to(tl.float32)
+                at = tl.load(a_ptr + rows.to(tl.int64)[None, :] * stride_am + ps[:, None],
+                             mask=pmask[:, None] & rmask[None, :], other=0.0)
                 b = tl.load(b_ptr + tok[:, None] * stride_bm + qs[None, :], mask=rmask[:, None] & (qs < Q)[None, :],
                             other=0.0)
-            acc = tl.dot(tl.trans(a.to(b.dtype)), b, acc, input_precision=PRECISION)
-            if HAS_BIAS:
-                bias_acc += tl.sum(a, axis=0)
+                if HAS_BIAS:
+                    if q_idx == 0:
+                        bias_acc += tl.sum(at.to(tl.float32), axis=1)
+            acc = tl.dot(at, b, acc, input_precision=PRECISION)
         tl.store(out_ptr + e.to(tl.int64) * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq,
-                 acc.to(out_ptr.dtype.element_ty), mask=(ps < P)[:, None] & (qs < Q)[None, :])
+                 acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & (qs < Q)[None, :])
         if HAS_BIAS:
             if q_idx == 0:
-                tl.store(bias_out_ptr + e * stride_be + ps, bias_acc.to(bias_out_ptr.dtype.element_ty), mask=ps < P)
+                tl.store(bias_out_ptr + e * stride_be + ps, bias_acc.to(bias_out_ptr.dtype.element_ty), mask=pmask)
 
 
 # --------------------------------------------------------------------------- launchers
 
 
-def _tiles(device, dtype):
-    if device.type != "cuda":  # the interpreter
-        return 16, 16, 16, 4, 1
+def _gemm_config(dtype, kind):
+    """Tile shapes of the backward GEMMs: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for "dh" and
+    "dx", (BLOCK_P, BLOCK_Q, BLOCK_R, warps, stages) for "wgrad_down" and "wgrad_up"
+    (scripts/tune_backward.py sweeps them; docs/perf-notes.md has the numbers)."""
     if dtype == torch.float32:
         return 64, 64, 32, 4, 3
-    return 128, 128, 64, 8, 3
+    return {
+        "dh": (128, 128, 64, 8, 3),
+        "dx": (128, 256, 64, 8, 3),
+        "wgrad_down": (128, 128, 64, 8, 3),
+        "wgrad_up": (128, 128, 64, 8, 3),
+    }[kind]
+
+
+def _tiles(device, dtype, kind):
+    if device.type != "cuda":  # the interpreter
+        return 16, 16, 16, 4, 1
+    return fwd.CONFIG_OVERRIDE.get(kind) or _gemm_config(dtype, kind)
+
+
+def _fast_act(t):
+    return fwd.FAST_ACT and t.is_cuda and t.dtype != torch.float32
+
+
+def _launch_dh(grad_out, h, w_down, eti, rw, offsets, b_down, grad_h, parts, bdot, act, transposed, interleaved,
+               alpha, limit):
+    LK = h.shape[0]
+    E = w_down.shape[0]
+    d = w_down.shape[2] if transposed else w_down.shape[1]
+    I = w_down.shape[1] if transposed else w_down.shape[2]
+    BM, BN, BK, warps, stages = _tiles(h.device, h.dtype, "dh")
+    # grad_out rows @ W_e as [d, I]: reduction over d, output over I.
+    swe = w_down.stride(0)
+    swk, swn = (w_down.stride(2), w_down.stride(1)) if transposed else (w_down.stride(1), w_down.stride(2))
+    max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(I, BN)
+    _dh_kernel[(_num_programs(h.device, max_tiles),)](
+        grad_out, w_down, h, eti, rw, offsets, b_down if b_down is not None else w_down, grad_h, parts, bdot,
+        LK, E, d, I, float(alpha), float(limit), parts.shape[1],
+        grad_out.stride(0), swe, swk, swn, b_down.stride(0) if b_down is not None else 0, h.stride(0),
+        grad_h.stride(0),
+        ACT=act, INTERLEAVED=interleaved, HAS_BIAS=b_down is not None,
+        GROUPS=triton.next_power_of_2(E + 1), PRECISION=_precision(h.dtype),
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages,
+    )
 
 
 def _launch_wgrad(a, b, eti, rw, offsets, grad_w, grad_b, P, Q, I, transposed_out, down, act, interleaved,
                   alpha, limit):
     E = grad_w.shape[0]
-    BP, BQ, BR = (64, 64, BLOCK_ROWS) if a.is_cuda else (16, 16, 16)
+    BP, BQ, BR, warps, stages = _tiles(a.device, a.dtype, "wgrad_down" if down else "wgrad_up")
     # grad_w is [E, P, Q], or [E, Q, P] when the weight layout is transposed.
     sop, soq = (grad_w.stride(2), grad_w.stride(1)) if transposed_out else (grad_w.stride(1), grad_w.stride(2))
     tiles = E * triton.cdiv(P, BP) * triton.cdiv(Q, BQ)
@@ -181,8 +224,26 @@ def _launch_wgrad(a, b, eti, rw, offsets, grad_w, grad_b, P, Q, I, transposed_ou
         a, b, eti, rw, offsets, grad_w, grad_b if grad_b is not None else grad_w,
         E, P, Q, I, float(alpha), float(limit),
         a.stride(0), b.stride(0), grad_w.stride(0), sop, soq, grad_b.stride(0) if grad_b is not None else 0,
-        DOWN=down, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=grad_b is not None,
-        PRECISION=_precision(a.dtype), BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BR,
+        DOWN=down, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=grad_b is not None, FAST_ACT=_fast_act(a),
+        PRECISION=_precision(a.dtype), BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BR, num_warps=warps, num_stages=stages,
+    )
+
+
+def _launch_dx_rows(grad_h, w_gate_up, offsets, grad_rows, transposed):
+    """dX rows = dH @ W_e with W_e as [N, d]: the forward's up kernel, without the gather."""
+    LK, N = grad_h.shape
+    E = w_gate_up.shape[0]
+    d = grad_rows.shape[1]
+    BM, BN, BK, warps, stages = _tiles(grad_h.device, grad_h.dtype, "dx")
+    swe = w_gate_up.stride(0)
+    swk, swn = (w_gate_up.stride(2), w_gate_up.stride(1)) if transposed else (w_gate_up.stride(1),
+                                                                               w_gate_up.stride(2))
+    max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(d, BN)
+    _up_kernel[(_num_programs(grad_h.device, max_tiles),)](
+        grad_h, w_gate_up, w_gate_up, offsets, offsets, grad_rows,
+        LK, E, d, N, grad_h.stride(0), 1, swe, swk, swn, 0, grad_rows.stride(0),
+        HAS_BIAS=False, GROUPS=triton.next_power_of_2(E + 1), PRECISION=_precision(grad_h.dtype),
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GATHER=False, num_warps=warps, num_stages=stages,
     )
 
 
@@ -202,25 +263,12 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
     grad_w = _empty(*w_down.shape, dtype=w_down.dtype, device=dev)
     grad_b = _empty(*b_down.shape, dtype=b_down.dtype, device=dev) if b_down is not None else h.new_empty(0)
     grad_tw = _empty(L, K, dtype=topk_weights.dtype, device=dev)
-    BM, BN, BK, warps, stages = _tiles(dev, h.dtype)
-    n_parts = max(1, triton.cdiv(I, BN))
+    n_parts = max(1, triton.cdiv(I, _tiles(dev, h.dtype, "dh")[1]))
     parts = torch.empty(LK, n_parts, dtype=torch.float32, device=dev)
     bdot = torch.empty(LK, dtype=torch.float32, device=dev)
     if LK > 0:
-        # grad_out rows @ W_e as [d, I]: reduction over d, output over I.
-        swe = w_down.stride(0)
-        swk, swn = (w_down.stride(2), w_down.stride(1)) if transposed else (w_down.stride(1), w_down.stride(2))
-        max_tiles = (triton.cdiv(LK, BM) + E + 1) * n_parts
-        _dh_kernel[(_num_programs(dev, max_tiles),)](
-            grad_out, w_down, h, expert_token_indices, rw, expert_offsets,
-            b_down if b_down is not None else w_down, grad_h, parts, bdot,
-            LK, E, d, I, float(alpha), float(limit), n_parts,
-            grad_out.stride(0), swe, swk, swn, b_down.stride(0) if b_down is not None else 0, h.stride(0),
-            grad_h.stride(0),
-            ACT=act, INTERLEAVED=interleaved, HAS_BIAS=b_down is not None,
-            GROUPS=triton.next_power_of_2(E + 1), PRECISION=_precision(h.dtype),
-            BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages,
-        )
+        _launch_dh(grad_out, h, w_down, expert_token_indices, rw, expert_offsets, b_down, grad_h, parts, bdot, act,
+                   transposed, interleaved, alpha, limit)
         BLOCK = 256
         _router_grad_kernel[(triton.cdiv(LK, BLOCK),)](
             parts, bdot, token_index_map, expert_offsets, grad_tw, LK, E, K, n_parts,
@@ -244,19 +292,8 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
     grad_b = _empty(E, N, dtype=x.dtype, device=dev) if has_bias else x.new_empty(0)
     grad_rows = _empty(LK, d, dtype=x.dtype, device=dev)
     grad_x = _empty(L, d, dtype=x.dtype, device=dev)
-    if LK > 0:
-        # dX rows = dH @ W_e with W_e as [N, d]: the forward's up kernel, without the gather.
-        BM, BN, BK, warps, stages = _tiles(dev, x.dtype)
-        swe = w_gate_up.stride(0)
-        swk, swn = (w_gate_up.stride(2), w_gate_up.stride(1)) if transposed else (w_gate_up.stride(1),
-                                                                                   w_gate_up.stride(2))
-        max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(d, BN)
-        _up_kernel[(_num_programs(dev, max_tiles),)](
-            grad_h, w_gate_up, w_gate_up, expert_token_indices, expert_offsets, grad_rows,
-            LK, E, d, N, grad_h.stride(0), 1, swe, swk, swn, 0, grad_rows.stride(0),
-            HAS_BIAS=False, GROUPS=triton.next_power_of_2(E + 1), PRECISION=_precision(x.dtype),
-            BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GATHER=False, num_warps=warps, num_stages=stages,
-        )
+    if LK > 0 and d > 0:
+        _launch_dx_rows(grad_h, w_gate_up, expert_offsets, grad_rows, transposed)
     combine(grad_rows, token_index_map, None, expert_offsets, grad_x, E)
     _launch_wgrad(grad_h, x.contiguous(), expert_token_indices, grad_h, expert_offsets, grad_w,
                   grad_b if has_bias else None, N, d, 0, transposed, False, 0, False, 0.0, 0.0)

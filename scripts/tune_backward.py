@@ -1,0 +1,99 @@
+"""Sweeps tile configs of the backward GEMM kernels on benchmark shapes (GPU).
+
+    python scripts/tune_backward.py [--configs olmoe mixtral] [--kinds dh dx wgrad_down wgrad_up]
+
+Each kernel is timed on its own (dh includes the router-gradient reduce, dx the unit-weight
+combine) next to a dense cuBLAS matmul of the same FLOPs: the ceiling to aim at.
+"""
+
+import argparse
+
+import torch
+import triton.testing
+
+from moeblaze_ops.bench import CONFIGS, make_inputs
+from moeblaze_ops.kernels import triton_dispatch, triton_experts as te, triton_experts_backward as tb
+from moeblaze_ops.kernels.torch_experts import row_weights
+from moeblaze_ops.kernels.triton_activations import ACT_CODES
+
+TILES = {
+    "dh": [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+           (128, 64, 64, 4, 4)],
+    "dx": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)],
+    "wgrad_down": [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+                   (64, 128, 64, 4, 4), (128, 128, 128, 8, 2), (128, 64, 64, 4, 4)],
+    "wgrad_up": [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+                 (64, 128, 64, 4, 4), (128, 128, 128, 8, 2), (128, 64, 64, 4, 4)],
+}
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
+
+
+def kernels(T, d, I, E, K, device="cuda"):
+    """kind -> (callable running that backward kernel on the shape, its FLOPs)."""
+    x, ids, w, wgu, wd = make_inputs(T, d, I, E, K, device=device)
+    eti, offs, tim = triton_dispatch.dispatch(ids, E)
+    LK = T * K
+    h = te.expert_up(x, wgu, eti, offs, tim, None, False)
+    go = torch.randn(T, d, device=device, dtype=x.dtype)
+    rw = row_weights(tim, w, torch.float32)
+    grad_h = torch.empty_like(h)
+    parts = torch.empty(LK, triton.cdiv(I, 64), dtype=torch.float32, device=device)
+    bdot = torch.empty(LK, dtype=torch.float32, device=device)
+    grad_wd, grad_wgu = torch.empty_like(wd), torch.empty_like(wgu)
+    rows = torch.empty(LK, d, device=device, dtype=x.dtype)
+    gx = torch.empty_like(x)
+    act = ACT_CODES["swiglu"]
+
+    def dh():
+        n_parts = triton.cdiv(I, tb._tiles(h.device, h.dtype, "dh")[1])
+        tb._launch_dh(go, h, wd, eti, rw, offs, None, grad_h, parts[:, :n_parts], bdot, act, False, False, 1.702, 7.0)
+
+    def dx():
+        tb._launch_dx_rows(h, wgu, offs, rows, False)
+        te.combine(rows, tim, None, offs, gx, E)
+
+    def wgrad_down():
+        tb._launch_wgrad(go, h, eti, rw, offs, grad_wd, None, d, I, I, False, True, act, False, 1.702, 7.0)
+
+    def wgrad_up():
+        tb._launch_wgrad(h, x, eti, h, offs, grad_wgu, None, 2 * I, d, 0, False, False, 0, False, 0.0, 0.0)
+
+    f = 2 * LK * d * I
+    return {"dh": (dh, f), "dx": (dx, 2 * f), "wgrad_down": (wgrad_down, f), "wgrad_up": (wgrad_up, 2 * f)}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--configs", nargs="*", default=["olmoe", "mixtral"])
+    p.add_argument("--kinds", nargs="*", default=list(TILES), choices=list(TILES))
+    p.add_argument("--tiles", nargs="*", default=None, help="BM,BN,BK,warps,stages ... (for every kind)")
+    a = p.parse_args()
+    for name in a.configs:
+        T, d, I, E, K = CONFIGS[name]
+        LK = T * K
+        dense_a = torch.randn(LK, d, device="cuda", dtype=torch.bfloat16)
+        dense_b = torch.randn(d, I, device="cuda", dtype=torch.bfloat16)
+        dense = 2 * LK * d * I / bench(lambda: dense_a @ dense_b) / 1e9
+        del dense_a, dense_b
+        print(f"\n{name} LK={LK} d={d} I={I} E={E}: cuBLAS dense [LK,d]x[d,I] {dense:.0f} TFLOP/s", flush=True)
+        fns = kernels(T, d, I, E, K)
+        for kind in a.kinds:
+            fn, flops = fns[kind]
+            tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES[kind]
+            for tile in tiles:
+                te.CONFIG_OVERRIDE = {kind: tile}
+                try:
+                    ms = bench(fn)
+                    print(f"  {kind:10s} tile={tile}: {ms:7.3f} ms {flops / ms / 1e9:4.0f} TFLOP/s", flush=True)
+                except Exception as e:  # out of shared memory etc.
+                    print(f"  {kind:10s} tile={tile}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+            te.CONFIG_OVERRIDE = {}
+        del fns
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
