@@ -67,3 +67,18 @@ def test_backward_kernels(activation, layout, seed):
 def test_backward_routings(L, E, K, routing, sentinel_frac, seed):
     check_backward(L, 18, 10, E, K, dtype=torch.float32, device="cpu", seed=seed, routing=routing,
                    sentinel_frac=sentinel_frac, bias=True)
+
+
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
+def test_backward_whole_steps(layout, tma, seed):
+    """Experts with several whole 16-row reduction steps plus a ragged last one, with the
+    contiguous operands read through TMA descriptors or plain loads."""
+    from moeblaze_ops.kernels import triton_experts
+
+    before, triton_experts.H_TMA = triton_experts.H_TMA, tma
+    try:
+        check_backward(45, 16, 8, 2, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout,
+                       bias=True, routing="skewed")
+    finally:
+        triton_experts.H_TMA = before

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import triton_activations as acts
 from .torch_experts import row_weights
-from .triton_activations import ACT_CODES
+from .triton_activations import ACT_CODES, is_gated_code
 from . import triton_experts as fwd
 from .triton_experts import (
     _activate, _empty, _load_act_operand, _num_programs, _num_tiles, _precision, _tile_of, _up_kernel, combine,
@@ -104,21 +104,70 @@ def _router_grad_kernel(part_ptr, bdot_ptr, tim_ptr, offsets_ptr, out_ptr, LK, E
 
 
 @triton.jit
+def _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, r0, hi, p0, ps, pmask, qs, q0, Q, I, alpha, limit,
+                    stride_am, stride_bm, DOWN: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                    FAST_ACT: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr,
+                    BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """A^T [P, R] and B [R, Q] of one reduction step over rows [r0, r0 + BLOCK_R), and the
+    router weight of each row (DOWN) for the bias gradient.
+
+    The operand whose rows are contiguous (h for DOWN, dH otherwise) comes through a TMA
+    descriptor when TMA is set. Only the last step of an expert (MASKED) needs row masks:
+    there, rows past ``hi`` belong to the next expert and are zeroed.
+    """
+    rows = r0 + tl.arange(0, BLOCK_R)
+    rmask = rows < hi
+    if MASKED:
+        tok = tl.load(eti_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        tok = tl.load(eti_ptr + rows).to(tl.int64)
+    w = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    if DOWN:
+        # A^T: gathered grad_out rows, read P-major, which the MMA takes from shared memory as is.
+        at = tl.load(a_src + tok[None, :] * stride_am + ps[:, None], mask=pmask[:, None] & rmask[None, :],
+                     other=0.0)
+        w = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
+        hg, hu = _load_act_operand(b_src, r0, rmask, stride_bm, q0, I, ACT, INTERLEAVED, TMA, BLOCK_R, BLOCK_Q)
+        # The router weight rides on the computed operand: one multiply per element.
+        b = _activate(hg, hu, alpha, limit, ACT, FAST_ACT) * w[:, None]
+        if MASKED:
+            b = tl.where(rmask[:, None], b, 0.0)
+        b = b.to(at.dtype)
+    else:
+        if TMA:
+            at = tl.trans(a_src.load([r0, p0]))
+            if MASKED:
+                at = tl.where(rmask[None, :], at, 0.0)
+        else:
+            at = tl.load(a_src + rows.to(tl.int64)[None, :] * stride_am + ps[:, None],
+                         mask=pmask[:, None] & rmask[None, :], other=0.0)
+        b = tl.load(b_src + tok[:, None] * stride_bm + qs[None, :], mask=rmask[:, None] & (qs < Q)[None, :],
+                    other=0.0)
+    return at, b, w
+
+
+@triton.jit
+def _bias_part(at, w, DOWN: tl.constexpr):
+    """The bias gradient's share of one step: sum over rows of A (weighted by w for DOWN)."""
+    if DOWN:
+        return tl.sum(at.to(tl.float32) * w[None, :], axis=1)
+    return tl.sum(at.to(tl.float32), axis=1)
+
+
+@triton.jit
 def _wgrad_kernel(
-    a_ptr, b_ptr, eti_ptr, rw_ptr, offsets_ptr, out_ptr, bias_out_ptr,
+    a_src, b_src, eti_ptr, rw_ptr, offsets_ptr, out_ptr, bias_out_ptr,
     E, P, Q, I, alpha, limit,
     stride_am, stride_bm, stride_oe, stride_op, stride_oq, stride_be,
     DOWN: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    FAST_ACT: tl.constexpr, PRECISION: tl.constexpr,
+    FAST_ACT: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """out[e] = sum over the expert's rows r of A[r]^T B[r] ([P, Q] per expert).
 
     DOWN: A[r] = grad_out[token_r] (P = d), B[r] = w_r * act(h[r]) (Q = I).
     else: A[r] = dH[r] (P = N), B[r] = x[token_r] (Q = d).
-    A^T is loaded as a [P, R] tile straight from the row-major rows (P contiguous), so the
-    MMA reads it from shared memory as is: no register transpose, no up-cast. The router
-    weight rides on the computed B operand, where it costs one multiply.
+    One program per (expert, p-tile, q-tile) at a time, q fastest: neighbours share A.
     """
     p_tiles = tl.cdiv(P, BLOCK_P)
     q_tiles = tl.cdiv(Q, BLOCK_Q)
@@ -133,30 +182,24 @@ def _wgrad_kernel(
         hi = tl.load(offsets_ptr + e + 1)
         acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
         bias_acc = tl.zeros((BLOCK_P,), dtype=tl.float32)
-        for r0 in range(lo, hi, BLOCK_R):
-            rows = r0 + tl.arange(0, BLOCK_R)
-            rmask = rows < hi
-            tok = tl.load(eti_ptr + rows, mask=rmask, other=0).to(tl.int64)
-            if DOWN:
-                at = tl.load(a_ptr + tok[None, :] * stride_am + ps[:, None], mask=pmask[:, None] & rmask[None, :],
-                             other=0.0)
-                w = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
-                hg, hu = _load_act_operand(b_ptr, r0, rmask, stride_bm, q_idx * BLOCK_Q, I, ACT, INTERLEAVED, False,
-                                           BLOCK_R, BLOCK_Q)
-                # Masked rows load h = 0 and w = 0; columns past I only reach masked outputs.
-                b = (_activate(hg, hu, alpha, limit, ACT, FAST_ACT) * w[:, None]).to(at.dtype)
-                if HAS_BIAS:
-                    if q_idx == 0:
-                        bias_acc += tl.sum(at.to(tl.float32) * w[None, :], axis=1)
-            else:
-                at = tl.load(a_ptr + rows.to(tl.int64)[None, :] * stride_am + ps[:, None],
-                             mask=pmask[:, None] & rmask[None, :], other=0.0)
-                b = tl.load(b_ptr + tok[:, None] * stride_bm + qs[None, :], mask=rmask[:, None] & (qs < Q)[None, :],
-                            other=0.0)
-                if HAS_BIAS:
-                    if q_idx == 0:
-                        bias_acc += tl.sum(at.to(tl.float32), axis=1)
+        full = (hi - lo) // BLOCK_R
+        # Whole steps without row masks, then one masked step for the expert's last rows.
+        for i in range(0, full):
+            at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, lo + i * BLOCK_R, hi, p_idx * BLOCK_P, ps,
+                                       pmask, qs, q_idx * BLOCK_Q, Q, I, alpha, limit, stride_am, stride_bm,
+                                       DOWN, ACT, INTERLEAVED, FAST_ACT, TMA, False, BLOCK_P, BLOCK_R, BLOCK_Q)
             acc = tl.dot(at, b, acc, input_precision=PRECISION)
+            if HAS_BIAS:
+                if q_idx == 0:
+                    bias_acc += _bias_part(at, w, DOWN)
+        if lo + full * BLOCK_R < hi:
+            at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, lo + full * BLOCK_R, hi, p_idx * BLOCK_P,
+                                       ps, pmask, qs, q_idx * BLOCK_Q, Q, I, alpha, limit, stride_am, stride_bm,
+                                       DOWN, ACT, INTERLEAVED, FAST_ACT, TMA, True, BLOCK_P, BLOCK_R, BLOCK_Q)
+            acc = tl.dot(at, b, acc, input_precision=PRECISION)
+            if HAS_BIAS:
+                if q_idx == 0:
+                    bias_acc += _bias_part(at, w, DOWN)
         tl.store(out_ptr + e.to(tl.int64) * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq,
                  acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & (qs < Q)[None, :])
         if HAS_BIAS:
@@ -213,19 +256,37 @@ def _launch_dh(grad_out, h, w_down, eti, rw, offsets, b_down, grad_h, parts, bdo
     )
 
 
+def _contiguous_source(t, block, wide):
+    """``t`` (row-major, its rows contiguous per expert) as a TMA descriptor of
+    [block[0], wide * block[1]] tiles where TMA allows it, else the tensor; and which it is."""
+    aligned = t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+    if not (fwd.H_TMA and aligned and wide * block[1] <= 256):  # a TMA box is at most 256 wide
+        return t, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, [block[0], wide * block[1]]), True
+
+
 def _launch_wgrad(a, b, eti, rw, offsets, grad_w, grad_b, P, Q, I, transposed_out, down, act, interleaved,
                   alpha, limit):
     E = grad_w.shape[0]
     BP, BQ, BR, warps, stages = _tiles(a.device, a.dtype, "wgrad_down" if down else "wgrad_up")
+    a_stride, b_stride = a.stride(0), b.stride(0)
+    if down:  # h: its gate and up tiles, the up half starting at column I
+        wide = 2 if interleaved and is_gated_code(act) else 1
+        b, tma = _contiguous_source(b, (BR, BQ), wide) if I * b.element_size() % 16 == 0 else (b, False)
+    else:  # dH
+        a, tma = _contiguous_source(a, (BR, BP), 1)
     # grad_w is [E, P, Q], or [E, Q, P] when the weight layout is transposed.
     sop, soq = (grad_w.stride(2), grad_w.stride(1)) if transposed_out else (grad_w.stride(1), grad_w.stride(2))
     tiles = E * triton.cdiv(P, BP) * triton.cdiv(Q, BQ)
-    _wgrad_kernel[(_num_programs(a.device, tiles),)](
+    _wgrad_kernel[(_num_programs(grad_w.device, tiles),)](
         a, b, eti, rw, offsets, grad_w, grad_b if grad_b is not None else grad_w,
         E, P, Q, I, float(alpha), float(limit),
-        a.stride(0), b.stride(0), grad_w.stride(0), sop, soq, grad_b.stride(0) if grad_b is not None else 0,
-        DOWN=down, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=grad_b is not None, FAST_ACT=_fast_act(a),
-        PRECISION=_precision(a.dtype), BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BR, num_warps=warps, num_stages=stages,
+        a_stride, b_stride, grad_w.stride(0), sop, soq, grad_b.stride(0) if grad_b is not None else 0,
+        DOWN=down, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=grad_b is not None, FAST_ACT=_fast_act(grad_w),
+        TMA=tma, PRECISION=_precision(grad_w.dtype), BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BR, num_warps=warps,
+        num_stages=stages,
     )
 
 
