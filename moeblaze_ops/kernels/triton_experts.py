@@ -212,12 +212,12 @@ def _precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 is fp32: no silent tf32
 
 
-def _num_programs(device, max_tiles):
+def _num_programs(device, max_tiles, per_sm=None):
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:  # the interpreter
         sms = 4
-    return max(1, min(PROGRAMS_PER_SM * sms, max_tiles))
+    return max(1, min((per_sm or PROGRAMS_PER_SM) * sms, max_tiles))
 
 
 def _gemm_config(dtype, kind):

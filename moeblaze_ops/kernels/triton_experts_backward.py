@@ -211,16 +211,17 @@ def _wgrad_kernel(
 
 
 def _gemm_config(dtype, kind):
-    """Tile shapes of the backward GEMMs: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for "dh" and
-    "dx", (BLOCK_P, BLOCK_Q, BLOCK_R, warps, stages) for "wgrad_down" and "wgrad_up"
-    (scripts/tune_backward.py sweeps them; docs/perf-notes.md has the numbers)."""
+    """Tile shapes of the backward GEMMs: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, programs
+    per SM]) for "dh" and "dx", (BLOCK_P, BLOCK_Q, BLOCK_R, warps, stages[, programs per SM])
+    for "wgrad_down" and "wgrad_up" (scripts/tune_backward.py sweeps them; docs/perf-notes.md
+    has the numbers)."""
     if dtype == torch.float32:
         return 64, 64, 32, 4, 3
     return {
         "dh": (128, 128, 64, 8, 3),
-        "dx": (128, 256, 64, 8, 3),
-        "wgrad_down": (128, 128, 64, 8, 3),
-        "wgrad_up": (128, 128, 64, 8, 3),
+        "dx": (128, 256, 64, 8, 4),
+        "wgrad_down": (256, 128, 64, 8, 3),
+        "wgrad_up": (256, 128, 64, 8, 3),
     }[kind]
 
 
@@ -240,12 +241,12 @@ def _launch_dh(grad_out, h, w_down, eti, rw, offsets, b_down, grad_h, parts, bdo
     E = w_down.shape[0]
     d = w_down.shape[2] if transposed else w_down.shape[1]
     I = w_down.shape[1] if transposed else w_down.shape[2]
-    BM, BN, BK, warps, stages = _tiles(h.device, h.dtype, "dh")
+    BM, BN, BK, warps, stages, *per_sm = _tiles(h.device, h.dtype, "dh")
     # grad_out rows @ W_e as [d, I]: reduction over d, output over I.
     swe = w_down.stride(0)
     swk, swn = (w_down.stride(2), w_down.stride(1)) if transposed else (w_down.stride(1), w_down.stride(2))
     max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(I, BN)
-    _dh_kernel[(_num_programs(h.device, max_tiles),)](
+    _dh_kernel[(_num_programs(h.device, max_tiles, *per_sm),)](
         grad_out, w_down, h, eti, rw, offsets, b_down if b_down is not None else w_down, grad_h, parts, bdot,
         LK, E, d, I, float(alpha), float(limit), parts.shape[1],
         grad_out.stride(0), swe, swk, swn, b_down.stride(0) if b_down is not None else 0, h.stride(0),
@@ -270,7 +271,7 @@ def _contiguous_source(t, block, wide):
 def _launch_wgrad(a, b, eti, rw, offsets, grad_w, grad_b, P, Q, I, transposed_out, down, act, interleaved,
                   alpha, limit):
     E = grad_w.shape[0]
-    BP, BQ, BR, warps, stages = _tiles(a.device, a.dtype, "wgrad_down" if down else "wgrad_up")
+    BP, BQ, BR, warps, stages, *per_sm = _tiles(a.device, a.dtype, "wgrad_down" if down else "wgrad_up")
     a_stride, b_stride = a.stride(0), b.stride(0)
     if down:  # h: its gate and up tiles, the up half starting at column I
         wide = 2 if interleaved and is_gated_code(act) else 1
@@ -280,7 +281,7 @@ def _launch_wgrad(a, b, eti, rw, offsets, grad_w, grad_b, P, Q, I, transposed_ou
     # grad_w is [E, P, Q], or [E, Q, P] when the weight layout is transposed.
     sop, soq = (grad_w.stride(2), grad_w.stride(1)) if transposed_out else (grad_w.stride(1), grad_w.stride(2))
     tiles = E * triton.cdiv(P, BP) * triton.cdiv(Q, BQ)
-    _wgrad_kernel[(_num_programs(grad_w.device, tiles),)](
+    _wgrad_kernel[(_num_programs(grad_w.device, tiles, *per_sm),)](
         a, b, eti, rw, offsets, grad_w, grad_b if grad_b is not None else grad_w,
         E, P, Q, I, float(alpha), float(limit),
         a_stride, b_stride, grad_w.stride(0), sop, soq, grad_b.stride(0) if grad_b is not None else 0,
@@ -295,12 +296,12 @@ def _launch_dx_rows(grad_h, w_gate_up, offsets, grad_rows, transposed):
     LK, N = grad_h.shape
     E = w_gate_up.shape[0]
     d = grad_rows.shape[1]
-    BM, BN, BK, warps, stages = _tiles(grad_h.device, grad_h.dtype, "dx")
+    BM, BN, BK, warps, stages, *per_sm = _tiles(grad_h.device, grad_h.dtype, "dx")
     swe = w_gate_up.stride(0)
     swk, swn = (w_gate_up.stride(2), w_gate_up.stride(1)) if transposed else (w_gate_up.stride(1),
                                                                                w_gate_up.stride(2))
     max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(d, BN)
-    _up_kernel[(_num_programs(grad_h.device, max_tiles),)](
+    _up_kernel[(_num_programs(grad_h.device, max_tiles, *per_sm),)](
         grad_h, w_gate_up, w_gate_up, offsets, offsets, grad_rows,
         LK, E, d, N, grad_h.stride(0), 1, swe, swk, swn, 0, grad_rows.stride(0),
         HAS_BIAS=False, GROUPS=triton.next_power_of_2(E + 1), PRECISION=_precision(grad_h.dtype),
