@@ -36,6 +36,8 @@ CONFIGS = {
     "qwen3_a3b": (32768, 2048, 768, 128, 8),
     "mixtral": (16384, 4096, 14336, 8, 2),
     "deepseek_v3": (8192, 7168, 2048, 256, 8),
+    # one layer of examples/finetune_hf_moe.py --size 100m at 16x512 tokens
+    "qwen3_100m": (8192, 512, 256, 32, 4),
     "smoke": (512, 64, 128, 8, 2),  # a seconds-long check of the benchmark itself
 }
 DISPATCH_CASES = [(65536, 8, 128), (262144, 4, 16), (1048576, 8, 256)]

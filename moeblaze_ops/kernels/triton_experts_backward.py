@@ -104,16 +104,15 @@ def _router_grad_kernel(part_ptr, bdot_ptr, tim_ptr, offsets_ptr, out_ptr, LK, E
 
 
 @triton.jit
-def _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, r0, hi, p0, ps, pmask, qs, q0, Q, I, alpha, limit,
+def _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask, qs, q0, Q, I, alpha, limit,
                     stride_am, stride_bm, DOWN: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
                     FAST_ACT: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr,
                     BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
     """A^T [P, R] and B [R, Q] of one reduction step over rows [r0, r0 + BLOCK_R), and the
     router weight of each row (DOWN) for the bias gradient.
 
-    The operand whose rows are contiguous (h for DOWN, dH otherwise) comes through a TMA
-    descriptor when TMA is set. Only the last step of an expert (MASKED) needs row masks:
-    there, rows past ``hi`` belong to the next expert and are zeroed.
+    With TMA (DOWN only), h comes through a TMA descriptor. Only the last step of an expert
+    (MASKED) needs row masks: there, rows past ``hi`` belong to the next expert and are zeroed.
     """
     rows = r0 + tl.arange(0, BLOCK_R)
     rmask = rows < hi
@@ -134,13 +133,14 @@ def _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, r0, hi, p0, ps, pmask, qs, q0
             b = tl.where(rmask[:, None], b, 0.0)
         b = b.to(at.dtype)
     else:
-        if TMA:
-            at = tl.trans(a_src.load([r0, p0]))
-            if MASKED:
-                at = tl.where(rmask[None, :], at, 0.0)
-        else:
+        # dH through a TMA descriptor, transposed in shared memory, was measured racy on the
+        # H200 (two runs differed in 2 of 8 seeds, triton 3.6): plain loads here.
+        if MASKED:
             at = tl.load(a_src + rows.to(tl.int64)[None, :] * stride_am + ps[:, None],
                          mask=pmask[:, None] & rmask[None, :], other=0.0)
+        else:
+            at = tl.load(a_src + rows.to(tl.int64)[None, :] * stride_am + ps[:, None], mask=pmask[:, None],
+                         other=0.0)
         b = tl.load(b_src + tok[:, None] * stride_bm + qs[None, :], mask=rmask[:, None] & (qs < Q)[None, :],
                     other=0.0)
     return at, b, w
@@ -185,7 +185,7 @@ def _wgrad_kernel(
         full = (hi - lo) // BLOCK_R
         # Whole steps without row masks, then one masked step for the expert's last rows.
         for i in range(0, full):
-            at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, lo + i * BLOCK_R, hi, p_idx * BLOCK_P, ps,
+            at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, lo + i * BLOCK_R, hi, ps,
                                        pmask, qs, q_idx * BLOCK_Q, Q, I, alpha, limit, stride_am, stride_bm,
                                        DOWN, ACT, INTERLEAVED, FAST_ACT, TMA, False, BLOCK_P, BLOCK_R, BLOCK_Q)
             acc = tl.dot(at, b, acc, input_precision=PRECISION)
@@ -193,8 +193,8 @@ def _wgrad_kernel(
                 if q_idx == 0:
                     bias_acc += _bias_part(at, w, DOWN)
         if lo + full * BLOCK_R < hi:
-            at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, lo + full * BLOCK_R, hi, p_idx * BLOCK_P,
-                                       ps, pmask, qs, q_idx * BLOCK_Q, Q, I, alpha, limit, stride_am, stride_bm,
+            at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, lo + full * BLOCK_R, hi, ps,
+                                       pmask, qs, q_idx * BLOCK_Q, Q, I, alpha, limit, stride_am, stride_bm,
                                        DOWN, ACT, INTERLEAVED, FAST_ACT, TMA, True, BLOCK_P, BLOCK_R, BLOCK_Q)
             acc = tl.dot(at, b, acc, input_precision=PRECISION)
             if HAS_BIAS:
@@ -276,8 +276,8 @@ def _launch_wgrad(a, b, eti, rw, offsets, grad_w, grad_b, P, Q, I, transposed_ou
     if down:  # h: its gate and up tiles, the up half starting at column I
         wide = 2 if interleaved and is_gated_code(act) else 1
         b, tma = _contiguous_source(b, (BR, BQ), wide) if I * b.element_size() % 16 == 0 else (b, False)
-    else:  # dH
-        a, tma = _contiguous_source(a, (BR, BP), 1)
+    else:  # dH: plain loads (see _wgrad_operands)
+        tma = False
     # grad_w is [E, P, Q], or [E, Q, P] when the weight layout is transposed.
     sop, soq = (grad_w.stride(2), grad_w.stride(1)) if transposed_out else (grad_w.stride(1), grad_w.stride(2))
     tiles = E * triton.cdiv(P, BP) * triton.cdiv(Q, BQ)
