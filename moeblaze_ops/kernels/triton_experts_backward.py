@@ -133,14 +133,8 @@ def _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask, qs, q0, Q,
             b = tl.where(rmask[:, None], b, 0.0)
         b = b.to(at.dtype)
     else:
-        # dH through a TMA descriptor, transposed in shared memory, was measured racy on the
-        # H200 (two runs differed in 2 of 8 seeds, triton 3.6): plain loads here.
-        if MASKED:
-            at = tl.load(a_src + rows.to(tl.int64)[None, :] * stride_am + ps[:, None],
-                         mask=pmask[:, None] & rmask[None, :], other=0.0)
-        else:
-            at = tl.load(a_src + rows.to(tl.int64)[None, :] * stride_am + ps[:, None], mask=pmask[:, None],
-                         other=0.0)
+        at = tl.load(a_src + rows.to(tl.int64)[None, :] * stride_am + ps[:, None],
+                     mask=pmask[:, None] & rmask[None, :], other=0.0)
         b = tl.load(b_src + tok[:, None] * stride_bm + qs[None, :], mask=rmask[:, None] & (qs < Q)[None, :],
                     other=0.0)
     return at, b, w
@@ -182,8 +176,13 @@ def _wgrad_kernel(
         hi = tl.load(offsets_ptr + e + 1)
         acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
         bias_acc = tl.zeros((BLOCK_P,), dtype=tl.float32)
-        full = (hi - lo) // BLOCK_R
-        # Whole steps without row masks, then one masked step for the expert's last rows.
+        # DOWN: whole steps without row masks, then a masked step for the expert's last rows.
+        # The up projection's steps are all masked: its unmasked form (plain loads or TMA)
+        # gave run-to-run differences on the H200 (triton 3.6), the masked one does not.
+        if DOWN:
+            full = (hi - lo) // BLOCK_R
+        else:
+            full = 0
         for i in range(0, full):
             at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, lo + i * BLOCK_R, hi, ps,
                                        pmask, qs, q_idx * BLOCK_Q, Q, I, alpha, limit, stride_am, stride_bm,
@@ -192,8 +191,8 @@ def _wgrad_kernel(
             if HAS_BIAS:
                 if q_idx == 0:
                     bias_acc += _bias_part(at, w, DOWN)
-        if lo + full * BLOCK_R < hi:
-            at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, lo + full * BLOCK_R, hi, ps,
+        for r0 in range(lo + full * BLOCK_R, hi, BLOCK_R):
+            at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps,
                                        pmask, qs, q_idx * BLOCK_Q, Q, I, alpha, limit, stride_am, stride_bm,
                                        DOWN, ACT, INTERLEAVED, FAST_ACT, TMA, True, BLOCK_P, BLOCK_R, BLOCK_Q)
             acc = tl.dot(at, b, acc, input_precision=PRECISION)
