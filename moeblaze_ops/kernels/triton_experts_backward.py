@@ -176,29 +176,37 @@ def _wgrad_kernel(
         hi = tl.load(offsets_ptr + e + 1)
         acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
         bias_acc = tl.zeros((BLOCK_P,), dtype=tl.float32)
-        # DOWN: whole steps without row masks, then a masked step for the expert's last rows.
-        # The up projection's steps are all masked: its unmasked form (plain loads or TMA)
-        # gave run-to-run differences on the H200 (triton 3.6), the masked one does not.
         if DOWN:
+            # Whole steps without row masks, then one masked step for the expert's last rows.
             full = (hi - lo) // BLOCK_R
+            for i in range(0, full):
+                at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, lo + i * BLOCK_R, hi, ps, pmask, qs,
+                                           q_idx * BLOCK_Q, Q, I, alpha, limit, stride_am, stride_bm,
+                                           DOWN, ACT, INTERLEAVED, FAST_ACT, TMA, False, BLOCK_P, BLOCK_R, BLOCK_Q)
+                acc = tl.dot(at, b, acc, input_precision=PRECISION)
+                if HAS_BIAS:
+                    if q_idx == 0:
+                        bias_acc += _bias_part(at, w, DOWN)
+            if lo + full * BLOCK_R < hi:
+                at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, lo + full * BLOCK_R, hi, ps, pmask, qs,
+                                           q_idx * BLOCK_Q, Q, I, alpha, limit, stride_am, stride_bm,
+                                           DOWN, ACT, INTERLEAVED, FAST_ACT, TMA, True, BLOCK_P, BLOCK_R, BLOCK_Q)
+                acc = tl.dot(at, b, acc, input_precision=PRECISION)
+                if HAS_BIAS:
+                    if q_idx == 0:
+                        bias_acc += _bias_part(at, w, DOWN)
         else:
-            full = 0
-        for i in range(0, full):
-            at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, lo + i * BLOCK_R, hi, ps,
-                                       pmask, qs, q_idx * BLOCK_Q, Q, I, alpha, limit, stride_am, stride_bm,
-                                       DOWN, ACT, INTERLEAVED, FAST_ACT, TMA, False, BLOCK_P, BLOCK_R, BLOCK_Q)
-            acc = tl.dot(at, b, acc, input_precision=PRECISION)
-            if HAS_BIAS:
-                if q_idx == 0:
-                    bias_acc += _bias_part(at, w, DOWN)
-        for r0 in range(lo + full * BLOCK_R, hi, BLOCK_R):
-            at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps,
-                                       pmask, qs, q_idx * BLOCK_Q, Q, I, alpha, limit, stride_am, stride_bm,
-                                       DOWN, ACT, INTERLEAVED, FAST_ACT, TMA, True, BLOCK_P, BLOCK_R, BLOCK_Q)
-            acc = tl.dot(at, b, acc, input_precision=PRECISION)
-            if HAS_BIAS:
-                if q_idx == 0:
-                    bias_acc += _bias_part(at, w, DOWN)
+            # Every step masked: the peeled form above (unmasked loads or a TMA read of dH,
+            # then a masked last step) gave run-to-run differences here on the H200 with
+            # triton 3.6, the all-masked loop did not (docs/perf-notes.md).
+            for r0 in range(lo, hi, BLOCK_R):
+                at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask, qs,
+                                           q_idx * BLOCK_Q, Q, I, alpha, limit, stride_am, stride_bm,
+                                           DOWN, ACT, INTERLEAVED, FAST_ACT, TMA, True, BLOCK_P, BLOCK_R, BLOCK_Q)
+                acc = tl.dot(at, b, acc, input_precision=PRECISION)
+                if HAS_BIAS:
+                    if q_idx == 0:
+                        bias_acc += _bias_part(at, w, DOWN)
         tl.store(out_ptr + e.to(tl.int64) * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq,
                  acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & (qs < Q)[None, :])
         if HAS_BIAS:
