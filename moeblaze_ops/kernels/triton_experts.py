@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import triton_activations as acts
-from .triton_activations import ACT_CODES
+from .triton_activations import ACT_CODES, is_gated_code
 
 #: Tests set this to fill every buffer with NaN before the kernels run, so that any
 #: element a kernel forgets to write shows up.
@@ -254,18 +254,18 @@ H_TMA = True
 FAST_ACT = True
 
 
-def _h_source(h, activation, interleaved, I, BM, BK):
-    """h as the down kernel reads it: a tensor descriptor where TMA allows, else the tensor."""
-    from .triton_activations import is_gated_code
-
-    # TMA needs 16-byte aligned rows and tile starts (the up half starts at column I).
+def _h_source(h, act, interleaved, I, BM, BK):
+    """h as a GEMM reads its [BM, BK] activation tiles (activation code ``act``): a TMA
+    tensor descriptor where TMA allows it, else the tensor; and which of the two it is."""
+    # TMA needs 16-byte aligned rows and tile starts (the up half starts at column I), and a
+    # box at most 256 elements wide (the interleaved layout reads 2*BK columns at once).
+    width = 2 * BK if is_gated_code(act) and interleaved else BK
     aligned = (h.stride(1) == 1 and (h.stride(0) * h.element_size()) % 16 == 0 and h.data_ptr() % 16 == 0
                and (I * h.element_size()) % 16 == 0)
-    if not (H_TMA and aligned):
+    if not (H_TMA and aligned and width <= 256):
         return h, False
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    width = 2 * BK if is_gated_code(ACT_CODES[activation]) and interleaved else BK
     return TensorDescriptor.from_tensor(h, [BM, width]), True
 
 
@@ -310,7 +310,7 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
     if LK > 0 and d > 0:
         swe, swk, swn = _weight_strides(w_down, transposed)
         tiles = _tiles(h.device, h.dtype, "down")
-        h_src, h_tma = _h_source(h, activation, interleaved, I, tiles[0], tiles[2])
+        h_src, h_tma = _h_source(h, ACT_CODES[activation], interleaved, I, tiles[0], tiles[2])
         _launch_gemm(
             _down_kernel, h.device, h.dtype, tiles,
             h_src=h_src, w_ptr=w_down, b_ptr=b_down if b_down is not None else w_down, offsets_ptr=expert_offsets,

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import triton_activations as acts
 from .torch_experts import row_weights
-from .triton_activations import ACT_CODES, is_gated_code
+from .triton_activations import ACT_CODES
 from . import triton_experts as fwd
 from .triton_experts import (
     _activate, _empty, _load_act_operand, _num_programs, _num_tiles, _precision, _tile_of, _up_kernel, combine,
@@ -264,27 +264,13 @@ def _launch_dh(grad_out, h, w_down, eti, rw, offsets, b_down, grad_h, parts, bdo
     )
 
 
-def _contiguous_source(t, block, wide):
-    """``t`` (row-major, its rows contiguous per expert) as a TMA descriptor of
-    [block[0], wide * block[1]] tiles where TMA allows it, else the tensor; and which it is."""
-    aligned = t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-    if not (fwd.H_TMA and aligned and wide * block[1] <= 256):  # a TMA box is at most 256 wide
-        return t, False
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t, [block[0], wide * block[1]]), True
-
-
 def _launch_wgrad(a, b, eti, rw, offsets, grad_w, grad_b, P, Q, I, transposed_out, down, act, interleaved,
                   alpha, limit):
     E = grad_w.shape[0]
     BP, BQ, BR, warps, stages, *per_sm = _tiles(a.device, a.dtype, "wgrad_down" if down else "wgrad_up")
     a_stride, b_stride = a.stride(0), b.stride(0)
-    if down:  # h: its gate and up tiles, the up half starting at column I
-        wide = 2 if interleaved and is_gated_code(act) else 1
-        b, tma = _contiguous_source(b, (BR, BQ), wide) if I * b.element_size() % 16 == 0 else (b, False)
-    else:  # dH: plain loads (see _wgrad_operands)
-        tma = False
+    # h's [BR, BQ] tiles through TMA, as in the forward down GEMM; dH keeps plain loads (see the kernel).
+    b, tma = fwd._h_source(b, act, interleaved, I, BR, BQ) if down else (b, False)
     # grad_w is [E, P, Q], or [E, Q, P] when the weight layout is transposed.
     sop, soq = (grad_w.stride(2), grad_w.stride(1)) if transposed_out else (grad_w.stride(1), grad_w.stride(2))
     tiles = E * triton.cdiv(P, BP) * triton.cdiv(Q, BQ)
