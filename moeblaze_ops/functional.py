@@ -47,8 +47,9 @@ def moe_experts(
         b_gate_up: optional ``[E, N]`` per-expert bias of the up projection.
         b_down: optional ``[E, d]`` per-expert bias of the down projection.
         recompute: keep only x, the index arrays and topk_weights for backward, and
-            recompute h there with one more up-projection GEMM (for the longest
-            sequences). By default backward keeps h as well.
+            recompute h there with one more up-projection GEMM, writing dH over it (for
+            the longest sequences: neither the saved h nor a second [L*K, N] buffer in
+            backward). By default backward keeps h as well.
     """
     for arg, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if not isinstance(t, Tensor) or t.dim() == 0:
@@ -95,11 +96,10 @@ class _RecomputedExperts(torch.autograd.Function):
         x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim = ctx.saved_tensors
         activation, transposed, interleaved, alpha, limit = ctx.args
         ops = torch.ops.moeblaze
-        h = ops.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
-        grad_h, grad_w_down, grad_b_down, grad_tw = ops.expert_down_backward(
-            grad_out, h, w_down, eti, offsets, tim, tw, b_down, activation, transposed, interleaved,
-            alpha, limit)
-        del h
+        # One op recomputes h and writes dH over it (see its docstring for why one op).
+        grad_h, grad_w_down, grad_b_down, grad_tw = ops.expert_down_backward_recompute(
+            grad_out, x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, activation, transposed,
+            interleaved, alpha, limit)
         grad_x, grad_w_gate_up, grad_b_gate_up = ops.expert_up_backward(
             grad_h, x, w_gate_up, eti, offsets, tim, b_gate_up is not None, transposed)
         return (grad_x, grad_w_gate_up, grad_w_down, grad_b_gate_up if b_gate_up is not None else None,

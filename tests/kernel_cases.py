@@ -43,8 +43,9 @@ GRAD_ARGS = ("x", "topk_weights", "w_gate_up", "w_down", "b_gate_up", "b_down")
 
 
 def check_backward(L, d, I, E, K, *, dtype, device, seed, activation="swiglu", layout="concatenated",
-                   bias=False, routing="uniform", sentinel_frac=0.0, tw_dtype=None):
-    """Every gradient of the layer vs the float64 reference; two runs bitwise equal."""
+                   bias=False, routing="uniform", sentinel_frac=0.0, tw_dtype=None, recompute=False):
+    """Every gradient of the layer vs the float64 reference; two runs bitwise equal.
+    ``recompute`` runs moe_experts(..., recompute=True) (h recomputed, dH written over it)."""
     tr = layout != "concatenated"
     layer = make_layer(L, d, I, E, K, dtype=dtype, activation=activation, transposed=tr, interleaved=tr,
                        bias=bias, routing=routing, sentinel_frac=sentinel_frac, seed=seed, tw_dtype=tw_dtype)
@@ -55,7 +56,7 @@ def check_backward(L, d, I, E, K, *, dtype, device, seed, activation="swiglu", l
     def grads(to_dev, ref=False):
         inputs = {k: (to_dev(v).requires_grad_(k in names) if torch.is_tensor(v) and v.is_floating_point()
                       else (v.to(device) if torch.is_tensor(v) else v)) for k, v in layer.items()}
-        out = (reference_moe if ref else moe_experts)(**inputs, limit=limit)
+        out = reference_moe(**inputs, limit=limit) if ref else moe_experts(**inputs, limit=limit, recompute=recompute)
         g = grad_out.to(device=device, dtype=out.dtype)
         return torch.autograd.grad(out, [inputs[k] for k in names], g)
 

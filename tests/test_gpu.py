@@ -127,6 +127,12 @@ def test_backward_odd_sizes(d, I, seed, triton_bwd):
                    layout="transposed_interleaved" if d == 2880 else "concatenated")
 
 
+@pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
+def test_recompute_backward(layout, seed, triton_bwd):
+    check_backward(777, 256, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
+                   bias=True, tw_dtype=torch.float32, recompute=True)
+
+
 def test_forward_backward_without_host_sync(seed, triton_bwd):
     layer = _cuda_layer(seed)
     params = [layer[k].requires_grad_(True) for k in ("x", "topk_weights", "w_gate_up", "w_down")]

@@ -47,10 +47,14 @@ def op_args(layer):
                                bgu is not None, tr),
         "expert_down_backward": (torch.randn_like(out), h.detach(), wd.detach(), eti, offsets, tim,
                                  tw.detach(), detached(bd), act, tr, il, 1.702, 1.0),
+        "expert_down_backward_recompute": (torch.randn_like(out), x.detach(), wgu.detach(), wd.detach(), eti,
+                                           offsets, tim, tw.detach(), detached(bgu), detached(bd), act, tr, il,
+                                           1.702, 1.0),
     }
 
 
-OPS = ["dispatch", "expert_up", "expert_down", "expert_up_backward", "expert_down_backward"]
+OPS = ["dispatch", "expert_up", "expert_down", "expert_up_backward", "expert_down_backward",
+       "expert_down_backward_recompute"]
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -68,3 +68,35 @@ def test_recompute_mode_gradcheck(seed):
     names = [k for k in ("x", "topk_weights", "w_gate_up", "w_down", "b_gate_up", "b_down")]
     f = lambda *t: moe_experts(**{**layer, **dict(zip(names, t))}, recompute=True)  # noqa: E731
     assert torch.autograd.gradcheck(f, [layer[k] for k in names])
+
+
+def _compiled_saved_shapes(fn, *args):
+    """Shapes of the tensors the compiled forward graph hands to backward (AOTAutograd with
+    Inductor's partitioner, which merges identical ops across forward and backward)."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    captured = {}
+
+    def backend(gm, example_inputs):
+        def fw(g, _):
+            captured["forward"] = g
+            return g
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, bw_compiler=lambda g, _: g,
+                                     partition_fn=min_cut_rematerialization_partition)
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args).sum().backward()
+    outputs = next(n for n in captured["forward"].graph.nodes if n.op == "output").args[0]
+    return [tuple(o.meta["val"].shape) for o in outputs[1:] if hasattr(o, "meta") and "val" in o.meta]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_compiled_forward_saves_h_only_without_recompute(recompute, seed):
+    """Under torch.compile the partitioner decides what is saved: recompute mode must still
+    hand backward no [L*K, N] tensor (its backward recomputes h inside one op, which the
+    compiler cannot merge with the forward's expert_up), and the default mode exactly one."""
+    L, d, I, E, K = 16, 12, 5, 4, 2
+    layer = make_layer(L, d, I, E, K, bias=True, seed=seed, requires_grad=True)
+    shapes = _compiled_saved_shapes(lambda kw: moe_experts(**kw, recompute=recompute), layer)
+    assert shapes.count((L * K, 2 * I)) == (0 if recompute else 1), shapes

@@ -10,7 +10,8 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from conftest import make_layer
 from moeblaze_ops import moe_experts
 
-OPS = ["dispatch", "expert_up", "expert_down", "expert_up_backward", "expert_down_backward"]
+OPS = ["dispatch", "expert_up", "expert_down", "expert_up_backward", "expert_down_backward",
+       "expert_down_backward_recompute"]
 
 
 def _moeblaze_calls(gm):
@@ -27,9 +28,10 @@ moeblaze::dispatch(Tensor topk_ids, SymInt num_experts) -> (Tensor, Tensor, Tens
 moeblaze::expert_up(Tensor x, Tensor w_gate_up, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor? b_gate_up=None, bool transposed=False) -> Tensor
 moeblaze::expert_down(Tensor h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_down=None, str activation="swiglu", bool transposed=False, bool interleaved=False, float alpha=1.702, float limit=7.) -> Tensor
 moeblaze::expert_up_backward(Tensor grad_h, Tensor x, Tensor w_gate_up, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, bool has_bias, bool transposed) -> (Tensor, Tensor, Tensor)
-moeblaze::expert_down_backward(Tensor grad_out, Tensor h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_down, str activation, bool transposed, bool interleaved, float alpha, float limit) -> (Tensor, Tensor, Tensor, Tensor)""")
+moeblaze::expert_down_backward(Tensor grad_out, Tensor h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_down, str activation, bool transposed, bool interleaved, float alpha, float limit) -> (Tensor, Tensor, Tensor, Tensor)
+moeblaze::expert_down_backward_recompute(Tensor grad_out, Tensor x, Tensor w_gate_up, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_gate_up, Tensor? b_down, str activation, bool transposed, bool interleaved, float alpha, float limit) -> (Tensor, Tensor, Tensor, Tensor)""")
 
-    def test_compiled_graphs(self):
+    def _compiled_calls(self, recompute):
         captured = {}
 
         def backend(gm, example_inputs):
@@ -46,11 +48,19 @@ moeblaze::expert_down_backward(Tensor grad_out, Tensor h, Tensor w_down, Tensor 
 
         torch._dynamo.reset()
         layer = make_layer(10, 8, 4, 4, 2, requires_grad=True, bias=True)
-        fn = torch.compile(lambda kw: moe_experts(**kw), backend=backend, fullgraph=True)
+        fn = torch.compile(lambda kw: moe_experts(**kw, recompute=recompute), backend=backend, fullgraph=True)
         fn(layer).sum().backward()
-        calls = "\n".join(f"{name}: {', '.join(_moeblaze_calls(captured[name]))}"
-                          for name in ("dynamo", "forward", "backward"))
-        self.assertExpectedInline(calls, """\
+        return "\n".join(f"{name}: {', '.join(_moeblaze_calls(captured[name]))}"
+                         for name in ("dynamo", "forward", "backward"))
+
+    def test_compiled_graphs(self):
+        self.assertExpectedInline(self._compiled_calls(False), """\
 dynamo: moeblaze.dispatch, moeblaze.expert_up, moeblaze.expert_down
 forward: moeblaze.dispatch.default, moeblaze.expert_up.default, moeblaze.expert_down.default
 backward: moeblaze.expert_down_backward.default, moeblaze.expert_up_backward.default""")
+
+    def test_compiled_graphs_recompute(self):
+        self.assertExpectedInline(self._compiled_calls(True), """\
+dynamo: moeblaze.dispatch
+forward: moeblaze.dispatch.default, moeblaze.expert_up.default, moeblaze.expert_down.default
+backward: moeblaze.expert_down_backward_recompute.default, moeblaze.expert_up_backward.default""")

@@ -82,3 +82,10 @@ def test_backward_whole_steps(layout, tma, seed):
                        bias=True, routing="skewed")
     finally:
         triton_experts.H_TMA = before
+
+
+@pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
+def test_recompute_backward_kernels(layout, seed):
+    """recompute=True: h recomputed in backward and dH written over it in place."""
+    check_backward(45, 16, 8, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout,
+                   bias=layout != "concatenated", recompute=True)

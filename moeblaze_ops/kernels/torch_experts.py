@@ -100,11 +100,16 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
 
 
 def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
-                         topk_weights, b_down, activation, transposed, interleaved, alpha, limit):
+                         topk_weights, b_down, activation, transposed, interleaved, alpha, limit, grad_h=None):
+    """``grad_h``, when given, receives dH (it may be ``h`` itself: each expert's rows of h
+    are read before they are overwritten)."""
     acc = _acc_dtype(h.dtype)
     L, K = topk_weights.shape
     rw = row_weights(token_index_map, topk_weights, acc)
-    grad_h = torch.zeros_like(h)
+    if grad_h is None:
+        grad_h = torch.zeros_like(h)
+    else:
+        grad_h[int(expert_offsets[-1]):].zero_()  # sentinel rows (this path syncs anyway)
     grad_w = torch.zeros(w_down.shape, dtype=acc, device=h.device)
     grad_b = torch.zeros(b_down.shape if b_down is not None else (0,), dtype=acc, device=h.device)
     # dL/dw for routed row r is <grad_out[token], y_r> = <grad_out[token] @ W^T, a_r> + <grad_out[token], b>.

@@ -303,24 +303,37 @@ def _launch_dx_rows(grad_h, w_gate_up, offsets, grad_rows, transposed):
 
 
 def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
-                         topk_weights, b_down, activation, transposed, interleaved, alpha, limit):
+                         topk_weights, b_down, activation, transposed, interleaved, alpha, limit, grad_h=None):
+    """``grad_h``, when given, receives dH; it may be ``h`` itself (the weight gradient,
+    which reads all of h, runs first, and each dH tile overwrites only the h tiles it has
+    just read)."""
     L, K = topk_weights.shape
     LK = h.shape[0]
     E = w_down.shape[0]
     d = w_down.shape[2] if transposed else w_down.shape[1]
     I = w_down.shape[1] if transposed else w_down.shape[2]
     grad_out = grad_out.contiguous()
-    h = h.contiguous()
+    out = grad_h
+    if h.stride(1) != 1 or h.stride(0) != h.shape[1]:
+        h = h.contiguous()
     act = ACT_CODES[activation]
     dev = h.device
     rw = row_weights(token_index_map, topk_weights, torch.float32)
-    grad_h = _empty(LK, h.shape[1], dtype=h.dtype, device=dev)
+    if out is None:
+        grad_h = _empty(LK, h.shape[1], dtype=h.dtype, device=dev)
+    elif out.data_ptr() == h.data_ptr():
+        grad_h = h  # in place (h was contiguous already)
+    else:
+        grad_h = out if out.is_contiguous() else _empty(LK, h.shape[1], dtype=h.dtype, device=dev)
     grad_w = _empty(*w_down.shape, dtype=w_down.dtype, device=dev)
     grad_b = _empty(*b_down.shape, dtype=b_down.dtype, device=dev) if b_down is not None else h.new_empty(0)
     grad_tw = _empty(L, K, dtype=topk_weights.dtype, device=dev)
     n_parts = max(1, triton.cdiv(I, _tiles(dev, h.dtype, "dh")[1]))
     parts = torch.empty(LK, n_parts, dtype=torch.float32, device=dev)
     bdot = torch.empty(LK, dtype=torch.float32, device=dev)
+    # The weight gradient first: it reads all of h, which dH may overwrite.
+    _launch_wgrad(grad_out, h, expert_token_indices, rw, expert_offsets, grad_w,
+                  grad_b if b_down is not None else None, d, I, I, transposed, True, act, interleaved, alpha, limit)
     if LK > 0:
         _launch_dh(grad_out, h, w_down, expert_token_indices, rw, expert_offsets, b_down, grad_h, parts, bdot, act,
                    transposed, interleaved, alpha, limit)
@@ -331,8 +344,8 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
         )
     else:
         grad_tw.zero_()
-    _launch_wgrad(grad_out, h, expert_token_indices, rw, expert_offsets, grad_w,
-                  grad_b if b_down is not None else None, d, I, I, transposed, True, act, interleaved, alpha, limit)
+    if out is not None and grad_h is not out:
+        out.copy_(grad_h)
     return grad_h, grad_w, grad_b, grad_tw
 
 

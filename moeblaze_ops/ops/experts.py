@@ -188,6 +188,55 @@ def _(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map
     return torch.empty_like(h), torch.empty_like(w_down), grad_b, torch.empty_like(topk_weights)
 
 
+@torch.library.custom_op("moeblaze::expert_down_backward_recompute", mutates_args=())
+def expert_down_backward_recompute(
+    grad_out: Tensor,
+    x: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    expert_token_indices: Tensor,
+    expert_offsets: Tensor,
+    token_index_map: Tensor,
+    topk_weights: Tensor,
+    b_gate_up: Optional[Tensor],
+    b_down: Optional[Tensor],
+    activation: str,
+    transposed: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``expert_down_backward`` that recomputes ``h`` (``expert_up``) itself and writes dH
+    over it: the backward of ``moe_experts(..., recompute=True)``.
+
+    Returns ``(grad_h, grad_w_down, grad_b_down, grad_topk_weights)`` like
+    ``expert_down_backward``. h and dH never exist at once. Being one op, the recompute
+    cannot be merged by torch.compile with the forward's ``expert_up`` (which would make
+    the compiled forward save h after all).
+    """
+    check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed,
+                    op="expert_down_backward_recompute")
+    h = forward_kernels(x, "experts").expert_up(x, w_gate_up, expert_token_indices, expert_offsets,
+                                                token_index_map, b_gate_up, transposed)
+    _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
+                         topk_weights, b_down, activation, transposed)
+    return backward_kernels(h).expert_down_backward(
+        grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
+        activation, transposed, interleaved, alpha, limit, grad_h=h)
+
+
+@expert_down_backward_recompute.register_fake
+def _(grad_out, x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
+      b_gate_up, b_down, activation, transposed, interleaved, alpha, limit):
+    _, N, _ = check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
+                              transposed, op="expert_down_backward_recompute")
+    h = x.new_empty(expert_token_indices.shape[0], N)
+    _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
+                         topk_weights, b_down, activation, transposed)
+    grad_b = torch.empty_like(b_down) if b_down is not None else h.new_empty(0)
+    return h, torch.empty_like(w_down), grad_b, torch.empty_like(topk_weights)
+
+
 def _expert_down_setup_context(ctx, inputs, output):
     h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed, interleaved, alpha, limit = inputs
     ctx.save_for_backward(h, w_down, eti, offsets, tim, topk_weights, b_down)
