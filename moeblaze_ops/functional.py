@@ -96,11 +96,17 @@ class _RecomputedExperts(torch.autograd.Function):
         x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim = ctx.saved_tensors
         activation, transposed, interleaved, alpha, limit = ctx.args
         ops = torch.ops.moeblaze
+        need = ctx.needs_input_grad  # x, w_gate_up, w_down, b_gate_up, b_down, tw, ...
+        has_bgu, has_bd = b_gate_up is not None, b_down is not None
         # One op recomputes h and writes dH over it (see its docstring for why one op).
         grad_h, grad_w_down, grad_b_down, grad_tw = ops.expert_down_backward_recompute(
             grad_out, x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, activation, transposed,
-            interleaved, alpha, limit)
-        grad_x, grad_w_gate_up, grad_b_gate_up = ops.expert_up_backward(
-            grad_h, x, w_gate_up, eti, offsets, tim, b_gate_up is not None, transposed)
-        return (grad_x, grad_w_gate_up, grad_w_down, grad_b_gate_up if b_gate_up is not None else None,
-                grad_b_down if b_down is not None else None, grad_tw, None, None, None, None)
+            interleaved, alpha, limit, need[2] or (has_bd and need[4]))
+        need_x, need_wgu = need[0], need[1] or (has_bgu and need[3])
+        grad_x = grad_w_gate_up = grad_b_gate_up = None
+        if need_x or need_wgu:
+            grad_x, grad_w_gate_up, grad_b_gate_up = ops.expert_up_backward(
+                grad_h, x, w_gate_up, eti, offsets, tim, has_bgu, transposed, need_x, need_wgu)
+        keep = lambda g, i, present=True: g if present and need[i] else None  # noqa: E731
+        return (keep(grad_x, 0), keep(grad_w_gate_up, 1), keep(grad_w_down, 2), keep(grad_b_gate_up, 3, has_bgu),
+                keep(grad_b_down, 4, has_bd), keep(grad_tw, 5), None, None, None, None)

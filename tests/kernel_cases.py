@@ -1,5 +1,7 @@
 """Shared kernel checks, run by the interpreter tests (CPU) and the GPU tests."""
 
+import contextlib
+
 import torch
 
 from conftest import make_layer, rel_err
@@ -69,3 +71,41 @@ def check_backward(L, d, I, E, K, *, dtype, device, seed, activation="swiglu", l
         err = rel_err(g, r)
         assert err <= TOL[dtype], f"grad {name}: rel err {err} > {TOL[dtype]} seed={seed}"
         assert torch.equal(g, g2), f"grad {name}: two runs differ seed={seed}"
+
+
+def check_frozen_grads(L, d, I, E, K, *, trainable, dtype, device, seed, recompute=False, bias=True):
+    """Only ``trainable`` inputs require grad: their gradients equal those of a run where
+    everything requires grad. Returns the backward ops called, each with the ``need_*``
+    flags it received, so callers can check what was skipped."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Flags(TorchDispatchMode):
+        calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            if name.startswith("moeblaze.expert_") and name.endswith(("backward", "backward_recompute")):
+                # Trailing arguments equal to their defaults may be left out of args.
+                schema = func._schema.arguments
+                values = {a.name: (args[i] if i < len(args) else (kwargs or {}).get(a.name, a.default_value))
+                          for i, a in enumerate(schema)}
+                Flags.calls.append((name.split(".")[1], {k: v for k, v in values.items() if k.startswith("need_")}))
+            return func(*args, **(kwargs or {}))
+
+    layer = make_layer(L, d, I, E, K, dtype=dtype, bias=bias, seed=seed, tw_dtype=torch.float32)
+    names = [k for k in GRAD_ARGS if layer[k] is not None]
+    grad_out = torch.randn(L, d, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
+
+    def grads(wanted, mode=None):
+        inputs = {k: (v.to(device).detach().requires_grad_(k in wanted) if torch.is_tensor(v) and v.is_floating_point()
+                      else (v.to(device) if torch.is_tensor(v) else v)) for k, v in layer.items()}
+        with mode or contextlib.nullcontext():
+            out = moe_experts(**inputs, recompute=recompute)
+            return dict(zip(wanted, torch.autograd.grad(out, [inputs[k] for k in wanted], grad_out)))
+
+    full = grads(names)
+    Flags.calls = []
+    part = grads([k for k in names if k in trainable], Flags())
+    for k, g in part.items():
+        assert torch.equal(g, full[k]), f"grad {k} differs when other inputs are frozen seed={seed}"
+    return Flags.calls

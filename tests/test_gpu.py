@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import make_layer, rel_err
-from kernel_cases import check_backward, check_dispatch_bitwise, check_forward
+from kernel_cases import check_backward, check_dispatch_bitwise, check_forward, check_frozen_grads
 from moeblaze_ops import ACTIVATIONS, moe_experts
 from reference import reference_moe
 
@@ -131,6 +131,11 @@ def test_backward_odd_sizes(d, I, seed, triton_bwd):
 def test_recompute_backward(layout, seed, triton_bwd):
     check_backward(777, 256, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
                    bias=True, tw_dtype=torch.float32, recompute=True)
+
+
+@pytest.mark.parametrize("trainable", [("x", "topk_weights"), ("w_gate_up", "w_down", "b_gate_up", "b_down")])
+def test_backward_skips_frozen(trainable, seed, triton_bwd):
+    check_frozen_grads(777, 256, 192, 8, 2, trainable=trainable, dtype=torch.bfloat16, device="cuda", seed=seed)
 
 
 def test_forward_backward_without_host_sync(seed, triton_bwd):

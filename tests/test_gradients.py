@@ -118,3 +118,26 @@ def test_deterministic(seed):
         runs.append((out, *grads))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+# Which backward GEMMs run, for each set of trainable inputs: the need_* flags of
+# expert_up_backward (None: not called) and of the down op.
+FROZEN_CASES = {
+    "frozen_experts": (("x", "topk_weights"), dict(need_input_grad=True, need_weight_grad=False),
+                       dict(need_weight_grad=False)),
+    "frozen_input": (("w_gate_up", "w_down", "b_gate_up", "b_down", "topk_weights"),
+                     dict(need_input_grad=False, need_weight_grad=True), dict(need_weight_grad=True)),
+    "only_down": (("w_down",), None, dict(need_weight_grad=True)),
+}
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("case", list(FROZEN_CASES))
+def test_frozen_inputs_skip_their_gradients(case, recompute, seed):
+    from kernel_cases import check_frozen_grads
+
+    trainable, up_flags, down_flags = FROZEN_CASES[case]
+    calls = dict(check_frozen_grads(9, 8, 4, 3, 2, trainable=trainable, dtype=torch.float32, device="cpu",
+                                    seed=seed, recompute=recompute))
+    assert calls.get("expert_up_backward") == up_flags
+    assert calls["expert_down_backward_recompute" if recompute else "expert_down_backward"] == down_flags

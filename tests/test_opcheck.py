@@ -83,3 +83,15 @@ def test_opcheck_half(dtype, seed):
     args = op_args(layer)
     for op in OPS:
         torch.library.opcheck(getattr(torch.ops.moeblaze, op).default, args[op], test_utils=TEST_UTILS)
+
+
+@pytest.mark.parametrize("flags", [(True, False), (False, True), (False, False)])
+def test_opcheck_backward_ops_skipping_gradients(flags, seed):
+    """The need_* flags of the backward ops (frozen experts or input): empty outputs for
+    what is not needed, in the fake functions as in the kernels."""
+    layer = make_layer(9, 8, 6, 4, 2, bias=True, seed=seed, requires_grad=True)
+    args = op_args(layer)
+    ops = torch.ops.moeblaze
+    torch.library.opcheck(ops.expert_up_backward.default, args["expert_up_backward"] + flags, test_utils=TEST_UTILS)
+    for op in ("expert_down_backward", "expert_down_backward_recompute"):
+        torch.library.opcheck(getattr(ops, op).default, args[op] + flags[1:], test_utils=TEST_UTILS)

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from kernel_cases import check_backward, check_dispatch_bitwise, check_forward
+from kernel_cases import check_backward, check_dispatch_bitwise, check_forward, check_frozen_grads
 from moeblaze_ops import ACTIVATIONS
 from moeblaze_ops.kernels import force_triton, triton_backward
 
@@ -89,3 +89,10 @@ def test_recompute_backward_kernels(layout, seed):
     """recompute=True: h recomputed in backward and dH written over it in place."""
     check_backward(45, 16, 8, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout,
                    bias=layout != "concatenated", recompute=True)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("trainable", [("x", "topk_weights"), ("w_gate_up", "w_down", "b_gate_up", "b_down")])
+def test_backward_kernels_skip_frozen(trainable, recompute, seed):
+    check_frozen_grads(20, 16, 8, 3, 2, trainable=trainable, dtype=torch.float32, device="cpu", seed=seed,
+                       recompute=recompute)

@@ -100,9 +100,11 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
 
 
 def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
-                         topk_weights, b_down, activation, transposed, interleaved, alpha, limit, grad_h=None):
+                         topk_weights, b_down, activation, transposed, interleaved, alpha, limit, grad_h=None,
+                         need_weight_grad=True):
     """``grad_h``, when given, receives dH (it may be ``h`` itself: each expert's rows of h
-    are read before they are overwritten)."""
+    are read before they are overwritten). Without ``need_weight_grad`` the weight and
+    bias gradients are returned empty."""
     acc = _acc_dtype(h.dtype)
     L, K = topk_weights.shape
     rw = row_weights(token_index_map, topk_weights, acc)
@@ -110,8 +112,9 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
         grad_h = torch.zeros_like(h)
     else:
         grad_h[int(expert_offsets[-1]):].zero_()  # sentinel rows (this path syncs anyway)
-    grad_w = torch.zeros(w_down.shape, dtype=acc, device=h.device)
-    grad_b = torch.zeros(b_down.shape if b_down is not None else (0,), dtype=acc, device=h.device)
+    grad_w = torch.zeros(w_down.shape if need_weight_grad else (0,), dtype=acc, device=h.device)
+    grad_b = torch.zeros(b_down.shape if b_down is not None and need_weight_grad else (0,), dtype=acc,
+                         device=h.device)
     # dL/dw for routed row r is <grad_out[token], y_r> = <grad_out[token] @ W^T, a_r> + <grad_out[token], b>.
     row_dot = torch.zeros(h.shape[0], dtype=acc, device=h.device)
     for e, s, t in _expert_ranges(expert_offsets):
@@ -122,11 +125,13 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
                                           interleaved)
         grad_h[s:t] = grad_h_e
         row_dot[s:t] = (g * a).sum(-1)
-        weighted = go * rw[s:t, None]
-        _store_weight_grad(grad_w, e, a.t() @ weighted, transposed)
+        if need_weight_grad:
+            weighted = go * rw[s:t, None]
+            _store_weight_grad(grad_w, e, a.t() @ weighted, transposed)
+            if b_down is not None:
+                grad_b[e] = weighted.sum(0)
         if b_down is not None:
             row_dot[s:t] += go @ b_down[e].to(acc)
-            grad_b[e] = weighted.sum(0)
     grad_topk_weights = row_dot[token_index_map.long()].view(L, K)
     return (grad_h, grad_w.to(w_down.dtype),
             grad_b.to(b_down.dtype if b_down is not None else h.dtype),
@@ -134,18 +139,20 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
 
 
 def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
-                       has_bias, transposed):
+                       has_bias, transposed, need_input_grad=True, need_weight_grad=True):
     acc = _acc_dtype(x.dtype)
     E = w_gate_up.shape[0]
     N = grad_h.shape[1]
-    grad_rows = torch.zeros(grad_h.shape[0], x.shape[1], dtype=acc, device=x.device)
-    grad_w = torch.zeros(w_gate_up.shape, dtype=acc, device=x.device)
-    grad_b = torch.zeros((E, N) if has_bias else (0,), dtype=acc, device=x.device)
+    grad_rows = torch.zeros(grad_h.shape[0] if need_input_grad else 0, x.shape[1], dtype=acc, device=x.device)
+    grad_w = torch.zeros(w_gate_up.shape if need_weight_grad else (0,), dtype=acc, device=x.device)
+    grad_b = torch.zeros((E, N) if has_bias and need_weight_grad else (0,), dtype=acc, device=x.device)
     for e, s, t in _expert_ranges(expert_offsets):
         dh = grad_h[s:t].to(acc)
-        grad_rows[s:t] = dh @ _up_matrix(w_gate_up, e, transposed, acc).t()
-        _store_weight_grad(grad_w, e, _gather_rows(x, expert_token_indices, s, t, acc).t() @ dh, transposed)
-        if has_bias:
-            grad_b[e] = dh.sum(0)
-    grad_x = combine(grad_rows, token_index_map, x.shape[0])
+        if need_input_grad:
+            grad_rows[s:t] = dh @ _up_matrix(w_gate_up, e, transposed, acc).t()
+        if need_weight_grad:
+            _store_weight_grad(grad_w, e, _gather_rows(x, expert_token_indices, s, t, acc).t() @ dh, transposed)
+            if has_bias:
+                grad_b[e] = dh.sum(0)
+    grad_x = combine(grad_rows, token_index_map, x.shape[0]) if need_input_grad else x.new_empty(0)
     return grad_x.to(x.dtype), grad_w.to(w_gate_up.dtype), grad_b.to(x.dtype)

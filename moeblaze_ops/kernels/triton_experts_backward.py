@@ -303,10 +303,12 @@ def _launch_dx_rows(grad_h, w_gate_up, offsets, grad_rows, transposed):
 
 
 def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
-                         topk_weights, b_down, activation, transposed, interleaved, alpha, limit, grad_h=None):
+                         topk_weights, b_down, activation, transposed, interleaved, alpha, limit, grad_h=None,
+                         need_weight_grad=True):
     """``grad_h``, when given, receives dH; it may be ``h`` itself (the weight gradient,
     which reads all of h, runs first, and each dH tile overwrites only the h tiles it has
-    just read)."""
+    just read). Without ``need_weight_grad`` the weight and bias gradients are returned
+    empty and their kernel does not run."""
     L, K = topk_weights.shape
     LK = h.shape[0]
     E = w_down.shape[0]
@@ -325,15 +327,17 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
         grad_h = h  # in place (h was contiguous already)
     else:
         grad_h = out if out.is_contiguous() else _empty(LK, h.shape[1], dtype=h.dtype, device=dev)
-    grad_w = _empty(*w_down.shape, dtype=w_down.dtype, device=dev)
-    grad_b = _empty(*b_down.shape, dtype=b_down.dtype, device=dev) if b_down is not None else h.new_empty(0)
+    grad_w = _empty(*w_down.shape, dtype=w_down.dtype, device=dev) if need_weight_grad else w_down.new_empty(0)
+    has_grad_b = b_down is not None and need_weight_grad
+    grad_b = _empty(*b_down.shape, dtype=b_down.dtype, device=dev) if has_grad_b else h.new_empty(0)
     grad_tw = _empty(L, K, dtype=topk_weights.dtype, device=dev)
     n_parts = max(1, triton.cdiv(I, _tiles(dev, h.dtype, "dh")[1]))
     parts = torch.empty(LK, n_parts, dtype=torch.float32, device=dev)
     bdot = torch.empty(LK, dtype=torch.float32, device=dev)
     # The weight gradient first: it reads all of h, which dH may overwrite.
-    _launch_wgrad(grad_out, h, expert_token_indices, rw, expert_offsets, grad_w,
-                  grad_b if b_down is not None else None, d, I, I, transposed, True, act, interleaved, alpha, limit)
+    if need_weight_grad:
+        _launch_wgrad(grad_out, h, expert_token_indices, rw, expert_offsets, grad_w, grad_b if has_grad_b else None,
+                      d, I, I, transposed, True, act, interleaved, alpha, limit)
     if LK > 0:
         _launch_dh(grad_out, h, w_down, expert_token_indices, rw, expert_offsets, b_down, grad_h, parts, bdot, act,
                    transposed, interleaved, alpha, limit)
@@ -350,19 +354,21 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
 
 
 def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
-                       has_bias, transposed):
+                       has_bias, transposed, need_input_grad=True, need_weight_grad=True):
     LK, N = grad_h.shape
     E = w_gate_up.shape[0]
     L, d = x.shape
     dev = x.device
     grad_h = grad_h.contiguous()
-    grad_w = _empty(*w_gate_up.shape, dtype=w_gate_up.dtype, device=dev)
-    grad_b = _empty(E, N, dtype=x.dtype, device=dev) if has_bias else x.new_empty(0)
-    grad_rows = _empty(LK, d, dtype=x.dtype, device=dev)
-    grad_x = _empty(L, d, dtype=x.dtype, device=dev)
-    if LK > 0 and d > 0:
-        _launch_dx_rows(grad_h, w_gate_up, expert_offsets, grad_rows, transposed)
-    combine(grad_rows, token_index_map, None, expert_offsets, grad_x, E)
-    _launch_wgrad(grad_h, x.contiguous(), expert_token_indices, grad_h, expert_offsets, grad_w,
-                  grad_b if has_bias else None, N, d, 0, transposed, False, 0, False, 0.0, 0.0)
+    grad_w = _empty(*w_gate_up.shape, dtype=w_gate_up.dtype, device=dev) if need_weight_grad else x.new_empty(0)
+    grad_b = _empty(E, N, dtype=x.dtype, device=dev) if has_bias and need_weight_grad else x.new_empty(0)
+    grad_x = _empty(L, d, dtype=x.dtype, device=dev) if need_input_grad else x.new_empty(0)
+    if need_input_grad:
+        grad_rows = _empty(LK, d, dtype=x.dtype, device=dev)
+        if LK > 0 and d > 0:
+            _launch_dx_rows(grad_h, w_gate_up, expert_offsets, grad_rows, transposed)
+        combine(grad_rows, token_index_map, None, expert_offsets, grad_x, E)
+    if need_weight_grad:
+        _launch_wgrad(grad_h, x.contiguous(), expert_token_indices, grad_h, expert_offsets, grad_w,
+                      grad_b if has_bias else None, N, d, 0, transposed, False, 0, False, 0.0, 0.0)
     return grad_x, grad_w, grad_b

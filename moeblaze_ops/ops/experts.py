@@ -61,15 +61,20 @@ def expert_up_backward(
     token_index_map: Tensor,
     has_bias: bool,
     transposed: bool,
+    need_input_grad: bool = True,
+    need_weight_grad: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of ``expert_up``: ``(grad_x, grad_w_gate_up, grad_b_gate_up)``.
 
     ``grad_x[i]`` sums token i's K rows of ``grad_h @ W`` in the order k = 0..K-1
     (deterministic). ``grad_b_gate_up`` is ``[E, N]`` when ``has_bias``, else empty.
+    Without ``need_input_grad`` (``need_weight_grad``) grad_x (the weight and bias
+    gradients) come back empty and are not computed: frozen experts skip their GEMMs.
     """
     _check_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, transposed)
     return backward_kernels(x).expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets,
-                                            token_index_map, has_bias, transposed)
+                                                  token_index_map, has_bias, transposed, need_input_grad,
+                                                  need_weight_grad)
 
 
 def _check_up_backward(grad_h, x, w_gate_up, eti, offsets, tim, transposed):
@@ -79,10 +84,13 @@ def _check_up_backward(grad_h, x, w_gate_up, eti, offsets, tim, transposed):
 
 
 @expert_up_backward.register_fake
-def _(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, has_bias, transposed):
+def _(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, has_bias, transposed,
+      need_input_grad=True, need_weight_grad=True):
     E, N = _check_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
                               transposed)
-    return torch.empty_like(x), torch.empty_like(w_gate_up), x.new_empty((E, N) if has_bias else (0,))
+    return (torch.empty_like(x) if need_input_grad else x.new_empty(0),
+            torch.empty_like(w_gate_up) if need_weight_grad else x.new_empty(0),
+            x.new_empty((E, N) if has_bias and need_weight_grad else (0,)))
 
 
 def _expert_up_setup_context(ctx, inputs, output):
@@ -94,9 +102,12 @@ def _expert_up_setup_context(ctx, inputs, output):
 
 def _expert_up_backward(ctx, grad_h):
     x, w_gate_up, eti, offsets, tim = ctx.saved_tensors
+    need = ctx.needs_input_grad  # x, w_gate_up, eti, offsets, tim, b_gate_up, transposed
+    need_x, need_w = need[0], need[1] or (ctx.has_bias and need[5])
     grad_x, grad_w, grad_b = torch.ops.moeblaze.expert_up_backward(
-        grad_h, x, w_gate_up, eti, offsets, tim, ctx.has_bias, ctx.transposed)
-    return grad_x, grad_w, None, None, None, (grad_b if ctx.has_bias else None), None
+        grad_h, x, w_gate_up, eti, offsets, tim, ctx.has_bias, ctx.transposed, need_x, need_w)
+    return (grad_x if need_x else None, grad_w if need[1] else None, None, None, None,
+            grad_b if ctx.has_bias and need[5] else None, None)
 
 
 torch.library.register_autograd("moeblaze::expert_up", _expert_up_backward, setup_context=_expert_up_setup_context)
@@ -158,18 +169,21 @@ def expert_down_backward(
     interleaved: bool,
     alpha: float,
     limit: float,
+    need_weight_grad: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``expert_down``: ``(grad_h, grad_w_down, grad_b_down, grad_topk_weights)``.
 
     Recomputes the activation from ``h``. ``grad_topk_weights[i, k]`` is
     ``<grad_out[i], y[token_index_map[i*K+k]]>`` (zero for sentinels): the router's
     gradient. ``grad_b_down`` is ``[E, d]`` when ``b_down`` is given, else empty.
+    Without ``need_weight_grad`` the weight and bias gradients come back empty and are
+    not computed (frozen experts).
     """
     _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
                          topk_weights, b_down, activation, transposed)
     return backward_kernels(h).expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets,
-                                              token_index_map, topk_weights, b_down, activation, transposed,
-                                              interleaved, alpha, limit)
+                                                    token_index_map, topk_weights, b_down, activation, transposed,
+                                                    interleaved, alpha, limit, need_weight_grad=need_weight_grad)
 
 
 def _check_down_backward(grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed):
@@ -179,13 +193,19 @@ def _check_down_backward(grad_out, h, w_down, eti, offsets, tim, topk_weights, b
     return E, d
 
 
+def _down_grads_like(h, w_down, b_down, topk_weights, need_weight_grad):
+    """Empty tensors shaped as expert_down_backward's outputs (the fake functions)."""
+    grad_b = torch.empty_like(b_down) if b_down is not None and need_weight_grad else h.new_empty(0)
+    grad_w = torch.empty_like(w_down) if need_weight_grad else w_down.new_empty(0)
+    return torch.empty_like(h), grad_w, grad_b, torch.empty_like(topk_weights)
+
+
 @expert_down_backward.register_fake
 def _(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-      activation, transposed, interleaved, alpha, limit):
+      activation, transposed, interleaved, alpha, limit, need_weight_grad=True):
     _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
                          topk_weights, b_down, activation, transposed)
-    grad_b = torch.empty_like(b_down) if b_down is not None else h.new_empty(0)
-    return torch.empty_like(h), torch.empty_like(w_down), grad_b, torch.empty_like(topk_weights)
+    return _down_grads_like(h, w_down, b_down, topk_weights, need_weight_grad)
 
 
 @torch.library.custom_op("moeblaze::expert_down_backward_recompute", mutates_args=())
@@ -205,6 +225,7 @@ def expert_down_backward_recompute(
     interleaved: bool,
     alpha: float,
     limit: float,
+    need_weight_grad: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``expert_down_backward`` that recomputes ``h`` (``expert_up``) itself and writes dH
     over it: the backward of ``moe_experts(..., recompute=True)``.
@@ -222,19 +243,18 @@ def expert_down_backward_recompute(
                          topk_weights, b_down, activation, transposed)
     return backward_kernels(h).expert_down_backward(
         grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-        activation, transposed, interleaved, alpha, limit, grad_h=h)
+        activation, transposed, interleaved, alpha, limit, grad_h=h, need_weight_grad=need_weight_grad)
 
 
 @expert_down_backward_recompute.register_fake
 def _(grad_out, x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
-      b_gate_up, b_down, activation, transposed, interleaved, alpha, limit):
+      b_gate_up, b_down, activation, transposed, interleaved, alpha, limit, need_weight_grad=True):
     _, N, _ = check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                               transposed, op="expert_down_backward_recompute")
     h = x.new_empty(expert_token_indices.shape[0], N)
     _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
                          topk_weights, b_down, activation, transposed)
-    grad_b = torch.empty_like(b_down) if b_down is not None else h.new_empty(0)
-    return h, torch.empty_like(w_down), grad_b, torch.empty_like(topk_weights)
+    return _down_grads_like(h, w_down, b_down, topk_weights, need_weight_grad)
 
 
 def _expert_down_setup_context(ctx, inputs, output):
@@ -245,10 +265,12 @@ def _expert_down_setup_context(ctx, inputs, output):
 
 def _expert_down_backward(ctx, grad_out):
     h, w_down, eti, offsets, tim, topk_weights, b_down = ctx.saved_tensors
+    need = ctx.needs_input_grad  # h, w_down, eti, offsets, tim, topk_weights, b_down, ...
+    need_w = need[1] or (b_down is not None and need[6])
     grad_h, grad_w, grad_b, grad_tw = torch.ops.moeblaze.expert_down_backward(
-        grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, *ctx.args)
-    grad_b = grad_b if b_down is not None else None
-    return grad_h, grad_w, None, None, None, grad_tw, grad_b, None, None, None, None, None
+        grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, *ctx.args, need_w)
+    return (grad_h, grad_w if need[1] else None, None, None, None, grad_tw,
+            grad_b if b_down is not None and need[6] else None, None, None, None, None, None)
 
 
 torch.library.register_autograd("moeblaze::expert_down", _expert_down_backward,
