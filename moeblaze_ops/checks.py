@@ -3,7 +3,8 @@
 Shape, dtype and device checks run in the fake functions too, so a bad call fails while
 ``torch.compile`` traces it, with the same message as in eager mode. Checks that read
 tensor data (negative or duplicate expert ids) run only in the real kernels: on CPU they
-raise at once; on CUDA they are ``torch._assert_async`` checks, which need no host sync.
+raise at once; on CUDA one Triton pass over the ids writes two flags that
+``torch._assert_async`` reads on the device: no sort, no host sync.
 
 Every error is a ``ValueError`` whose message names the op and the argument.
 """
@@ -98,22 +99,22 @@ def check_topk_id_values(op: str, topk_ids: torch.Tensor, num_experts: int) -> N
     """Data checks: no negative id, no id repeated in a token's row (sentinels >= E may repeat)."""
     if topk_ids.numel() == 0:
         return
-    negative = (topk_ids < 0).any()
-    repeated = None
-    if topk_ids.shape[1] > 1:  # a single choice per token cannot repeat
-        ids = topk_ids.sort(dim=1).values
-        repeated = ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] < num_experts)).any()
     neg_msg = f"moeblaze.{op}: argument 'topk_ids' has a negative expert id"
     dup_msg = f"moeblaze.{op}: argument 'topk_ids' has an expert id repeated in one token's row"
-    if topk_ids.device.type == "cpu":
-        if negative:
-            raise ValueError(neg_msg)
-        if repeated is not None and repeated:
+    if topk_ids.device.type != "cpu":
+        # One Triton pass writes both flags; the asserts read them on the device.
+        from .kernels.triton_dispatch import invalid_id_flags
+
+        flags = invalid_id_flags(topk_ids, num_experts)
+        torch._assert_async(flags[0] == 0, neg_msg)
+        torch._assert_async(flags[1] == 0, dup_msg)
+        return
+    if (topk_ids < 0).any():
+        raise ValueError(neg_msg)
+    if topk_ids.shape[1] > 1:  # a single choice per token cannot repeat
+        ids = topk_ids.sort(dim=1).values
+        if ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] < num_experts)).any():
             raise ValueError(dup_msg)
-    else:
-        torch._assert_async(~negative, neg_msg)
-        if repeated is not None:
-            torch._assert_async(~repeated, dup_msg)
 
 
 # --------------------------------------------------------------------------- experts

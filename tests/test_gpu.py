@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import make_layer, rel_err
+from conftest import make_layer, make_topk_ids, rel_err
 from kernel_cases import check_backward, check_dispatch_bitwise, check_forward, check_frozen_grads
 from moeblaze_ops import ACTIVATIONS, moe_experts
 from reference import reference_moe
@@ -186,3 +186,20 @@ def test_training_step_in_cuda_graph(seed, triton_bwd):
         graph.replay()
         for p, e in zip(params, expected):
             assert rel_err(p, e) <= 1e-3, f"replay {i} seed={seed}"
+
+
+@pytest.mark.parametrize("K", [1, 2, 8])
+def test_invalid_id_flags(K, seed):
+    """The device-side id check: flags raised exactly for negative and repeated ids."""
+    from moeblaze_ops.kernels.triton_dispatch import invalid_id_flags
+
+    g = torch.Generator().manual_seed(seed)
+    ids = make_topk_ids(4096, K, 64, generator=g)
+    assert invalid_id_flags(ids.cuda(), 64).tolist() == [0, 0]
+    bad = ids.clone()
+    bad[17, 0] = -3
+    assert invalid_id_flags(bad.cuda(), 64).tolist() == [1, 0]
+    if K > 1:
+        bad = ids.clone()
+        bad[4000, K - 1] = bad[4000, 0]
+        assert invalid_id_flags(bad.cuda(), 64).tolist() == [0, 1]

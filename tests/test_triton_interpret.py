@@ -96,3 +96,26 @@ def test_recompute_backward_kernels(layout, seed):
 def test_backward_kernels_skip_frozen(trainable, recompute, seed):
     check_frozen_grads(20, 16, 8, 3, 2, trainable=trainable, dtype=torch.float32, device="cpu", seed=seed,
                        recompute=recompute)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 8])
+@pytest.mark.parametrize("defect", ["none", "negative", "repeat", "repeated_sentinel", "both"])
+def test_invalid_id_flags(K, defect, seed):
+    """The CUDA path's id check (one Triton pass) against a plain Python reading of the ids."""
+    from conftest import make_topk_ids
+    from moeblaze_ops.kernels.triton_dispatch import invalid_id_flags
+
+    g = torch.Generator().manual_seed(seed)
+    E, L = 9, 70
+    ids = make_topk_ids(L, K, E, generator=g)
+    row = int(torch.randint(0, L, (1,), generator=g))
+    if defect in ("negative", "both"):
+        ids[row, 0] = -1
+    if defect in ("repeat", "both") and K > 1:
+        ids[(row + 1) % L, K - 1] = ids[(row + 1) % L, 0].clamp(min=0)
+    if defect == "repeated_sentinel" and K > 1:
+        ids[row, :2] = E + 1  # sentinels may repeat
+    rows = ids.tolist()
+    expected = [int(any(i < 0 for r in rows for i in r)),
+                int(any(len([i for i in r if 0 <= i < E]) != len({i for i in r if 0 <= i < E}) for r in rows))]
+    assert invalid_id_flags(ids, E).tolist() == expected

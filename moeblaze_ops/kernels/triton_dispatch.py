@@ -96,6 +96,40 @@ def _chunk_scatter(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_pt
         tl.store(eti_ptr + pos, (rows // K).to(tl.int32), mask=valid)
 
 
+@triton.jit
+def _check_ids(ids_ptr, flags_ptr, L, K, E, BLOCK_T: tl.constexpr, KP: tl.constexpr):
+    """Sets ``flags[0]`` to 1 if an id is negative and ``flags[1]`` if a real expert id repeats
+    in a token's row. Integer atomics: the final flags do not depend on the order."""
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ks = tl.arange(0, KP)
+    valid = (toks < L)[:, None] & (ks < K)[None, :]
+    ids = tl.load(ids_ptr + toks.to(tl.int64)[:, None] * K + ks[None, :], mask=valid, other=0)
+    negative = tl.max(tl.max((valid & (ids < 0)).to(tl.int32), axis=1), axis=0)
+    # All pairs k < k2 of a row: [BLOCK_T, KP, KP].
+    same = (ids[:, :, None] == ids[:, None, :]) & (ks[:, None] < ks[None, :])[None, :, :]
+    real = valid & (ids < E) & (ids >= 0)
+    pair = same & real[:, :, None] & real[:, None, :]
+    repeated = tl.max(tl.max(tl.max(pair.to(tl.int32), axis=2), axis=1), axis=0)
+    if negative != 0:
+        tl.atomic_max(flags_ptr, negative)
+    if repeated != 0:
+        tl.atomic_max(flags_ptr + 1, repeated)
+
+
+def invalid_id_flags(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[negative, repeated]`` (int32, on the ids' device): 1 where some id is negative, where
+    some token's row repeats a real expert id. One pass over the ids, no sort."""
+    L, K = topk_ids.shape
+    flags = torch.zeros(2, dtype=torch.int32, device=topk_ids.device)
+    if L * K == 0:
+        return flags
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    KP = triton.next_power_of_2(K)
+    BLOCK_T = max(1, min(256, 4096 // (KP * KP)))
+    _check_ids[(triton.cdiv(L, BLOCK_T),)](ids, flags, L, K, num_experts, BLOCK_T=BLOCK_T, KP=KP)
+    return flags
+
+
 def _chunk_size(LK: int) -> int:
     # Enough programs to fill the GPU, few enough chunks that the column scan stays short.
     return max(SUB, min(8192, triton.next_power_of_2(triton.cdiv(LK, 1024))))
