@@ -104,12 +104,12 @@ def _router_grad_kernel(part_ptr, bdot_ptr, tim_ptr, offsets_ptr, out_ptr, LK, E
 
 
 @triton.jit
-def _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask, qs, q0, Q, I, alpha, limit,
-                    stride_am, stride_bm, DOWN: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                    FAST_ACT: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr,
-                    BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """A^T [P, R] and B [R, Q] of one reduction step over rows [r0, r0 + BLOCK_R), and the
-    router weight of each row (DOWN) for the bias gradient.
+def _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask, qs, q0, Q, I, alpha, limit,
+                stride_am, stride_bm, bias_here, DOWN: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                HAS_BIAS: tl.constexpr, FAST_ACT: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr,
+                PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """One reduction step over rows [r0, r0 + BLOCK_R): acc += A^T B, and the bias
+    gradient's share (sum over rows of A, weighted by w for DOWN) where ``bias_here``.
 
     With TMA (DOWN only), h comes through a TMA descriptor. Only the last step of an expert
     (MASKED) needs row masks: there, rows past ``hi`` belong to the next expert and are zeroed.
@@ -120,7 +120,6 @@ def _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask, qs, q0, Q,
         tok = tl.load(eti_ptr + rows, mask=rmask, other=0).to(tl.int64)
     else:
         tok = tl.load(eti_ptr + rows).to(tl.int64)
-    w = tl.zeros((BLOCK_R,), dtype=tl.float32)
     if DOWN:
         # A^T: gathered grad_out rows, read P-major, which the MMA takes from shared memory as is.
         at = tl.load(a_src + tok[None, :] * stride_am + ps[:, None], mask=pmask[:, None] & rmask[None, :],
@@ -133,19 +132,16 @@ def _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask, qs, q0, Q,
             b = tl.where(rmask[:, None], b, 0.0)
         b = b.to(at.dtype)
     else:
+        w = tl.full((BLOCK_R,), 1.0, dtype=tl.float32)
         at = tl.load(a_src + rows.to(tl.int64)[None, :] * stride_am + ps[:, None],
                      mask=pmask[:, None] & rmask[None, :], other=0.0)
         b = tl.load(b_src + tok[:, None] * stride_bm + qs[None, :], mask=rmask[:, None] & (qs < Q)[None, :],
                     other=0.0)
-    return at, b, w
-
-
-@triton.jit
-def _bias_part(at, w, DOWN: tl.constexpr):
-    """The bias gradient's share of one step: sum over rows of A (weighted by w for DOWN)."""
-    if DOWN:
-        return tl.sum(at.to(tl.float32) * w[None, :], axis=1)
-    return tl.sum(at.to(tl.float32), axis=1)
+    acc = tl.dot(at, b, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        if bias_here:
+            bias_acc += tl.sum(at.to(tl.float32) * w[None, :], axis=1)
+    return acc, bias_acc
 
 
 @triton.jit
@@ -176,37 +172,29 @@ def _wgrad_kernel(
         hi = tl.load(offsets_ptr + e + 1)
         acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
         bias_acc = tl.zeros((BLOCK_P,), dtype=tl.float32)
+        q0 = q_idx * BLOCK_Q
         if DOWN:
             # Whole steps without row masks, then one masked step for the expert's last rows.
             full = (hi - lo) // BLOCK_R
             for i in range(0, full):
-                at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, lo + i * BLOCK_R, hi, ps, pmask, qs,
-                                           q_idx * BLOCK_Q, Q, I, alpha, limit, stride_am, stride_bm,
-                                           DOWN, ACT, INTERLEAVED, FAST_ACT, TMA, False, BLOCK_P, BLOCK_R, BLOCK_Q)
-                acc = tl.dot(at, b, acc, input_precision=PRECISION)
-                if HAS_BIAS:
-                    if q_idx == 0:
-                        bias_acc += _bias_part(at, w, DOWN)
+                acc, bias_acc = _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, lo + i * BLOCK_R, hi, ps,
+                                            pmask, qs, q0, Q, I, alpha, limit, stride_am, stride_bm, q_idx == 0,
+                                            DOWN, ACT, INTERLEAVED, HAS_BIAS, FAST_ACT, TMA, False, PRECISION,
+                                            BLOCK_P, BLOCK_R, BLOCK_Q)
             if lo + full * BLOCK_R < hi:
-                at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, lo + full * BLOCK_R, hi, ps, pmask, qs,
-                                           q_idx * BLOCK_Q, Q, I, alpha, limit, stride_am, stride_bm,
-                                           DOWN, ACT, INTERLEAVED, FAST_ACT, TMA, True, BLOCK_P, BLOCK_R, BLOCK_Q)
-                acc = tl.dot(at, b, acc, input_precision=PRECISION)
-                if HAS_BIAS:
-                    if q_idx == 0:
-                        bias_acc += _bias_part(at, w, DOWN)
+                acc, bias_acc = _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, lo + full * BLOCK_R, hi,
+                                            ps, pmask, qs, q0, Q, I, alpha, limit, stride_am, stride_bm, q_idx == 0,
+                                            DOWN, ACT, INTERLEAVED, HAS_BIAS, FAST_ACT, TMA, True, PRECISION,
+                                            BLOCK_P, BLOCK_R, BLOCK_Q)
         else:
             # Every step masked: the peeled form above (unmasked loads or a TMA read of dH,
             # then a masked last step) gave run-to-run differences here on the H200 with
             # triton 3.6, the all-masked loop did not (docs/perf-notes.md).
             for r0 in range(lo, hi, BLOCK_R):
-                at, b, w = _wgrad_operands(a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask, qs,
-                                           q_idx * BLOCK_Q, Q, I, alpha, limit, stride_am, stride_bm,
-                                           DOWN, ACT, INTERLEAVED, FAST_ACT, TMA, True, BLOCK_P, BLOCK_R, BLOCK_Q)
-                acc = tl.dot(at, b, acc, input_precision=PRECISION)
-                if HAS_BIAS:
-                    if q_idx == 0:
-                        bias_acc += _bias_part(at, w, DOWN)
+                acc, bias_acc = _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask, qs,
+                                            q0, Q, I, alpha, limit, stride_am, stride_bm, q_idx == 0,
+                                            DOWN, ACT, INTERLEAVED, HAS_BIAS, FAST_ACT, TMA, True, PRECISION,
+                                            BLOCK_P, BLOCK_R, BLOCK_Q)
         tl.store(out_ptr + e.to(tl.int64) * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq,
                  acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & (qs < Q)[None, :])
         if HAS_BIAS:
