@@ -97,23 +97,25 @@ def _chunk_scatter(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_pt
 
 
 @triton.jit
-def _check_ids(ids_ptr, flags_ptr, L, K, E, BLOCK_T: tl.constexpr, KP: tl.constexpr):
+def _check_ids(ids_ptr, flags_ptr, L, E, K: tl.constexpr, BLOCK_T: tl.constexpr):
     """Sets ``flags[0]`` to 1 if an id is negative and ``flags[1]`` if a real expert id repeats
-    in a token's row. Integer atomics: the final flags do not depend on the order."""
+    in a token's row (every pair k < k2, unrolled). Integer atomics: the final flags do
+    not depend on the order."""
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    ks = tl.arange(0, KP)
-    valid = (toks < L)[:, None] & (ks < K)[None, :]
-    ids = tl.load(ids_ptr + toks.to(tl.int64)[:, None] * K + ks[None, :], mask=valid, other=0)
-    negative = tl.max(tl.max((valid & (ids < 0)).to(tl.int32), axis=1), axis=0)
-    # All pairs k < k2 of a row: [BLOCK_T, KP, KP].
-    same = (ids[:, :, None] == ids[:, None, :]) & (ks[:, None] < ks[None, :])[None, :, :]
-    real = valid & (ids < E) & (ids >= 0)
-    pair = same & real[:, :, None] & real[:, None, :]
-    repeated = tl.max(tl.max(tl.max(pair.to(tl.int32), axis=2), axis=1), axis=0)
-    if negative != 0:
-        tl.atomic_max(flags_ptr, negative)
-    if repeated != 0:
-        tl.atomic_max(flags_ptr + 1, repeated)
+    inside = toks < L
+    row = ids_ptr + toks.to(tl.int64) * K
+    negative = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    repeated = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    for k in tl.static_range(K):
+        a = tl.load(row + k, mask=inside, other=0)
+        negative |= (a < 0).to(tl.int32)
+        for k2 in tl.static_range(k + 1, K):
+            b = tl.load(row + k2, mask=inside, other=0)
+            repeated |= ((a == b) & (a >= 0) & (a < E) & inside).to(tl.int32)
+    if tl.max(negative, axis=0) != 0:
+        tl.atomic_max(flags_ptr, 1)
+    if tl.max(repeated, axis=0) != 0:
+        tl.atomic_max(flags_ptr + 1, 1)
 
 
 def invalid_id_flags(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -124,9 +126,8 @@ def invalid_id_flags(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     if L * K == 0:
         return flags
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    KP = triton.next_power_of_2(K)
-    BLOCK_T = max(1, min(256, 4096 // (KP * KP)))
-    _check_ids[(triton.cdiv(L, BLOCK_T),)](ids, flags, L, K, num_experts, BLOCK_T=BLOCK_T, KP=KP)
+    BLOCK_T = 256
+    _check_ids[(triton.cdiv(L, BLOCK_T),)](ids, flags, L, num_experts, K=K, BLOCK_T=BLOCK_T)
     return flags
 
 
