@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The GPU machine's one call: GPU tests, the CPU suite on that machine's torch (the
-# compatibility check), then the benchmark, forward and train modes. Results land in
+# The GPU machine's one call (about 8 minutes): run-to-run equality of every gradient over
+# seeds, the GPU tests, then the benchmark, forward and train modes. Results land in
 # ${OUT:-gpu_out}/: log.txt (everything printed), forward/ and train/ (bench.md, bench.json).
 #   bash scripts/gpu_check.sh [extra bench args...]
-# Env: SKIP_CPU_SUITE=1, SKIP_GPU_TESTS=1, SKIP_BENCH=1, SKIP_TRAIN=1, GPU_TESTS_K=<pytest -k expr>. Test packages missing on
-# the machine are installed from wheels in .whl/ when the call carries them.
+# Env: SKIP_DETERMINISM=1, SKIP_GPU_TESTS=1, SKIP_BENCH=1, SKIP_TRAIN=1 leave parts out;
+# GPU_TESTS_K=<pytest -k expr> picks GPU tests; CPU_SUITE=1 adds the CPU suite on that
+# machine's torch (a compatibility check, 3 more minutes). Test packages missing on the
+# machine are installed from wheels in .whl/ when the call carries them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -22,20 +24,25 @@ fi
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$LOG"
+if [ "${SKIP_DETERMINISM:-0}" != 1 ]; then
+  echo "== two runs of every gradient, 8 seeds, skewed routing" | tee -a "$LOG"
+  python3 scripts/repeat_backward_check.py --seeds 8 2>&1 | grep -v Warning | tee -a "$LOG"
+fi
 if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
   echo "== GPU tests" | tee -a "$LOG"
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rf --tb=short --durations=8 ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} 2>&1 | tee -a "$LOG" | tail -15
 fi
-if [ "${SKIP_CPU_SUITE:-0}" != 1 ]; then
+if [ "${CPU_SUITE:-0}" = 1 ]; then
   echo "== CPU suite on this machine's torch" | tee -a "$LOG"
   python3 -m pytest -q -m "not gpu" -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -4
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "== bench forward" | tee -a "$LOG"
-  python3 -m moeblaze_ops.bench --out "$OUT/forward" "$@" 2>>"$LOG" | tee -a "$LOG"
+  python3 -m moeblaze_ops.bench --out "$OUT/forward" --skip hf_eager \
+    --configs olmoe qwen3_a3b conf3 conf4 mixtral "$@" 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   echo "== bench train" | tee -a "$LOG"
-  python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train" "$@" 2>>"$LOG" \
-    | tee -a "$LOG"
+  python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train" --skip hf_eager moeblaze_compiled \
+    --configs qwen3_100m olmoe qwen3_a3b conf3 conf4 mixtral "$@" 2>>"$LOG" | tee -a "$LOG"
 fi
