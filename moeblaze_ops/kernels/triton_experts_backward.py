@@ -7,8 +7,8 @@
   into the router gradient.
 - ``_wgrad_kernel``: the weight gradients, one program per (expert, output tile), whose
   reduction runs over the expert's own row range; the down projection's B operand is
-  act(h), recomputed; the up projection's is x, gathered. Bias gradients come from the
-  same loop. No atomics.
+  w * act(h), recomputed; the up projection's is x, gathered. Bias gradients come from
+  the same loop. No atomics. It runs before ``_dh_kernel``, so dH may overwrite h.
 - The input gradient is the forward's up kernel over dH rows (no gather) and the
   forward's combine with unit weights: each token's K rows summed in order k = 0..K-1.
 
@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 from . import triton_activations as acts
+from . import triton_experts as fwd
 from .torch_experts import row_weights
 from .triton_activations import ACT_CODES
-from . import triton_experts as fwd
 from .triton_experts import (
     _activate, _empty, _load_act_operand, _num_programs, _num_tiles, _precision, _tile_of, _up_kernel, combine,
 )
@@ -213,7 +213,7 @@ def _gemm_config(dtype, kind):
     if dtype == torch.float32:
         return 64, 64, 32, 4, 3
     return {
-        "dh": (128, 128, 64, 8, 3),
+        "dh": (128, 128, 64, 8, 4),
         "dx": (128, 256, 64, 8, 4),
         "wgrad_down": (256, 128, 64, 8, 3),
         "wgrad_up": (256, 128, 64, 8, 3),
