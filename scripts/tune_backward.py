@@ -70,6 +70,8 @@ def main():
     p.add_argument("--configs", nargs="*", default=["olmoe", "mixtral"])
     p.add_argument("--kinds", nargs="*", default=list(TILES), choices=list(TILES))
     p.add_argument("--tiles", nargs="*", default=None, help="BM,BN,BK,warps,stages ... (for every kind)")
+    p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1],
+                   help="weight tiles through TMA (1) or not (0): dh and dx read weights")
     a = p.parse_args()
     for name in a.configs:
         T, d, I, E, K = CONFIGS[name]
@@ -83,14 +85,16 @@ def main():
         for kind in a.kinds:
             fn, flops = fns[kind]
             tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES[kind]
-            for tile in tiles:
-                te.CONFIG_OVERRIDE = {kind: tile}
+            w_tmas = a.w_tma if kind in ("dh", "dx") else [0]
+            for tile, w_tma in [(t, w) for t in tiles for w in w_tmas]:
+                te.CONFIG_OVERRIDE, te.W_TMA = {kind: tile}, bool(w_tma)
+                label = f"  {kind:10s} tile={tile} w_tma={w_tma}"
                 try:
                     ms = bench(fn)
-                    print(f"  {kind:10s} tile={tile}: {ms:7.3f} ms {flops / ms / 1e9:4.0f} TFLOP/s", flush=True)
+                    print(f"{label}: {ms:7.3f} ms {flops / ms / 1e9:4.0f} TFLOP/s", flush=True)
                 except Exception as e:  # out of shared memory etc.
-                    print(f"  {kind:10s} tile={tile}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
-            te.CONFIG_OVERRIDE = {}
+                    print(f"{label}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+            te.CONFIG_OVERRIDE, te.W_TMA = {}, False
         del fns
         torch.cuda.empty_cache()
 

@@ -1,6 +1,6 @@
 """Sweeps tile configs of the forward GEMM kernels on benchmark shapes (GPU).
 
-    python scripts/tune_forward.py [--configs olmoe mixtral]
+    python scripts/tune_forward.py [--configs olmoe mixtral] [--w-tma 0 1] [--tiles BM,BN,BK,w,s ...]
 
 Prints, per shape and kernel, the time and TFLOP/s of each config next to a dense cuBLAS
 matmul of the same size (the ceiling to aim at).
@@ -32,6 +32,7 @@ def main():
     p.add_argument("--tiles", nargs="*", default=None, help="BM,BN,BK,warps,stages ...")
     p.add_argument("--h-tma", nargs="*", type=int, default=[1], help="down kernel reads h through TMA (1) or not (0)")
     p.add_argument("--fast-act", nargs="*", type=int, default=[1], help="approximate-tanh sigmoid (1) or exact (0)")
+    p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1], help="weight tiles through TMA (1) or not (0)")
     a = p.parse_args()
     for name in a.configs:
         T, d, I, E, K = CONFIGS[name]
@@ -49,8 +50,9 @@ def main():
         for pps in a.programs_per_sm:
             te.PROGRAMS_PER_SM = pps
             tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
-            for tile, h_tma, fast in [(t, v, f) for t in tiles for v in a.h_tma for f in a.fast_act]:
-                te.H_TMA, te.FAST_ACT = bool(h_tma), bool(fast)
+            for tile, h_tma, fast, w_tma in [(t, v, f, w) for t in tiles for v in a.h_tma for f in a.fast_act
+                                             for w in a.w_tma]:
+                te.H_TMA, te.FAST_ACT, te.W_TMA = bool(h_tma), bool(fast), bool(w_tma)
                 row = []
                 for kind in a.kinds:
                     te.CONFIG_OVERRIDE = {kind: tile}
@@ -63,7 +65,8 @@ def main():
                         row.append(f"{kind} {ms:7.3f} ms {(up_flops if kind == 'up' else down_flops) / ms / 1e9:4.0f}")
                     except Exception as e:  # out of shared memory etc.
                         row.append(f"{kind} failed ({type(e).__name__})")
-                print(f"  pps={pps} tile={tile} h_tma={h_tma} fast_act={fast}: " + " | ".join(row), flush=True)
+                print(f"  pps={pps} tile={tile} h_tma={h_tma} fast_act={fast} w_tma={w_tma}: " + " | ".join(row),
+                      flush=True)
         te.CONFIG_OVERRIDE = {}
         del x, wgu, wd, h, dense_a, dense_h
         torch.cuda.empty_cache()

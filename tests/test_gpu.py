@@ -203,3 +203,19 @@ def test_invalid_id_flags(K, seed):
         bad = ids.clone()
         bad[4000, K - 1] = bad[4000, 0]
         assert invalid_id_flags(bad.cuda(), 64).tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
+def test_weight_tma(layout, seed, triton_bwd):
+    """Weight tiles through TMA descriptors (the W_TMA tuning switch, off by default until
+    measured): forward and every gradient still match the reference."""
+    from moeblaze_ops.kernels import triton_experts
+
+    before, triton_experts.W_TMA = triton_experts.W_TMA, True
+    try:
+        check_forward(777, 2880, 1408, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
+                      bias=True, tw_dtype=torch.float32)
+        check_backward(777, 256, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
+                       bias=True, tw_dtype=torch.float32)
+    finally:
+        triton_experts.W_TMA = before

@@ -119,3 +119,17 @@ def test_invalid_id_flags(K, defect, seed):
     expected = [int(any(i < 0 for r in rows for i in r)),
                 int(any(len([i for i in r if 0 <= i < E]) != len({i for i in r if 0 <= i < E}) for r in rows))]
     assert invalid_id_flags(ids, E).tolist() == expected
+
+
+@pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
+def test_kernels_with_weight_tma(layout, seed):
+    """Weight tiles through 3-D TMA descriptors (``W_TMA``, a tuning switch): forward and
+    backward against the reference, with tiles running past each expert's weight edges."""
+    from moeblaze_ops.kernels import triton_experts
+
+    before, triton_experts.W_TMA = triton_experts.W_TMA, True
+    try:
+        check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
+        check_backward(45, 20, 12, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
+    finally:
+        triton_experts.W_TMA = before

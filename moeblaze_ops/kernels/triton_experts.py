@@ -72,12 +72,32 @@ def _tile_of(tile, offsets_ptr, E, LK, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
+def _weight_tile(w_src, e, k0, n0, stride_we, stride_wk, stride_wn, K, N, W_TMA: tl.constexpr,
+                 W_KMAJOR: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Expert e's weight as the B operand: a [BLOCK_K, BLOCK_N] tile at (k0, n0).
+
+    With W_TMA, ``w_src`` is a 3-D TMA descriptor of the [E, ., .] weight whose block is
+    [1, BLOCK_N, BLOCK_K] when the reduction dimension is the contiguous one (W_KMAJOR),
+    else [1, BLOCK_K, BLOCK_N]: the copy engine fills zeros past the expert's own edges.
+    """
+    if W_TMA:
+        if W_KMAJOR:
+            return tl.trans(tl.reshape(w_src.load([e, n0, k0]), (BLOCK_N, BLOCK_K)))
+        return tl.reshape(w_src.load([e, k0, n0]), (BLOCK_K, BLOCK_N))
+    ks = k0 + tl.arange(0, BLOCK_K)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(w_src + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+                   mask=(ks < K)[:, None] & (cols < N)[None, :], other=0.0)
+
+
+@triton.jit
 def _up_kernel(
     x_ptr, w_ptr, b_ptr, eti_ptr, offsets_ptr, h_ptr,
     LK, E, N, D,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_hm,
     HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr = True,
+    W_TMA: tl.constexpr = False, W_KMAJOR: tl.constexpr = False,
 ):
     total = _num_tiles(offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS)
     for tile in range(tl.program_id(0), total, tl.num_programs(0)):
@@ -94,8 +114,8 @@ def _up_kernel(
                 kmask = ks < D
                 a = tl.load(x_ptr + tok[:, None] * stride_xm + ks[None, :] * stride_xk,
                             mask=rmask[:, None] & kmask[None, :], other=0.0)
-                b = tl.load(w_ptr + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
-                            mask=kmask[:, None] & cmask[None, :], other=0.0)
+                b = _weight_tile(w_ptr, e, k0, (tile % tl.cdiv(N, BLOCK_N)) * BLOCK_N, stride_we, stride_wk,
+                                 stride_wn, D, N, W_TMA, W_KMAJOR, BLOCK_K, BLOCK_N)
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
             if HAS_BIAS:
                 acc += tl.load(b_ptr + e * stride_be + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -157,20 +177,22 @@ def _down_kernel(
     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, H_TMA: tl.constexpr,
     FAST_ACT: tl.constexpr, GROUPS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_TMA: tl.constexpr = False, W_KMAJOR: tl.constexpr = False,
 ):
     total = _num_tiles(offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS)
     for tile in range(tl.program_id(0), total, tl.num_programs(0)):
         e, row0, rows, rmask, cols, cmask = _tile_of(tile, offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if e < E:
-            w_tile = w_ptr + e.to(tl.int64) * stride_we + cols[None, :] * stride_wn
+            n0 = (tile % tl.cdiv(N, BLOCK_N)) * BLOCK_N
             for k0 in range(0, I, BLOCK_K):
                 # Prologue: the A tile is act(h), computed in fp32 in registers as it is
                 # loaded; the activated [L*K, I] tensor is never written.
                 g, u = _load_act_operand(h_src, row0, rmask, stride_hm, k0, I, ACT, INTERLEAVED, H_TMA,
                                          BLOCK_M, BLOCK_K)
                 ks = k0 + tl.arange(0, BLOCK_K)
-                b = tl.load(w_tile + ks[:, None] * stride_wk, mask=(ks < I)[:, None] & cmask[None, :], other=0.0)
+                b = _weight_tile(w_ptr, e, k0, n0, stride_we, stride_wk, stride_wn, I, N, W_TMA, W_KMAJOR,
+                                 BLOCK_K, BLOCK_N)
                 a = tl.where((ks < I)[None, :], _activate(g, u, alpha, limit, ACT, FAST_ACT), 0.0)
                 acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
             if HAS_BIAS:
@@ -269,6 +291,24 @@ def _h_source(h, act, interleaved, I, BM, BK):
     return TensorDescriptor.from_tensor(h, [BM, width]), True
 
 
+#: Whether the GEMMs read weight tiles through TMA descriptors where they can (tuning
+#: switch; off until measured on the GPU: docs/perf-notes.md).
+W_TMA = False
+
+
+def _weight_source(w, swk, BK, BN):
+    """The weight as the GEMMs read it: ``(source, W_TMA, W_KMAJOR)``. ``swk`` is the stride
+    of the reduction dimension; the other one of the last two is the output dimension."""
+    kmajor = swk == 1
+    aligned = (w.is_contiguous() and w.data_ptr() % 16 == 0 and (w.shape[2] * w.element_size()) % 16 == 0
+               and max(BK, BN) <= 256)
+    if not (W_TMA and aligned):
+        return w, False, kmajor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w, [1, BN, BK] if kmajor else [1, BK, BN]), True, kmajor
+
+
 def _weight_strides(w, transposed):
     """(expert, reduction, output) strides of a weight, for either layout."""
     return (w.stride(0), w.stride(1), w.stride(2)) if transposed else (w.stride(0), w.stride(2), w.stride(1))
@@ -284,9 +324,11 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
         return h
     swe, swk, swn = _weight_strides(w_gate_up, transposed)
     bias = b_gate_up if b_gate_up is not None else w_gate_up
+    tiles = _tiles(x.device, x.dtype, "up")
+    w_src, w_tma, w_kmajor = _weight_source(w_gate_up, swk, tiles[2], tiles[1])
     _launch_gemm(
-        _up_kernel, x.device, x.dtype, _tiles(x.device, x.dtype, "up"),
-        x_ptr=x, w_ptr=w_gate_up, b_ptr=bias, eti_ptr=expert_token_indices, offsets_ptr=expert_offsets, h_ptr=h,
+        _up_kernel, x.device, x.dtype, tiles, W_TMA=w_tma, W_KMAJOR=w_kmajor,
+        x_ptr=x, w_ptr=w_src, b_ptr=bias, eti_ptr=expert_token_indices, offsets_ptr=expert_offsets, h_ptr=h,
         LK=LK, E=E, N=N, D=d, stride_xm=x.stride(0), stride_xk=x.stride(1),
         stride_we=swe, stride_wk=swk, stride_wn=swn,
         stride_be=b_gate_up.stride(0) if b_gate_up is not None else 0, stride_hm=h.stride(0),
@@ -311,9 +353,10 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         swe, swk, swn = _weight_strides(w_down, transposed)
         tiles = _tiles(h.device, h.dtype, "down")
         h_src, h_tma = _h_source(h, ACT_CODES[activation], interleaved, I, tiles[0], tiles[2])
+        w_src, w_tma, w_kmajor = _weight_source(w_down, swk, tiles[2], tiles[1])
         _launch_gemm(
-            _down_kernel, h.device, h.dtype, tiles,
-            h_src=h_src, w_ptr=w_down, b_ptr=b_down if b_down is not None else w_down, offsets_ptr=expert_offsets,
+            _down_kernel, h.device, h.dtype, tiles, W_TMA=w_tma, W_KMAJOR=w_kmajor,
+            h_src=h_src, w_ptr=w_src, b_ptr=b_down if b_down is not None else w_down, offsets_ptr=expert_offsets,
             y_ptr=y, LK=LK, E=E, N=d, I=I, alpha=float(alpha), limit=float(limit),
             stride_hm=h.stride(0), stride_we=swe, stride_wk=swk, stride_wn=swn,
             stride_be=b_down.stride(0) if b_down is not None else 0, stride_ym=y.stride(0),

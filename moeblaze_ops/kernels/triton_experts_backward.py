@@ -26,7 +26,8 @@ from . import triton_experts as fwd
 from .torch_experts import row_weights
 from .triton_activations import ACT_CODES
 from .triton_experts import (
-    _activate, _empty, _load_act_operand, _num_programs, _num_tiles, _precision, _tile_of, _up_kernel, combine,
+    _activate, _empty, _load_act_operand, _num_programs, _num_tiles, _precision, _tile_of, _up_kernel,
+    _weight_tile, combine,
 )
 
 
@@ -37,6 +38,7 @@ def _dh_kernel(
     stride_gm, stride_we, stride_wk, stride_wn, stride_be, stride_hm, stride_dhm,
     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_TMA: tl.constexpr = False, W_KMAJOR: tl.constexpr = False,
 ):
     total = _num_tiles(offsets_ptr, E, LK, I, BLOCK_M, BLOCK_N, GROUPS)
     n_tiles = tl.cdiv(I, BLOCK_N)
@@ -51,8 +53,8 @@ def _dh_kernel(
                 ks = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(go_ptr + tok[:, None] * stride_gm + ks[None, :], mask=real[:, None] & (ks < D)[None, :],
                             other=0.0)
-                b = tl.load(w_ptr + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
-                            mask=(ks < D)[:, None] & cmask[None, :], other=0.0)
+                b = _weight_tile(w_ptr, e, k0, n_idx * BLOCK_N, stride_we, stride_wk, stride_wn, D, I, W_TMA, W_KMAJOR,
+                                 BLOCK_K, BLOCK_N)
                 g = tl.dot(a, b, g, input_precision=PRECISION)
         # Epilogue: recompute the activation from h, apply its derivative.
         hg, hu = _load_act_operand(h_ptr, row0, real, stride_hm, n_idx * BLOCK_N, I, ACT, INTERLEAVED, False,
@@ -241,14 +243,15 @@ def _launch_dh(grad_out, h, w_down, eti, rw, offsets, b_down, grad_h, parts, bdo
     swe = w_down.stride(0)
     swk, swn = (w_down.stride(2), w_down.stride(1)) if transposed else (w_down.stride(1), w_down.stride(2))
     max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(I, BN)
+    w_src, w_tma, w_kmajor = fwd._weight_source(w_down, swk, BK, BN)
     _dh_kernel[(_num_programs(h.device, max_tiles, *per_sm),)](
-        grad_out, w_down, h, eti, rw, offsets, b_down if b_down is not None else w_down, grad_h, parts, bdot,
+        grad_out, w_src, h, eti, rw, offsets, b_down if b_down is not None else w_down, grad_h, parts, bdot,
         LK, E, d, I, float(alpha), float(limit), parts.shape[1],
         grad_out.stride(0), swe, swk, swn, b_down.stride(0) if b_down is not None else 0, h.stride(0),
         grad_h.stride(0),
         ACT=act, INTERLEAVED=interleaved, HAS_BIAS=b_down is not None,
         GROUPS=triton.next_power_of_2(E + 1), PRECISION=_precision(h.dtype),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, W_TMA=w_tma, W_KMAJOR=w_kmajor, num_warps=warps, num_stages=stages,
     )
 
 
@@ -282,11 +285,13 @@ def _launch_dx_rows(grad_h, w_gate_up, offsets, grad_rows, transposed):
     swk, swn = (w_gate_up.stride(2), w_gate_up.stride(1)) if transposed else (w_gate_up.stride(1),
                                                                                w_gate_up.stride(2))
     max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(d, BN)
+    w_src, w_tma, w_kmajor = fwd._weight_source(w_gate_up, swk, BK, BN)
     _up_kernel[(_num_programs(grad_h.device, max_tiles, *per_sm),)](
-        grad_h, w_gate_up, w_gate_up, offsets, offsets, grad_rows,
+        grad_h, w_src, w_gate_up, offsets, offsets, grad_rows,
         LK, E, d, N, grad_h.stride(0), 1, swe, swk, swn, 0, grad_rows.stride(0),
         HAS_BIAS=False, GROUPS=triton.next_power_of_2(E + 1), PRECISION=_precision(grad_h.dtype),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GATHER=False, num_warps=warps, num_stages=stages,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GATHER=False, W_TMA=w_tma, W_KMAJOR=w_kmajor, num_warps=warps,
+        num_stages=stages,
     )
 
 
