@@ -98,9 +98,8 @@ def _chunk_scatter(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_pt
 
 @triton.jit
 def _check_ids(ids_ptr, flags_ptr, L, E, K: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Sets ``flags[0]`` to 1 if an id is negative and ``flags[1]`` if a real expert id repeats
-    in a token's row (every pair k < k2, unrolled). Integer atomics: the final flags do
-    not depend on the order."""
+    """Each program writes its own two flags: a negative id in its tokens, a real expert id
+    repeated in one of its tokens' rows (every pair k < k2, unrolled). No atomics."""
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     inside = toks < L
     row = ids_ptr + toks.to(tl.int64) * K
@@ -112,23 +111,22 @@ def _check_ids(ids_ptr, flags_ptr, L, E, K: tl.constexpr, BLOCK_T: tl.constexpr)
         for k2 in tl.static_range(k + 1, K):
             b = tl.load(row + k2, mask=inside, other=0)
             repeated |= ((a == b) & (a >= 0) & (a < E) & inside).to(tl.int32)
-    if tl.max(negative, axis=0) != 0:
-        tl.atomic_max(flags_ptr, 1)
-    if tl.max(repeated, axis=0) != 0:
-        tl.atomic_max(flags_ptr + 1, 1)
+    tl.store(flags_ptr + tl.program_id(0) * 2, tl.max(negative, axis=0))
+    tl.store(flags_ptr + tl.program_id(0) * 2 + 1, tl.max(repeated, axis=0))
 
 
 def invalid_id_flags(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``[negative, repeated]`` (int32, on the ids' device): 1 where some id is negative, where
-    some token's row repeats a real expert id. One pass over the ids, no sort."""
+    some token's row repeats a real expert id. One pass over the ids, no sort, no atomics."""
     L, K = topk_ids.shape
-    flags = torch.zeros(2, dtype=torch.int32, device=topk_ids.device)
     if L * K == 0:
-        return flags
+        return torch.zeros(2, dtype=torch.int32, device=topk_ids.device)
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     BLOCK_T = 256
-    _check_ids[(triton.cdiv(L, BLOCK_T),)](ids, flags, L, num_experts, K=K, BLOCK_T=BLOCK_T)
-    return flags
+    blocks = triton.cdiv(L, BLOCK_T)
+    flags = torch.empty(blocks, 2, dtype=torch.int32, device=topk_ids.device)
+    _check_ids[(blocks,)](ids, flags, L, num_experts, K=K, BLOCK_T=BLOCK_T)
+    return flags.amax(dim=0)
 
 
 def _chunk_size(LK: int) -> int:
