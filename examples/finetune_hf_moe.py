@@ -51,7 +51,7 @@ def train(args, impl, initial_state):
     model.load_state_dict(initial_state)
     model.to(args.device).train()
     model.set_experts_implementation(impl)
-    if impl == moeblaze_ops.hf.BACKEND:
+    if impl in moeblaze_ops.hf.BACKENDS:
         moeblaze_ops.hf.check_model(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     run = model
@@ -96,7 +96,8 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
     p.add_argument("--experts-implementation", nargs="+", default=["moeblaze"],
-                   help="one or more of moeblaze, grouped_mm, batched_mm, eager: each trains from the same start")
+                   help="one or more of moeblaze, moeblaze_recompute, grouped_mm, batched_mm, eager: each trains "
+                        "from the same start")
     args = p.parse_args()
 
     torch.manual_seed(args.seed)

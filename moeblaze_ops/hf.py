@@ -9,7 +9,8 @@ importing ``moeblaze_ops`` after transformers. Then any of
     AutoModelForCausalLM.from_config(config, experts_implementation="moeblaze")
     model.set_experts_implementation("moeblaze")
 
-runs the experts through ``moeblaze_ops.moe_experts``. The backend reads the experts
+runs the experts through ``moeblaze_ops.moe_experts``; ``"moeblaze_recompute"`` runs it in
+full-recompute mode (the least memory kept for backward). The backend reads the experts
 module's flags: ``is_transposed`` and ``is_concatenated`` (weight layout), ``has_bias``,
 ``has_gate`` (``gate_up_proj`` or ``up_proj``), and its gate: HF's default gate with the
 config's ``hidden_act`` (silu -> swiglu, gelu -> geglu), or GPT-OSS's clamped gate.
@@ -26,6 +27,10 @@ from __future__ import annotations
 from .functional import moe_experts
 
 BACKEND = "moeblaze"
+#: The same backend in full-recompute mode (``moe_experts(..., recompute=True)``): backward
+#: keeps only the index arrays and the router weights, and recomputes h.
+RECOMPUTE_BACKEND = "moeblaze_recompute"
+BACKENDS = (BACKEND, RECOMPUTE_BACKEND)
 
 # hidden_act of HF's default gate (act(gate) * up) -> moeblaze's gated activation.
 _GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
@@ -64,6 +69,15 @@ def moeblaze_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     Signature of transformers' experts backends: ``hidden_states [S, d]``,
     ``top_k_index [S, K]``, ``top_k_weights [S, K]``; returns ``[S, d]``.
     """
+    return _experts_forward(self, hidden_states, top_k_index, top_k_weights, recompute=False)
+
+
+def moeblaze_recompute_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """``moeblaze_experts_forward`` in full-recompute mode (the ``"moeblaze_recompute"`` backend)."""
+    return _experts_forward(self, hidden_states, top_k_index, top_k_weights, recompute=True)
+
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights, recompute):
     if getattr(self, "has_post_expert_norm", False):
         raise NotImplementedError(f"moeblaze experts backend: {type(self).__name__} normalises each expert's "
                                   "output before the combine (has_post_expert_norm), which moeblaze does not fuse")
@@ -76,7 +90,7 @@ def moeblaze_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return moe_experts(
         hidden_states, top_k_index, top_k_weights, w_up, self.down_proj, activation,
         b_gate_up=b_up, b_down=b_down, transposed=self.is_transposed, interleaved=not self.is_concatenated,
-        alpha=alpha, limit=limit,
+        alpha=alpha, limit=limit, recompute=recompute,
     )
 
 
@@ -147,7 +161,7 @@ def check_model(model) -> int:
                 f"moeblaze experts backend: {name} ({type(module).__name__}) is not routed through transformers' "
                 "experts interface, so experts_implementation='moeblaze' does not reach it; moeblaze does not "
                 "support this model's experts")
-        if getattr(getattr(module, "config", None), "_experts_implementation", None) == BACKEND:
+        if getattr(getattr(module, "config", None), "_experts_implementation", None) in BACKENDS:
             _activation(module)
             if getattr(module, "has_post_expert_norm", False):
                 raise NotImplementedError(f"moeblaze experts backend: {name} has has_post_expert_norm")
@@ -156,10 +170,12 @@ def check_model(model) -> int:
 
 
 def register() -> None:
-    """Registers ``"moeblaze"`` in transformers' ``ExpertsInterface`` (idempotent)."""
+    """Registers ``"moeblaze"`` and ``"moeblaze_recompute"`` in transformers'
+    ``ExpertsInterface`` (idempotent)."""
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(BACKEND, moeblaze_experts_forward)
+    ExpertsInterface.register(RECOMPUTE_BACKEND, moeblaze_recompute_experts_forward)
 
 
 register()
