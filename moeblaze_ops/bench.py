@@ -98,7 +98,7 @@ def make_inputs(T, d, I, E, K, dtype=None, device="cuda", seed=0):
 
 def peers(x, ids, w, w_gate_up, w_down, train=False):
     """name -> callable running the experts' forward on these inputs (train mode adds
-    moeblaze's full-recompute mode, whose forward is the same)."""
+    moeblaze's full-recompute mode, whose forward is the same, eager and compiled)."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     mod = _HFExperts(w_gate_up, w_down)
@@ -112,7 +112,11 @@ def peers(x, ids, w, w_gate_up, w_down, train=False):
         "moeblaze_compiled": (lambda f: lambda: f(x, ids, w))(torch.compile(ours, fullgraph=True)),
     }
     if train:
-        fns["moeblaze_recompute"] = lambda: moeblaze_ops.moe_experts(x, ids, w, w_gate_up, w_down, recompute=True)
+        recompute = lambda x, ids, w: moeblaze_ops.moe_experts(x, ids, w, w_gate_up, w_down,  # noqa: E731
+                                                               recompute=True)
+        fns["moeblaze_recompute"] = lambda: recompute(x, ids, w)
+        fns["moeblaze_recompute_compiled"] = (lambda f: lambda: f(x, ids, w))(
+            torch.compile(recompute, fullgraph=True))
     return fns
 
 
