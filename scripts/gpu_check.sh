@@ -38,7 +38,7 @@ if [ "${CPU_SUITE:-0}" = 1 ]; then
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "== bench forward" | tee -a "$LOG"
-  python3 -m moeblaze_ops.bench --out "$OUT/forward" --skip hf_eager \
+  python3 -m moeblaze_ops.bench --out "$OUT/forward" --skip hf_eager moeblaze_compiled \
     --configs olmoe qwen3_a3b conf3 conf4 mixtral "$@" 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${SKIP_TRAIN:-0}" != 1 ]; then
