@@ -5,8 +5,9 @@
 #   bash scripts/gpu_check.sh [extra bench args...]
 # Env: SKIP_DETERMINISM=1, SKIP_GPU_TESTS=1, SKIP_BENCH=1, SKIP_TRAIN=1 leave parts out;
 # GPU_TESTS_K=<pytest -k expr> picks GPU tests; CPU_SUITE=1 adds the CPU suite on that
-# machine's torch (a compatibility check, 3 more minutes). Test packages missing on the
-# machine are installed from wheels in .whl/ when the call carries them.
+# machine's torch (a compatibility check, 3 more minutes); PROFILE=1 adds
+# scripts/profile_step.py (kernel and host time per step) into $OUT/profile.txt. Test
+# packages missing on the machine are installed from wheels in .whl/ when the call carries them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -45,4 +46,8 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   echo "== bench train" | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train" --skip hf_eager moeblaze_compiled \
     --configs qwen3_100m olmoe qwen3_a3b conf3 conf4 mixtral "$@" 2>>"$LOG" | tee -a "$LOG"
+fi
+if [ "${PROFILE:-0}" = 1 ]; then
+  echo "== profile" | tee -a "$LOG"
+  python3 scripts/profile_step.py > "$OUT/profile.txt" 2>>"$LOG"; grep "^## " "$OUT/profile.txt" | tee -a "$LOG"
 fi

@@ -1,0 +1,70 @@
+"""Where a forward + backward of the experts spends its time: a torch.profiler table per
+peer (kernels by device time, and the host time of the whole step).
+
+    python scripts/profile_step.py [--configs qwen3_100m olmoe] [--peers moeblaze hf_grouped_mm_compiled]
+        [--steps 5] [--device cuda|cpu] [--rows 25]
+
+Small layers (the 100M example) are where the host side shows: compare "host ms per
+step" with "device ms per step".
+"""
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moeblaze_ops import bench
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--configs", nargs="*", default=["qwen3_100m", "olmoe"], choices=list(bench.CONFIGS))
+    p.add_argument("--peers", nargs="*", default=["moeblaze", "hf_grouped_mm_compiled"])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--rows", type=int, default=25)
+    a = p.parse_args()
+    cuda = a.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for name in a.configs:
+        T, d, I, E, K = bench.CONFIGS[name]
+        torch._dynamo.reset()
+        x, ids, w, w_gate_up, w_down = bench.make_inputs(T, d, I, E, K, device=a.device)
+        for t in (x, w, w_gate_up, w_down):
+            t.requires_grad_(True)
+        grad = torch.randn_like(x)
+        fns = bench.peers(x, ids, w, w_gate_up, w_down, train=True)
+        for peer in a.peers:
+            fn = fns[peer]
+
+            def step():
+                fn().backward(grad)
+
+            for _ in range(3):  # compile, first launches
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+            with profile(activities=activities) as prof:
+                t0 = time.perf_counter()
+                for _ in range(a.steps):
+                    step()
+                host = (time.perf_counter() - t0) / a.steps * 1e3
+                if cuda:
+                    torch.cuda.synchronize()
+                wall = (time.perf_counter() - t0) / a.steps * 1e3
+            events = prof.key_averages()
+            device = sum(e.self_device_time_total for e in events) / a.steps / 1e3 if cuda else float("nan")
+            print(f"\n## {name} {peer}: host ms per step {host:.2f} (launching), wall {wall:.2f}, "
+                  f"device ms per step {device:.2f}", flush=True)
+            sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+            print(events.table(sort_by=sort, row_limit=a.rows), flush=True)
+            for t in (x, w, w_gate_up, w_down):
+                t.grad = None
+        del fns, x, w, w_gate_up, w_down
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
