@@ -100,18 +100,16 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
 
 
 def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
-                         topk_weights, b_down, activation, transposed, interleaved, alpha, limit, grad_h=None,
+                         topk_weights, b_down, activation, transposed, interleaved, alpha, limit, in_place=False,
                          need_weight_grad=True):
-    """``grad_h``, when given, receives dH (it may be ``h`` itself: each expert's rows of h
-    are read before they are overwritten). Without ``need_weight_grad`` the weight and
+    """``in_place`` writes dH over ``h`` and returns h as grad_h (each expert's rows of h
+    are read before they are overwritten; sentinel rows of h are zero, as expert_up
+    writes them, and so is their gradient). Without ``need_weight_grad`` the weight and
     bias gradients are returned empty."""
     acc = _acc_dtype(h.dtype)
     L, K = topk_weights.shape
     rw = row_weights(token_index_map, topk_weights, acc)
-    if grad_h is None:
-        grad_h = torch.zeros_like(h)
-    else:
-        grad_h[int(expert_offsets[-1]):].zero_()  # sentinel rows (this path syncs anyway)
+    grad_h = h if in_place else torch.zeros_like(h)
     grad_w = torch.zeros(w_down.shape if need_weight_grad else (0,), dtype=acc, device=h.device)
     grad_b = torch.zeros(b_down.shape if b_down is not None and need_weight_grad else (0,), dtype=acc,
                          device=h.device)

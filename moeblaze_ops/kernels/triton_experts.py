@@ -255,10 +255,12 @@ def _gemm_config(dtype, kind):
     return (128, 256, 64, 8, 3) if kind == "up" else (128, 256, 32, 8, 4)
 
 
-def _tiles(device, dtype, kind):
+def _tiles(device, dtype, kind, configs=None):
+    """The tile config of GEMM ``kind``: a tuning override, else ``configs`` (this module's
+    ``_gemm_config`` by default; the backward module passes its own)."""
     if device.type != "cuda":  # the interpreter: small tiles keep CPU tests quick
         return 16, 16, 16, 4, 1
-    return CONFIG_OVERRIDE.get(kind) or _gemm_config(dtype, kind)
+    return CONFIG_OVERRIDE.get(kind) or (configs or _gemm_config)(dtype, kind)
 
 
 def _launch_gemm(kernel, device, dtype, tiles, **kwargs):
@@ -274,6 +276,11 @@ def _launch_gemm(kernel, device, dtype, tiles, **kwargs):
 H_TMA = True
 #: Whether 16-bit CUDA runs use the approximate-tanh sigmoid (tuning switch).
 FAST_ACT = True
+
+
+def _fast_act(t):
+    """Whether to use the approximate-tanh sigmoid for tensors like ``t``: CUDA, 16-bit."""
+    return FAST_ACT and t.is_cuda and t.dtype != torch.float32
 
 
 def _h_source(h, act, interleaved, I, BM, BK):
@@ -363,7 +370,7 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
             ACT=ACT_CODES[activation], INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, H_TMA=h_tma,
             # Approximate tanh for the sigmoid where the output is 16-bit (its error, 2^-11,
             # is below their rounding); fp32 keeps the exact form.
-            FAST_ACT=FAST_ACT and h.is_cuda and h.dtype != torch.float32,
+            FAST_ACT=_fast_act(h),
         )
     combine(y, token_index_map, topk_weights, expert_offsets, out, E)
     return out

@@ -223,13 +223,7 @@ def _gemm_config(dtype, kind):
 
 
 def _tiles(device, dtype, kind):
-    if device.type != "cuda":  # the interpreter
-        return 16, 16, 16, 4, 1
-    return fwd.CONFIG_OVERRIDE.get(kind) or _gemm_config(dtype, kind)
-
-
-def _fast_act(t):
-    return fwd.FAST_ACT and t.is_cuda and t.dtype != torch.float32
+    return fwd._tiles(device, dtype, kind, _gemm_config)
 
 
 def _launch_dh(grad_out, h, w_down, eti, rw, offsets, b_down, grad_h, parts, bdot, act, transposed, interleaved,
@@ -239,9 +233,8 @@ def _launch_dh(grad_out, h, w_down, eti, rw, offsets, b_down, grad_h, parts, bdo
     d = w_down.shape[2] if transposed else w_down.shape[1]
     I = w_down.shape[1] if transposed else w_down.shape[2]
     BM, BN, BK, warps, stages, *per_sm = _tiles(h.device, h.dtype, "dh")
-    # grad_out rows @ W_e as [d, I]: reduction over d, output over I.
-    swe = w_down.stride(0)
-    swk, swn = (w_down.stride(2), w_down.stride(1)) if transposed else (w_down.stride(1), w_down.stride(2))
+    # grad_out rows @ W_e as [d, I]: the forward's product transposed (reduction over d).
+    swe, swk, swn = fwd._weight_strides(w_down, not transposed)
     max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(I, BN)
     w_src, w_tma, w_kmajor = fwd._weight_source(w_down, swk, BK, BN)
     _dh_kernel[(_num_programs(h.device, max_tiles, *per_sm),)](
@@ -269,7 +262,7 @@ def _launch_wgrad(a, b, eti, rw, offsets, grad_w, grad_b, P, Q, I, transposed_ou
         a, b, eti, rw, offsets, grad_w, grad_b if grad_b is not None else grad_w,
         E, P, Q, I, float(alpha), float(limit),
         a_stride, b_stride, grad_w.stride(0), sop, soq, grad_b.stride(0) if grad_b is not None else 0,
-        DOWN=down, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=grad_b is not None, FAST_ACT=_fast_act(grad_w),
+        DOWN=down, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=grad_b is not None, FAST_ACT=fwd._fast_act(grad_w),
         TMA=tma, PRECISION=_precision(grad_w.dtype), BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BR, num_warps=warps,
         num_stages=stages,
     )
@@ -281,9 +274,7 @@ def _launch_dx_rows(grad_h, w_gate_up, offsets, grad_rows, transposed):
     E = w_gate_up.shape[0]
     d = grad_rows.shape[1]
     BM, BN, BK, warps, stages, *per_sm = _tiles(grad_h.device, grad_h.dtype, "dx")
-    swe = w_gate_up.stride(0)
-    swk, swn = (w_gate_up.stride(2), w_gate_up.stride(1)) if transposed else (w_gate_up.stride(1),
-                                                                               w_gate_up.stride(2))
+    swe, swk, swn = fwd._weight_strides(w_gate_up, not transposed)  # the forward's product transposed
     max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(d, BN)
     w_src, w_tma, w_kmajor = fwd._weight_source(w_gate_up, swk, BK, BN)
     _up_kernel[(_num_programs(grad_h.device, max_tiles, *per_sm),)](
@@ -296,30 +287,25 @@ def _launch_dx_rows(grad_h, w_gate_up, offsets, grad_rows, transposed):
 
 
 def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
-                         topk_weights, b_down, activation, transposed, interleaved, alpha, limit, grad_h=None,
+                         topk_weights, b_down, activation, transposed, interleaved, alpha, limit, in_place=False,
                          need_weight_grad=True):
-    """``grad_h``, when given, receives dH; it may be ``h`` itself (the weight gradient,
-    which reads all of h, runs first, and each dH tile overwrites only the h tiles it has
-    just read). Without ``need_weight_grad`` the weight and bias gradients are returned
-    empty and their kernel does not run."""
+    """``in_place`` writes dH over ``h`` (contiguous) and returns h as grad_h: the weight
+    gradient, which reads all of h, runs first, and each dH tile overwrites only the h
+    tiles it has just read. Without ``need_weight_grad`` the weight and bias gradients are
+    returned empty and their kernel does not run."""
     L, K = topk_weights.shape
     LK = h.shape[0]
     E = w_down.shape[0]
     d = w_down.shape[2] if transposed else w_down.shape[1]
     I = w_down.shape[1] if transposed else w_down.shape[2]
     grad_out = grad_out.contiguous()
-    out = grad_h
-    if h.stride(1) != 1 or h.stride(0) != h.shape[1]:
-        h = h.contiguous()
+    if in_place:
+        assert h.is_contiguous(), "in-place dH needs a contiguous h"
+    h = h.contiguous()
     act = ACT_CODES[activation]
     dev = h.device
     rw = row_weights(token_index_map, topk_weights, torch.float32)
-    if out is None:
-        grad_h = _empty(LK, h.shape[1], dtype=h.dtype, device=dev)
-    elif out.data_ptr() == h.data_ptr():
-        grad_h = h  # in place (h was contiguous already)
-    else:
-        grad_h = out if out.is_contiguous() else _empty(LK, h.shape[1], dtype=h.dtype, device=dev)
+    grad_h = h if in_place else _empty(LK, h.shape[1], dtype=h.dtype, device=dev)
     grad_w = _empty(*w_down.shape, dtype=w_down.dtype, device=dev) if need_weight_grad else w_down.new_empty(0)
     has_grad_b = b_down is not None and need_weight_grad
     grad_b = _empty(*b_down.shape, dtype=b_down.dtype, device=dev) if has_grad_b else h.new_empty(0)
@@ -341,8 +327,6 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
         )
     else:
         grad_tw.zero_()
-    if out is not None and grad_h is not out:
-        out.copy_(grad_h)
     return grad_h, grad_w, grad_b, grad_tw
 
 

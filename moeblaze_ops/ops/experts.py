@@ -243,7 +243,7 @@ def expert_down_backward_recompute(
                          topk_weights, b_down, activation, transposed)
     return backward_kernels(h).expert_down_backward(
         grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-        activation, transposed, interleaved, alpha, limit, grad_h=h, need_weight_grad=need_weight_grad)
+        activation, transposed, interleaved, alpha, limit, in_place=True, need_weight_grad=need_weight_grad)
 
 
 @expert_down_backward_recompute.register_fake
