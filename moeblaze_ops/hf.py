@@ -42,10 +42,14 @@ _CUSTOM_GATES = {"GptOssExperts": "clamped_swiglu"}
 
 
 def _activation(module):
-    """(activation, alpha, limit) of an HF experts module, or a clear error."""
+    """(activation, alpha, limit) of an HF experts module, or a clear error for experts
+    the backend cannot run."""
     from transformers.integrations.moe import _default_apply_gate
 
     name = type(module).__name__
+    if getattr(module, "has_post_expert_norm", False):
+        raise NotImplementedError(f"moeblaze experts backend: {name} normalises each expert's output before "
+                                  "the combine (has_post_expert_norm), which moeblaze does not fuse")
     hidden_act = getattr(getattr(module, "config", None), "hidden_act", None)
     if not module.has_gate:
         if hidden_act not in _PLAIN:
@@ -78,9 +82,6 @@ def moeblaze_recompute_experts_forward(self, hidden_states, top_k_index, top_k_w
 
 
 def _experts_forward(self, hidden_states, top_k_index, top_k_weights, recompute):
-    if getattr(self, "has_post_expert_norm", False):
-        raise NotImplementedError(f"moeblaze experts backend: {type(self).__name__} normalises each expert's "
-                                  "output before the combine (has_post_expert_norm), which moeblaze does not fuse")
     activation, alpha, limit = _activation(self)
     w_up = self.gate_up_proj if self.has_gate else self.up_proj
     b_up = b_down = None
@@ -163,8 +164,6 @@ def check_model(model) -> int:
                 "support this model's experts")
         if getattr(getattr(module, "config", None), "_experts_implementation", None) in BACKENDS:
             _activation(module)
-            if getattr(module, "has_post_expert_norm", False):
-                raise NotImplementedError(f"moeblaze experts backend: {name} has has_post_expert_norm")
             count += 1
     return count
 
