@@ -49,7 +49,8 @@ def kernels(T, d, I, E, K, device="cuda"):
 
     def dh():
         n_parts = triton.cdiv(I, tb._tiles(h.device, h.dtype, "dh")[1])
-        tb._launch_dh(go, h, wd, eti, rw, offs, None, grad_h, parts[:, :n_parts], bdot, act, False, False, 1.702, 7.0)
+        part = parts.view(-1)[:LK * n_parts].view(LK, n_parts)  # contiguous, as the kernel indexes it
+        tb._launch_dh(go, h, wd, eti, rw, offs, None, grad_h, part, bdot, act, False, False, 1.702, 7.0)
 
     def dx():
         tb._launch_dx_rows(h, wgu, offs, rows, False)

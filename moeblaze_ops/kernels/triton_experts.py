@@ -263,11 +263,13 @@ def _tiles(device, dtype, kind, configs=None):
     return CONFIG_OVERRIDE.get(kind) or (configs or _gemm_config)(dtype, kind)
 
 
-def _launch_gemm(kernel, device, dtype, tiles, **kwargs):
-    LK, E, N = kwargs["LK"], kwargs["E"], kwargs["N"]
-    BM, BN, BK, warps, stages = tiles
-    max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(N, BN)
-    grid = (_num_programs(device, max_tiles),)
+def _launch_gemm(kernel, device, dtype, tiles, n_cols, **kwargs):
+    """Launches a GEMM on the persistent (m-tile, n-tile) schedule of ``_tile_of`` over
+    ``n_cols`` output columns; ``tiles`` is (BM, BN, BK, warps, stages[, programs per SM])."""
+    LK, E = kwargs["LK"], kwargs["E"]
+    BM, BN, BK, warps, stages, *per_sm = tiles
+    max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(n_cols, BN)
+    grid = (_num_programs(device, max_tiles, *per_sm),)
     kernel[grid](**kwargs, GROUPS=triton.next_power_of_2(E + 1), PRECISION=_precision(dtype),
                  BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages)
 
@@ -334,7 +336,7 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
     tiles = _tiles(x.device, x.dtype, "up")
     w_src, w_tma, w_kmajor = _weight_source(w_gate_up, swk, tiles[2], tiles[1])
     _launch_gemm(
-        _up_kernel, x.device, x.dtype, tiles, W_TMA=w_tma, W_KMAJOR=w_kmajor,
+        _up_kernel, x.device, x.dtype, tiles, N, W_TMA=w_tma, W_KMAJOR=w_kmajor,
         x_ptr=x, w_ptr=w_src, b_ptr=bias, eti_ptr=expert_token_indices, offsets_ptr=expert_offsets, h_ptr=h,
         LK=LK, E=E, N=N, D=d, stride_xm=x.stride(0), stride_xk=x.stride(1),
         stride_we=swe, stride_wk=swk, stride_wn=swn,
@@ -362,7 +364,7 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         h_src, h_tma = _h_source(h, ACT_CODES[activation], interleaved, I, tiles[0], tiles[2])
         w_src, w_tma, w_kmajor = _weight_source(w_down, swk, tiles[2], tiles[1])
         _launch_gemm(
-            _down_kernel, h.device, h.dtype, tiles, W_TMA=w_tma, W_KMAJOR=w_kmajor,
+            _down_kernel, h.device, h.dtype, tiles, d, W_TMA=w_tma, W_KMAJOR=w_kmajor,
             h_src=h_src, w_ptr=w_src, b_ptr=b_down if b_down is not None else w_down, offsets_ptr=expert_offsets,
             y_ptr=y, LK=LK, E=E, N=d, I=I, alpha=float(alpha), limit=float(limit),
             stride_hm=h.stride(0), stride_we=swe, stride_wk=swk, stride_wn=swn,

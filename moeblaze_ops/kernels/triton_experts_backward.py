@@ -228,23 +228,20 @@ def _tiles(device, dtype, kind):
 
 def _launch_dh(grad_out, h, w_down, eti, rw, offsets, b_down, grad_h, parts, bdot, act, transposed, interleaved,
                alpha, limit):
-    LK = h.shape[0]
-    E = w_down.shape[0]
     d = w_down.shape[2] if transposed else w_down.shape[1]
     I = w_down.shape[1] if transposed else w_down.shape[2]
-    BM, BN, BK, warps, stages, *per_sm = _tiles(h.device, h.dtype, "dh")
+    tiles = _tiles(h.device, h.dtype, "dh")
     # grad_out rows @ W_e as [d, I]: the forward's product transposed (reduction over d).
     swe, swk, swn = fwd._weight_strides(w_down, not transposed)
-    max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(I, BN)
-    w_src, w_tma, w_kmajor = fwd._weight_source(w_down, swk, BK, BN)
-    _dh_kernel[(_num_programs(h.device, max_tiles, *per_sm),)](
-        grad_out, w_src, h, eti, rw, offsets, b_down if b_down is not None else w_down, grad_h, parts, bdot,
-        LK, E, d, I, float(alpha), float(limit), parts.shape[1],
-        grad_out.stride(0), swe, swk, swn, b_down.stride(0) if b_down is not None else 0, h.stride(0),
-        grad_h.stride(0),
-        ACT=act, INTERLEAVED=interleaved, HAS_BIAS=b_down is not None,
-        GROUPS=triton.next_power_of_2(E + 1), PRECISION=_precision(h.dtype),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, W_TMA=w_tma, W_KMAJOR=w_kmajor, num_warps=warps, num_stages=stages,
+    w_src, w_tma, w_kmajor = fwd._weight_source(w_down, swk, tiles[2], tiles[1])
+    fwd._launch_gemm(
+        _dh_kernel, h.device, h.dtype, tiles, I,
+        go_ptr=grad_out, w_ptr=w_src, h_ptr=h, eti_ptr=eti, rw_ptr=rw, offsets_ptr=offsets,
+        b_ptr=b_down if b_down is not None else w_down, dh_ptr=grad_h, part_ptr=parts, bdot_ptr=bdot,
+        LK=h.shape[0], E=w_down.shape[0], D=d, I=I, alpha=float(alpha), limit=float(limit), n_parts=parts.shape[1],
+        stride_gm=grad_out.stride(0), stride_we=swe, stride_wk=swk, stride_wn=swn,
+        stride_be=b_down.stride(0) if b_down is not None else 0, stride_hm=h.stride(0), stride_dhm=grad_h.stride(0),
+        ACT=act, INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, W_TMA=w_tma, W_KMAJOR=w_kmajor,
     )
 
 
@@ -271,18 +268,16 @@ def _launch_wgrad(a, b, eti, rw, offsets, grad_w, grad_b, P, Q, I, transposed_ou
 def _launch_dx_rows(grad_h, w_gate_up, offsets, grad_rows, transposed):
     """dX rows = dH @ W_e with W_e as [N, d]: the forward's up kernel, without the gather."""
     LK, N = grad_h.shape
-    E = w_gate_up.shape[0]
     d = grad_rows.shape[1]
-    BM, BN, BK, warps, stages, *per_sm = _tiles(grad_h.device, grad_h.dtype, "dx")
+    tiles = _tiles(grad_h.device, grad_h.dtype, "dx")
     swe, swk, swn = fwd._weight_strides(w_gate_up, not transposed)  # the forward's product transposed
-    max_tiles = (triton.cdiv(LK, BM) + E + 1) * triton.cdiv(d, BN)
-    w_src, w_tma, w_kmajor = fwd._weight_source(w_gate_up, swk, BK, BN)
-    _up_kernel[(_num_programs(grad_h.device, max_tiles, *per_sm),)](
-        grad_h, w_src, w_gate_up, offsets, offsets, grad_rows,
-        LK, E, d, N, grad_h.stride(0), 1, swe, swk, swn, 0, grad_rows.stride(0),
-        HAS_BIAS=False, GROUPS=triton.next_power_of_2(E + 1), PRECISION=_precision(grad_h.dtype),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GATHER=False, W_TMA=w_tma, W_KMAJOR=w_kmajor, num_warps=warps,
-        num_stages=stages,
+    w_src, w_tma, w_kmajor = fwd._weight_source(w_gate_up, swk, tiles[2], tiles[1])
+    fwd._launch_gemm(
+        _up_kernel, grad_h.device, grad_h.dtype, tiles, d,
+        x_ptr=grad_h, w_ptr=w_src, b_ptr=w_gate_up, eti_ptr=offsets, offsets_ptr=offsets, h_ptr=grad_rows,
+        LK=LK, E=w_gate_up.shape[0], N=d, D=N, stride_xm=grad_h.stride(0), stride_xk=1,
+        stride_we=swe, stride_wk=swk, stride_wn=swn, stride_be=0, stride_hm=grad_rows.stride(0),
+        HAS_BIAS=False, GATHER=False, W_TMA=w_tma, W_KMAJOR=w_kmajor,
     )
 
 
