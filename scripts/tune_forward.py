@@ -1,6 +1,10 @@
 """Sweeps tile configs of the forward GEMM kernels on benchmark shapes (GPU).
 
     python scripts/tune_forward.py [--configs olmoe mixtral] [--w-tma 0 1] [--tiles BM,BN,BK,w,s ...]
+        [--activations swiglu relu]
+
+``--activations relu`` times the down kernel with an almost free prologue (ReLU of the
+first I columns of h): the gap to swiglu is what the activation's math costs there.
 
 Prints, per shape and kernel, the time and TFLOP/s of each config next to a dense cuBLAS
 matmul of the same size (the ceiling to aim at).
@@ -33,6 +37,7 @@ def main():
     p.add_argument("--h-tma", nargs="*", type=int, default=[1], help="down kernel reads h through TMA (1) or not (0)")
     p.add_argument("--fast-act", nargs="*", type=int, default=[1], help="approximate-tanh sigmoid (1) or exact (0)")
     p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1], help="weight tiles through TMA (1) or not (0)")
+    p.add_argument("--activations", nargs="*", default=["swiglu"], help="the down kernel's activation(s)")
     a = p.parse_args()
     for name in a.configs:
         T, d, I, E, K = CONFIGS[name]
@@ -47,6 +52,8 @@ def main():
         up_flops, down_flops = 2 * LK * d * 2 * I, 2 * LK * I * d
         print(f"\n{name} LK={LK} d={d} I={I} E={E}: cuBLAS dense up {up_flops / dense_up / 1e9:.0f} TFLOP/s, "
               f"down {down_flops / dense_down / 1e9:.0f} TFLOP/s")
+        jobs = ([("up", None)] if "up" in a.kinds else []) + [("down", act) for act in a.activations
+                                                               if "down" in a.kinds]
         for pps in a.programs_per_sm:
             te.PROGRAMS_PER_SM = pps
             tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
@@ -54,15 +61,16 @@ def main():
                                              for w in a.w_tma]:
                 te.H_TMA, te.FAST_ACT, te.W_TMA = bool(h_tma), bool(fast), bool(w_tma)
                 row = []
-                for kind in a.kinds:
+                for kind, act in jobs:
                     te.CONFIG_OVERRIDE = {kind: tile}
                     try:
                         if kind == "up":
                             ms = bench(lambda: te.expert_up(x, wgu, eti, offs, tim, None, False))
                         else:
-                            ms = bench(lambda: te.expert_down(h, wd, eti, offs, tim, w, None, "swiglu", False, False,
+                            ms = bench(lambda: te.expert_down(h, wd, eti, offs, tim, w, None, act, False, False,
                                                               1.702, 7.0))
-                        row.append(f"{kind} {ms:7.3f} ms {(up_flops if kind == 'up' else down_flops) / ms / 1e9:4.0f}")
+                        label = kind if act is None else f"down {act}"
+                        row.append(f"{label} {ms:7.3f} ms {(up_flops if kind == 'up' else down_flops) / ms / 1e9:4.0f}")
                     except Exception as e:  # out of shared memory etc.
                         row.append(f"{kind} failed ({type(e).__name__})")
                 print(f"  pps={pps} tile={tile} h_tma={h_tma} fast_act={fast} w_tma={w_tma}: " + " | ".join(row),

@@ -69,19 +69,21 @@ def test_backward_routings(L, E, K, routing, sentinel_frac, seed):
                    sentinel_frac=sentinel_frac, bias=True)
 
 
-@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("tma,bias_mma", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
-def test_backward_whole_steps(layout, tma, seed):
+def test_backward_whole_steps(layout, tma, bias_mma, seed):
     """Experts with several whole 16-row reduction steps plus a ragged last one, with the
-    contiguous operands read through TMA descriptors or plain loads."""
-    from moeblaze_ops.kernels import triton_experts
+    contiguous operands read through TMA descriptors or plain loads, and the up bias
+    gradient from a register sum or from the tensor cores."""
+    from moeblaze_ops.kernels import triton_experts, triton_experts_backward as tb
 
-    before, triton_experts.H_TMA = triton_experts.H_TMA, tma
+    before = triton_experts.H_TMA, tb.WGRAD_BIAS_MMA
+    triton_experts.H_TMA, tb.WGRAD_BIAS_MMA = tma, bias_mma
     try:
         check_backward(45, 16, 8, 2, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout,
                        bias=True, routing="skewed")
     finally:
-        triton_experts.H_TMA = before
+        triton_experts.H_TMA, tb.WGRAD_BIAS_MMA = before
 
 
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])

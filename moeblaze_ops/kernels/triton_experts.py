@@ -80,14 +80,19 @@ def _weight_tile(w_src, e, k0, n0, stride_we, stride_wk, stride_wn, K, N, W_TMA:
     [1, BLOCK_N, BLOCK_K] when the reduction dimension is the contiguous one (W_KMAJOR),
     else [1, BLOCK_K, BLOCK_N]: the copy engine fills zeros past the expert's own edges.
     """
+    # One return, every branch assigning: code after an early return inside a constexpr
+    # `if` is still compiled, and the pointer arithmetic below fails on a descriptor.
     if W_TMA:
         if W_KMAJOR:
-            return tl.trans(tl.reshape(w_src.load([e, n0, k0]), (BLOCK_N, BLOCK_K)))
-        return tl.reshape(w_src.load([e, k0, n0]), (BLOCK_K, BLOCK_N))
-    ks = k0 + tl.arange(0, BLOCK_K)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    return tl.load(w_src + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
-                   mask=(ks < K)[:, None] & (cols < N)[None, :], other=0.0)
+            tile = tl.trans(tl.reshape(w_src.load([e, n0, k0]), (BLOCK_N, BLOCK_K)))
+        else:
+            tile = tl.reshape(w_src.load([e, k0, n0]), (BLOCK_K, BLOCK_N))
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        tile = tl.load(w_src + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+                       mask=(ks < K)[:, None] & (cols < N)[None, :], other=0.0)
+    return tile
 
 
 @triton.jit

@@ -109,12 +109,16 @@ def _router_grad_kernel(part_ptr, bdot_ptr, tim_ptr, offsets_ptr, out_ptr, LK, E
 def _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask, qs, q0, Q, I, alpha, limit,
                 stride_am, stride_bm, bias_here, DOWN: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
                 HAS_BIAS: tl.constexpr, FAST_ACT: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr,
-                PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
+                PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,
+                BIAS_COLS: tl.constexpr):
     """One reduction step over rows [r0, r0 + BLOCK_R): acc += A^T B, and the bias
     gradient's share (sum over rows of A, weighted by w for DOWN) where ``bias_here``.
 
     With TMA (DOWN only), h comes through a TMA descriptor. Only the last step of an expert
     (MASKED) needs row masks: there, rows past ``hi`` belong to the next expert and are zeroed.
+    ``bias_acc`` is [BLOCK_P, BIAS_COLS]: with BIAS_COLS = 16 the up projection's share
+    comes from the tensor cores (A^T times a column of ones), so A^T never leaves shared
+    memory for registers; with 1, from a register sum.
     """
     rows = r0 + tl.arange(0, BLOCK_R)
     rmask = rows < hi
@@ -142,7 +146,11 @@ def _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask,
     acc = tl.dot(at, b, acc, input_precision=PRECISION)
     if HAS_BIAS:
         if bias_here:
-            bias_acc += tl.sum(at.to(tl.float32) * w[None, :], axis=1)
+            if BIAS_COLS == 1:
+                bias_acc += tl.sum(at.to(tl.float32) * w[None, :], axis=1, keep_dims=True)
+            else:  # column 0 of the ones operand is 1, the rest 0: the sum lands in column 0
+                ones = (tl.arange(0, BLOCK_R)[:, None] >= 0) & (tl.arange(0, BIAS_COLS)[None, :] == 0)
+                bias_acc = tl.dot(at, ones.to(at.dtype), bias_acc, input_precision=PRECISION)
     return acc, bias_acc
 
 
@@ -153,7 +161,7 @@ def _wgrad_kernel(
     stride_am, stride_bm, stride_oe, stride_op, stride_oq, stride_be,
     DOWN: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     FAST_ACT: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BIAS_COLS: tl.constexpr = 1,
 ):
     """out[e] = sum over the expert's rows r of A[r]^T B[r] ([P, Q] per expert).
 
@@ -173,7 +181,7 @@ def _wgrad_kernel(
         lo = tl.load(offsets_ptr + e)
         hi = tl.load(offsets_ptr + e + 1)
         acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-        bias_acc = tl.zeros((BLOCK_P,), dtype=tl.float32)
+        bias_acc = tl.zeros((BLOCK_P, BIAS_COLS), dtype=tl.float32)
         q0 = q_idx * BLOCK_Q
         if DOWN:
             # Whole steps without row masks, then one masked step for the expert's last rows.
@@ -182,12 +190,12 @@ def _wgrad_kernel(
                 acc, bias_acc = _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, lo + i * BLOCK_R, hi, ps,
                                             pmask, qs, q0, Q, I, alpha, limit, stride_am, stride_bm, q_idx == 0,
                                             DOWN, ACT, INTERLEAVED, HAS_BIAS, FAST_ACT, TMA, False, PRECISION,
-                                            BLOCK_P, BLOCK_R, BLOCK_Q)
+                                            BLOCK_P, BLOCK_R, BLOCK_Q, BIAS_COLS)
             if lo + full * BLOCK_R < hi:
                 acc, bias_acc = _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, lo + full * BLOCK_R, hi,
                                             ps, pmask, qs, q0, Q, I, alpha, limit, stride_am, stride_bm, q_idx == 0,
                                             DOWN, ACT, INTERLEAVED, HAS_BIAS, FAST_ACT, TMA, True, PRECISION,
-                                            BLOCK_P, BLOCK_R, BLOCK_Q)
+                                            BLOCK_P, BLOCK_R, BLOCK_Q, BIAS_COLS)
         else:
             # Every step masked: the peeled form above (unmasked loads or a TMA read of dH,
             # then a masked last step) gave run-to-run differences here on the H200 with
@@ -196,15 +204,21 @@ def _wgrad_kernel(
                 acc, bias_acc = _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask, qs,
                                             q0, Q, I, alpha, limit, stride_am, stride_bm, q_idx == 0,
                                             DOWN, ACT, INTERLEAVED, HAS_BIAS, FAST_ACT, TMA, True, PRECISION,
-                                            BLOCK_P, BLOCK_R, BLOCK_Q)
+                                            BLOCK_P, BLOCK_R, BLOCK_Q, BIAS_COLS)
         tl.store(out_ptr + e.to(tl.int64) * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq,
                  acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & (qs < Q)[None, :])
         if HAS_BIAS:
             if q_idx == 0:
-                tl.store(bias_out_ptr + e * stride_be + ps, bias_acc.to(bias_out_ptr.dtype.element_ty), mask=pmask)
+                bias = tl.sum(bias_acc, axis=1)  # exact: one non-zero column
+                tl.store(bias_out_ptr + e * stride_be + ps, bias.to(bias_out_ptr.dtype.element_ty), mask=pmask)
 
 
 # --------------------------------------------------------------------------- launchers
+
+
+#: The up projection's bias gradient from the tensor cores (A^T times ones) instead of a
+#: register sum of A^T (tuning switch; scripts/repeat_backward_check.py --variants).
+WGRAD_BIAS_MMA = False
 
 
 def _gemm_config(dtype, kind):
@@ -260,7 +274,8 @@ def _launch_wgrad(a, b, eti, rw, offsets, grad_w, grad_b, P, Q, I, transposed_ou
         E, P, Q, I, float(alpha), float(limit),
         a_stride, b_stride, grad_w.stride(0), sop, soq, grad_b.stride(0) if grad_b is not None else 0,
         DOWN=down, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=grad_b is not None, FAST_ACT=fwd._fast_act(grad_w),
-        TMA=tma, PRECISION=_precision(grad_w.dtype), BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BR, num_warps=warps,
+        TMA=tma, PRECISION=_precision(grad_w.dtype), BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BR,
+        BIAS_COLS=16 if WGRAD_BIAS_MMA and not down else 1, num_warps=warps,
         num_stages=stages,
     )
 
