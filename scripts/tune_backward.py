@@ -67,6 +67,7 @@ def kernels(T, d, I, E, K, device="cuda"):
 
 
 def main():
+    default_w_tma = dict(te.W_TMA)
     p = argparse.ArgumentParser()
     p.add_argument("--configs", nargs="*", default=["olmoe", "mixtral"])
     p.add_argument("--kinds", nargs="*", default=list(TILES), choices=list(TILES))
@@ -88,14 +89,14 @@ def main():
             tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES[kind]
             w_tmas = a.w_tma if kind in ("dh", "dx") else [0]
             for tile, w_tma in [(t, w) for t in tiles for w in w_tmas]:
-                te.CONFIG_OVERRIDE, te.W_TMA = {kind: tile}, bool(w_tma)
+                te.CONFIG_OVERRIDE, te.W_TMA = {kind: tile}, {kind: bool(w_tma)}
                 label = f"  {kind:10s} tile={tile} w_tma={w_tma}"
                 try:
                     ms = bench(fn)
                     print(f"{label}: {ms:7.3f} ms {flops / ms / 1e9:4.0f} TFLOP/s", flush=True)
                 except Exception as e:  # out of shared memory etc.
                     print(f"{label}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
-            te.CONFIG_OVERRIDE, te.W_TMA = {}, False
+            te.CONFIG_OVERRIDE, te.W_TMA = {}, default_w_tma
         del fns
         torch.cuda.empty_cache()
 

@@ -39,6 +39,7 @@ def main():
     p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1], help="weight tiles through TMA (1) or not (0)")
     p.add_argument("--activations", nargs="*", default=["swiglu"], help="the down kernel's activation(s)")
     a = p.parse_args()
+    default_w_tma = dict(te.W_TMA)
     for name in a.configs:
         T, d, I, E, K = CONFIGS[name]
         x, ids, w, wgu, wd = make_inputs(T, d, I, E, K)
@@ -59,7 +60,8 @@ def main():
             tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
             for tile, h_tma, fast, w_tma in [(t, v, f, w) for t in tiles for v in a.h_tma for f in a.fast_act
                                              for w in a.w_tma]:
-                te.H_TMA, te.FAST_ACT, te.W_TMA = bool(h_tma), bool(fast), bool(w_tma)
+                te.H_TMA, te.FAST_ACT = bool(h_tma), bool(fast)
+                te.W_TMA = dict.fromkeys(("up", "down"), bool(w_tma))
                 row = []
                 for kind, act in jobs:
                     te.CONFIG_OVERRIDE = {kind: tile}
@@ -76,6 +78,7 @@ def main():
                 print(f"  pps={pps} tile={tile} h_tma={h_tma} fast_act={fast} w_tma={w_tma}: " + " | ".join(row),
                       flush=True)
         te.CONFIG_OVERRIDE = {}
+    te.W_TMA = default_w_tma
         del x, wgu, wd, h, dense_a, dense_h
         torch.cuda.empty_cache()
 

@@ -205,13 +205,14 @@ def test_invalid_id_flags(K, seed):
         assert invalid_id_flags(bad.cuda(), 64).tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("on", [True, False])
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
-def test_weight_tma(layout, seed, triton_bwd):
-    """Weight tiles through TMA descriptors (the W_TMA tuning switch, off by default until
-    measured): forward and every gradient still match the reference."""
+def test_weight_tma(layout, on, seed, triton_bwd):
+    """Weight tiles through TMA descriptors in every GEMM, or in none (the per-kind W_TMA
+    tuning switch): forward and every gradient still match the reference."""
     from moeblaze_ops.kernels import triton_experts
 
-    before, triton_experts.W_TMA = triton_experts.W_TMA, True
+    before, triton_experts.W_TMA = triton_experts.W_TMA, dict.fromkeys(triton_experts.W_TMA, on)
     try:
         check_forward(777, 2880, 1408, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
                       bias=True, tw_dtype=torch.float32)

@@ -123,13 +123,15 @@ def test_invalid_id_flags(K, defect, seed):
     assert invalid_id_flags(ids, E).tolist() == expected
 
 
+@pytest.mark.parametrize("on", [True, False])
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
-def test_kernels_with_weight_tma(layout, seed):
-    """Weight tiles through 3-D TMA descriptors (``W_TMA``, a tuning switch): forward and
-    backward against the reference, with tiles running past each expert's weight edges."""
+def test_kernels_with_weight_tma(layout, on, seed):
+    """Weight tiles through 3-D TMA descriptors in every GEMM, or in none (``W_TMA``, a
+    per-kind tuning switch): forward and backward against the reference, with tiles running
+    past each expert's weight edges."""
     from moeblaze_ops.kernels import triton_experts
 
-    before, triton_experts.W_TMA = triton_experts.W_TMA, True
+    before, triton_experts.W_TMA = triton_experts.W_TMA, dict.fromkeys(triton_experts.W_TMA, on)
     try:
         check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
         check_backward(45, 20, 12, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)

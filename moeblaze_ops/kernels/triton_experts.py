@@ -305,18 +305,20 @@ def _h_source(h, act, interleaved, I, BM, BK):
     return TensorDescriptor.from_tensor(h, [BM, width]), True
 
 
-#: Whether the GEMMs read weight tiles through TMA descriptors where they can (tuning
-#: switch; off until measured on the GPU: docs/perf-notes.md).
-W_TMA = False
+#: Per GEMM kind, whether it reads weight tiles through TMA descriptors where it can
+#: (tuning switch). From the H200 sweep (docs/perf-notes.md): faster for dH (OLMoE-like
+#: 3.22 -> 3.08 ms, Mixtral-like 10.36 -> 9.41), dX and the up GEMM on large experts;
+#: slower for the down GEMM, whose activation prologue is its bottleneck.
+W_TMA = {"up": True, "down": False, "dh": True, "dx": True}
 
 
-def _weight_source(w, swk, BK, BN):
-    """The weight as the GEMMs read it: ``(source, W_TMA, W_KMAJOR)``. ``swk`` is the stride
-    of the reduction dimension; the other one of the last two is the output dimension."""
+def _weight_source(w, swk, BK, BN, kind):
+    """The weight as GEMM ``kind`` reads it: ``(source, W_TMA, W_KMAJOR)``. ``swk`` is the
+    stride of the reduction dimension; the other one of the last two is the output dimension."""
     kmajor = swk == 1
     aligned = (w.is_contiguous() and w.data_ptr() % 16 == 0 and (w.shape[2] * w.element_size()) % 16 == 0
                and max(BK, BN) <= 256)
-    if not (W_TMA and aligned):
+    if not (W_TMA.get(kind) and aligned):
         return w, False, kmajor
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -339,7 +341,7 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
     swe, swk, swn = _weight_strides(w_gate_up, transposed)
     bias = b_gate_up if b_gate_up is not None else w_gate_up
     tiles = _tiles(x.device, x.dtype, "up")
-    w_src, w_tma, w_kmajor = _weight_source(w_gate_up, swk, tiles[2], tiles[1])
+    w_src, w_tma, w_kmajor = _weight_source(w_gate_up, swk, tiles[2], tiles[1], "up")
     _launch_gemm(
         _up_kernel, x.device, x.dtype, tiles, N, W_TMA=w_tma, W_KMAJOR=w_kmajor,
         x_ptr=x, w_ptr=w_src, b_ptr=bias, eti_ptr=expert_token_indices, offsets_ptr=expert_offsets, h_ptr=h,
@@ -367,7 +369,7 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         swe, swk, swn = _weight_strides(w_down, transposed)
         tiles = _tiles(h.device, h.dtype, "down")
         h_src, h_tma = _h_source(h, ACT_CODES[activation], interleaved, I, tiles[0], tiles[2])
-        w_src, w_tma, w_kmajor = _weight_source(w_down, swk, tiles[2], tiles[1])
+        w_src, w_tma, w_kmajor = _weight_source(w_down, swk, tiles[2], tiles[1], "down")
         _launch_gemm(
             _down_kernel, h.device, h.dtype, tiles, d, W_TMA=w_tma, W_KMAJOR=w_kmajor,
             h_src=h_src, w_ptr=w_src, b_ptr=b_down if b_down is not None else w_down, offsets_ptr=expert_offsets,

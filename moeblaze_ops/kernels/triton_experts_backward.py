@@ -217,8 +217,10 @@ def _wgrad_kernel(
 
 
 #: The up projection's bias gradient from the tensor cores (A^T times ones) instead of a
-#: register sum of A^T (tuning switch; scripts/repeat_backward_check.py --variants).
-WGRAD_BIAS_MMA = False
+#: register sum of A^T. The register sum, with 256-row P tiles and the transposed weight
+#: layout's output strides, gave wrong and run-to-run different dW_gate_up on the H200
+#: (triton 3.6; scripts/repeat_backward_check.py --bias-mma 0 1, docs/perf-notes.md).
+WGRAD_BIAS_MMA = True
 
 
 def _gemm_config(dtype, kind):
@@ -247,7 +249,7 @@ def _launch_dh(grad_out, h, w_down, eti, rw, offsets, b_down, grad_h, parts, bdo
     tiles = _tiles(h.device, h.dtype, "dh")
     # grad_out rows @ W_e as [d, I]: the forward's product transposed (reduction over d).
     swe, swk, swn = fwd._weight_strides(w_down, not transposed)
-    w_src, w_tma, w_kmajor = fwd._weight_source(w_down, swk, tiles[2], tiles[1])
+    w_src, w_tma, w_kmajor = fwd._weight_source(w_down, swk, tiles[2], tiles[1], "dh")
     fwd._launch_gemm(
         _dh_kernel, h.device, h.dtype, tiles, I,
         go_ptr=grad_out, w_ptr=w_src, h_ptr=h, eti_ptr=eti, rw_ptr=rw, offsets_ptr=offsets,
@@ -286,7 +288,7 @@ def _launch_dx_rows(grad_h, w_gate_up, offsets, grad_rows, transposed):
     d = grad_rows.shape[1]
     tiles = _tiles(grad_h.device, grad_h.dtype, "dx")
     swe, swk, swn = fwd._weight_strides(w_gate_up, not transposed)  # the forward's product transposed
-    w_src, w_tma, w_kmajor = fwd._weight_source(w_gate_up, swk, tiles[2], tiles[1])
+    w_src, w_tma, w_kmajor = fwd._weight_source(w_gate_up, swk, tiles[2], tiles[1], "dx")
     fwd._launch_gemm(
         _up_kernel, grad_h.device, grad_h.dtype, tiles, d,
         x_ptr=grad_h, w_ptr=w_src, b_ptr=w_gate_up, eti_ptr=offsets, offsets_ptr=offsets, h_ptr=grad_rows,
