@@ -1,6 +1,7 @@
 """Sweeps tile configs of the backward GEMM kernels on benchmark shapes (GPU).
 
     python scripts/tune_backward.py [--configs olmoe mixtral] [--kinds dh dx wgrad_down wgrad_up]
+        [--w-tma 0 1] [--swap 0 1] [--up-peeled 0 1]
 
 Each kernel is timed on its own (dh includes the router-gradient reduce, dx the unit-weight
 combine) next to a dense cuBLAS matmul of the same FLOPs: the ceiling to aim at.
@@ -66,14 +67,25 @@ def kernels(T, d, I, E, K, device="cuda"):
     return {"dh": (dh, f), "dx": (dx, 2 * f), "wgrad_down": (wgrad_down, f), "wgrad_up": (wgrad_up, 2 * f)}
 
 
+def variants(kind, a):
+    """(label, switch setter) per variant of ``kind`` the command line asks for."""
+    if kind in ("dh", "dx"):
+        return [(f"w_tma={v}", lambda v=v: te.W_TMA.update({kind: bool(v)})) for v in a.w_tma]
+    if kind == "wgrad_down":
+        return [(f"swap={v}", lambda v=v: setattr(tb, "WGRAD_DOWN_SWAP", bool(v))) for v in a.swap]
+    return [(f"peeled={v}", lambda v=v: setattr(tb, "WGRAD_UP_PEELED", bool(v))) for v in a.up_peeled]
+
+
 def main():
-    default_w_tma = dict(te.W_TMA)
+    defaults = dict(te.W_TMA), tb.WGRAD_DOWN_SWAP, tb.WGRAD_UP_PEELED
     p = argparse.ArgumentParser()
     p.add_argument("--configs", nargs="*", default=["olmoe", "mixtral"])
     p.add_argument("--kinds", nargs="*", default=list(TILES), choices=list(TILES))
     p.add_argument("--tiles", nargs="*", default=None, help="BM,BN,BK,warps,stages ... (for every kind)")
     p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1],
                    help="weight tiles through TMA (1) or not (0): dh and dx read weights")
+    p.add_argument("--swap", nargs="*", type=int, default=[0, 1], help="wgrad_down accumulated transposed (1) or not")
+    p.add_argument("--up-peeled", nargs="*", type=int, default=[0, 1], help="wgrad_up loop peeled (1) or all masked")
     a = p.parse_args()
     for name in a.configs:
         T, d, I, E, K = CONFIGS[name]
@@ -87,16 +99,17 @@ def main():
         for kind in a.kinds:
             fn, flops = fns[kind]
             tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES[kind]
-            w_tmas = a.w_tma if kind in ("dh", "dx") else [0]
-            for tile, w_tma in [(t, w) for t in tiles for w in w_tmas]:
-                te.CONFIG_OVERRIDE, te.W_TMA = {kind: tile}, {kind: bool(w_tma)}
-                label = f"  {kind:10s} tile={tile} w_tma={w_tma}"
+            for tile, (variant, switch) in [(t, v) for t in tiles for v in variants(kind, a)]:
+                te.CONFIG_OVERRIDE = {kind: tile}
+                switch()
+                label = f"  {kind:10s} tile={tile} {variant}"
                 try:
                     ms = bench(fn)
                     print(f"{label}: {ms:7.3f} ms {flops / ms / 1e9:4.0f} TFLOP/s", flush=True)
                 except Exception as e:  # out of shared memory etc.
                     print(f"{label}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
-            te.CONFIG_OVERRIDE, te.W_TMA = {}, default_w_tma
+            te.CONFIG_OVERRIDE, te.W_TMA = {}, dict(defaults[0])
+            tb.WGRAD_DOWN_SWAP, tb.WGRAD_UP_PEELED = defaults[1:]
         del fns
         torch.cuda.empty_cache()
 

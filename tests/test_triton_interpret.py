@@ -69,21 +69,32 @@ def test_backward_routings(L, E, K, routing, sentinel_frac, seed):
                    sentinel_frac=sentinel_frac, bias=True)
 
 
-@pytest.mark.parametrize("tma,bias_mma", [(True, False), (False, False), (True, True)])
+WGRAD_VARIANTS = [  # (H_TMA, WGRAD_BIAS_MMA, WGRAD_DOWN_SWAP, WGRAD_UP_PEELED)
+    (True, True, False, False), (False, False, False, False), (True, True, True, True), (False, False, True, False),
+]
+
+
+@pytest.mark.parametrize("tma,bias_mma,swap,up_peeled", WGRAD_VARIANTS)
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
-def test_backward_whole_steps(layout, tma, bias_mma, seed):
+def test_backward_whole_steps(layout, tma, bias_mma, swap, up_peeled, seed):
     """Experts with several whole 16-row reduction steps plus a ragged last one, with the
-    contiguous operands read through TMA descriptors or plain loads, and the up bias
-    gradient from a register sum or from the tensor cores."""
+    contiguous operands read through TMA descriptors or plain loads, and each
+    weight-gradient variant (bias share from the tensor cores or registers, the down
+    product transposed, the up loop peeled)."""
     from moeblaze_ops.kernels import triton_experts, triton_experts_backward as tb
 
-    before = triton_experts.H_TMA, tb.WGRAD_BIAS_MMA
-    triton_experts.H_TMA, tb.WGRAD_BIAS_MMA = tma, bias_mma
+    names = ("WGRAD_BIAS_MMA", "WGRAD_DOWN_SWAP", "WGRAD_UP_PEELED")
+    before = triton_experts.H_TMA, [getattr(tb, n) for n in names]
+    triton_experts.H_TMA = tma
+    for n, v in zip(names, (bias_mma, swap, up_peeled)):
+        setattr(tb, n, v)
     try:
         check_backward(45, 16, 8, 2, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout,
                        bias=True, routing="skewed")
     finally:
-        triton_experts.H_TMA, tb.WGRAD_BIAS_MMA = before
+        triton_experts.H_TMA = before[0]
+        for n, v in zip(names, before[1]):
+            setattr(tb, n, v)
 
 
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])

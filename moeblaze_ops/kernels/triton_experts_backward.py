@@ -109,16 +109,20 @@ def _router_grad_kernel(part_ptr, bdot_ptr, tim_ptr, offsets_ptr, out_ptr, LK, E
 def _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask, qs, q0, Q, I, alpha, limit,
                 stride_am, stride_bm, bias_here, DOWN: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
                 HAS_BIAS: tl.constexpr, FAST_ACT: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr,
-                PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,
-                BIAS_COLS: tl.constexpr):
+                SWAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_Q: tl.constexpr, BIAS_COLS: tl.constexpr):
     """One reduction step over rows [r0, r0 + BLOCK_R): acc += A^T B, and the bias
     gradient's share (sum over rows of A, weighted by w for DOWN) where ``bias_here``.
 
     With TMA (DOWN only), h comes through a TMA descriptor. Only the last step of an expert
     (MASKED) needs row masks: there, rows past ``hi`` belong to the next expert and are zeroed.
-    ``bias_acc`` is [BLOCK_P, BIAS_COLS]: with BIAS_COLS = 16 the up projection's share
-    comes from the tensor cores (A^T times a column of ones), so A^T never leaves shared
-    memory for registers; with 1, from a register sum.
+    SWAP (DOWN only) computes the transposed product, acc [Q, P] += B^T A: the computed
+    operand w * act(h) becomes the MMA's A, which the tensor cores read from registers,
+    instead of its B, which must go through shared memory; its bias share comes from the
+    tensor cores too ([BIAS_COLS, P]: row 0 of the left operand holds w, the rest 0).
+    Otherwise ``bias_acc`` is [BLOCK_P, BIAS_COLS]: with BIAS_COLS = 16 the up
+    projection's share comes from the tensor cores (A^T times a column of ones), so A^T
+    never leaves shared memory for registers; with 1, from a register sum.
     """
     rows = r0 + tl.arange(0, BLOCK_R)
     rmask = rows < hi
@@ -127,30 +131,42 @@ def _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask,
     else:
         tok = tl.load(eti_ptr + rows).to(tl.int64)
     if DOWN:
-        # A^T: gathered grad_out rows, read P-major, which the MMA takes from shared memory as is.
-        at = tl.load(a_src + tok[None, :] * stride_am + ps[:, None], mask=pmask[:, None] & rmask[None, :],
-                     other=0.0)
         w = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
         hg, hu = _load_act_operand(b_src, r0, rmask, stride_bm, q0, I, ACT, INTERLEAVED, TMA, BLOCK_R, BLOCK_Q)
         # The router weight rides on the computed operand: one multiply per element.
         b = _activate(hg, hu, alpha, limit, ACT, FAST_ACT) * w[:, None]
         if MASKED:
             b = tl.where(rmask[:, None], b, 0.0)
-        b = b.to(at.dtype)
+        b = b.to(a_src.dtype.element_ty)
+        if SWAP:
+            go = tl.load(a_src + tok[:, None] * stride_am + ps[None, :], mask=rmask[:, None] & pmask[None, :],
+                         other=0.0)
+            acc = tl.dot(tl.trans(b), go, acc, input_precision=PRECISION)
+            if HAS_BIAS:
+                if bias_here:
+                    wsel = tl.where((tl.arange(0, BIAS_COLS) == 0)[:, None], w[None, :], 0.0)
+                    bias_acc = tl.dot(wsel.to(go.dtype), go, bias_acc, input_precision=PRECISION)
+        else:
+            # A^T: gathered grad_out rows, read P-major, which the MMA takes from shared memory as is.
+            at = tl.load(a_src + tok[None, :] * stride_am + ps[:, None], mask=pmask[:, None] & rmask[None, :],
+                         other=0.0)
+            acc = tl.dot(at, b, acc, input_precision=PRECISION)
+            if HAS_BIAS:
+                if bias_here:
+                    bias_acc += tl.sum(at.to(tl.float32) * w[None, :], axis=1, keep_dims=True)
     else:
-        w = tl.full((BLOCK_R,), 1.0, dtype=tl.float32)
         at = tl.load(a_src + rows.to(tl.int64)[None, :] * stride_am + ps[:, None],
                      mask=pmask[:, None] & rmask[None, :], other=0.0)
         b = tl.load(b_src + tok[:, None] * stride_bm + qs[None, :], mask=rmask[:, None] & (qs < Q)[None, :],
                     other=0.0)
-    acc = tl.dot(at, b, acc, input_precision=PRECISION)
-    if HAS_BIAS:
-        if bias_here:
-            if BIAS_COLS == 1:
-                bias_acc += tl.sum(at.to(tl.float32) * w[None, :], axis=1, keep_dims=True)
-            else:  # column 0 of the ones operand is 1, the rest 0: the sum lands in column 0
-                ones = (tl.arange(0, BLOCK_R)[:, None] >= 0) & (tl.arange(0, BIAS_COLS)[None, :] == 0)
-                bias_acc = tl.dot(at, ones.to(at.dtype), bias_acc, input_precision=PRECISION)
+        acc = tl.dot(at, b, acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            if bias_here:
+                if BIAS_COLS == 1:
+                    bias_acc += tl.sum(at.to(tl.float32), axis=1, keep_dims=True)
+                else:  # column 0 of the ones operand is 1, the rest 0: the sum lands in column 0
+                    ones = (tl.arange(0, BLOCK_R)[:, None] >= 0) & (tl.arange(0, BIAS_COLS)[None, :] == 0)
+                    bias_acc = tl.dot(at, ones.to(at.dtype), bias_acc, input_precision=PRECISION)
     return acc, bias_acc
 
 
@@ -162,12 +178,15 @@ def _wgrad_kernel(
     DOWN: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     FAST_ACT: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BIAS_COLS: tl.constexpr = 1,
+    PEELED: tl.constexpr = False, SWAP: tl.constexpr = False,
 ):
     """out[e] = sum over the expert's rows r of A[r]^T B[r] ([P, Q] per expert).
 
     DOWN: A[r] = grad_out[token_r] (P = d), B[r] = w_r * act(h[r]) (Q = I).
     else: A[r] = dH[r] (P = N), B[r] = x[token_r] (Q = d).
     One program per (expert, p-tile, q-tile) at a time, q fastest: neighbours share A.
+    PEELED runs the expert's whole reduction steps without row masks, then one masked step.
+    SWAP (DOWN only) accumulates out[e]^T: see ``_wgrad_step``.
     """
     p_tiles = tl.cdiv(P, BLOCK_P)
     q_tiles = tl.cdiv(Q, BLOCK_Q)
@@ -180,36 +199,42 @@ def _wgrad_kernel(
         pmask = ps < P
         lo = tl.load(offsets_ptr + e)
         hi = tl.load(offsets_ptr + e + 1)
-        acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-        bias_acc = tl.zeros((BLOCK_P, BIAS_COLS), dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros((BLOCK_Q, BLOCK_P), dtype=tl.float32)
+            bias_acc = tl.zeros((BIAS_COLS, BLOCK_P), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+            bias_acc = tl.zeros((BLOCK_P, BIAS_COLS), dtype=tl.float32)
         q0 = q_idx * BLOCK_Q
-        if DOWN:
-            # Whole steps without row masks, then one masked step for the expert's last rows.
+        if PEELED:
             full = (hi - lo) // BLOCK_R
             for i in range(0, full):
                 acc, bias_acc = _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, lo + i * BLOCK_R, hi, ps,
                                             pmask, qs, q0, Q, I, alpha, limit, stride_am, stride_bm, q_idx == 0,
-                                            DOWN, ACT, INTERLEAVED, HAS_BIAS, FAST_ACT, TMA, False, PRECISION,
+                                            DOWN, ACT, INTERLEAVED, HAS_BIAS, FAST_ACT, TMA, False, SWAP, PRECISION,
                                             BLOCK_P, BLOCK_R, BLOCK_Q, BIAS_COLS)
             if lo + full * BLOCK_R < hi:
                 acc, bias_acc = _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, lo + full * BLOCK_R, hi,
                                             ps, pmask, qs, q0, Q, I, alpha, limit, stride_am, stride_bm, q_idx == 0,
-                                            DOWN, ACT, INTERLEAVED, HAS_BIAS, FAST_ACT, TMA, True, PRECISION,
+                                            DOWN, ACT, INTERLEAVED, HAS_BIAS, FAST_ACT, TMA, True, SWAP, PRECISION,
                                             BLOCK_P, BLOCK_R, BLOCK_Q, BIAS_COLS)
         else:
-            # Every step masked: the peeled form above (unmasked loads or a TMA read of dH,
-            # then a masked last step) gave run-to-run differences here on the H200 with
-            # triton 3.6, the all-masked loop did not (docs/perf-notes.md).
             for r0 in range(lo, hi, BLOCK_R):
                 acc, bias_acc = _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask, qs,
                                             q0, Q, I, alpha, limit, stride_am, stride_bm, q_idx == 0,
-                                            DOWN, ACT, INTERLEAVED, HAS_BIAS, FAST_ACT, TMA, True, PRECISION,
+                                            DOWN, ACT, INTERLEAVED, HAS_BIAS, FAST_ACT, TMA, True, SWAP, PRECISION,
                                             BLOCK_P, BLOCK_R, BLOCK_Q, BIAS_COLS)
-        tl.store(out_ptr + e.to(tl.int64) * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq,
-                 acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & (qs < Q)[None, :])
+        qmask = qs < Q
+        if SWAP:
+            tl.store(out_ptr + e.to(tl.int64) * stride_oe + qs[:, None] * stride_oq + ps[None, :] * stride_op,
+                     acc.to(out_ptr.dtype.element_ty), mask=qmask[:, None] & pmask[None, :])
+            bias = tl.sum(bias_acc, axis=0)  # exact: one non-zero row
+        else:
+            tl.store(out_ptr + e.to(tl.int64) * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq,
+                     acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & qmask[None, :])
+            bias = tl.sum(bias_acc, axis=1)  # exact: one non-zero column
         if HAS_BIAS:
             if q_idx == 0:
-                bias = tl.sum(bias_acc, axis=1)  # exact: one non-zero column
                 tl.store(bias_out_ptr + e * stride_be + ps, bias.to(bias_out_ptr.dtype.element_ty), mask=pmask)
 
 
@@ -221,6 +246,14 @@ def _wgrad_kernel(
 #: layout's output strides, gave wrong and run-to-run different dW_gate_up on the H200
 #: (triton 3.6; scripts/repeat_backward_check.py --bias-mma 0 1, docs/perf-notes.md).
 WGRAD_BIAS_MMA = True
+#: The down projection's weight gradient accumulated transposed, the recomputed w * act(h)
+#: as the MMA's register operand (tuning switch; scripts/tune_backward.py --swap).
+WGRAD_DOWN_SWAP = False
+#: The up projection's weight gradient with whole unmasked reduction steps and a masked
+#: last one, as the down projection's (tuning switch; --up-peeled in the scripts). Off
+#: since it gave run-to-run differences on the H200, measured with the register bias sum
+#: that WGRAD_BIAS_MMA replaced; to be measured again with the tensor-core one.
+WGRAD_UP_PEELED = False
 
 
 def _gemm_config(dtype, kind):
@@ -277,7 +310,8 @@ def _launch_wgrad(a, b, eti, rw, offsets, grad_w, grad_b, P, Q, I, transposed_ou
         a_stride, b_stride, grad_w.stride(0), sop, soq, grad_b.stride(0) if grad_b is not None else 0,
         DOWN=down, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=grad_b is not None, FAST_ACT=fwd._fast_act(grad_w),
         TMA=tma, PRECISION=_precision(grad_w.dtype), BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BR,
-        BIAS_COLS=16 if WGRAD_BIAS_MMA and not down else 1, num_warps=warps,
+        BIAS_COLS=16 if (WGRAD_BIAS_MMA and not down) or (down and WGRAD_DOWN_SWAP) else 1,
+        PEELED=down or WGRAD_UP_PEELED, SWAP=down and WGRAD_DOWN_SWAP, num_warps=warps,
         num_stages=stages,
     )
 
