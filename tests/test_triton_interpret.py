@@ -69,24 +69,24 @@ def test_backward_routings(L, E, K, routing, sentinel_frac, seed):
                    sentinel_frac=sentinel_frac, bias=True)
 
 
-WGRAD_VARIANTS = [  # (H_TMA, WGRAD_BIAS_MMA, WGRAD_DOWN_SWAP, WGRAD_UP_PEELED)
-    (True, True, False, False), (False, False, False, False), (True, True, True, True), (False, False, True, False),
+WGRAD_VARIANTS = [  # (H_TMA, WGRAD_BIAS_MMA, WGRAD_DOWN_SWAP)
+    (True, True, False), (False, False, False), (True, True, True), (False, False, True),
 ]
 
 
-@pytest.mark.parametrize("tma,bias_mma,swap,up_peeled", WGRAD_VARIANTS)
+@pytest.mark.parametrize("tma,bias_mma,swap", WGRAD_VARIANTS)
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
-def test_backward_whole_steps(layout, tma, bias_mma, swap, up_peeled, seed):
+def test_backward_whole_steps(layout, tma, bias_mma, swap, seed):
     """Experts with several whole 16-row reduction steps plus a ragged last one, with the
     contiguous operands read through TMA descriptors or plain loads, and each
     weight-gradient variant (bias share from the tensor cores or registers, the down
-    product transposed, the up loop peeled)."""
+    product transposed or not)."""
     from moeblaze_ops.kernels import triton_experts, triton_experts_backward as tb
 
-    names = ("WGRAD_BIAS_MMA", "WGRAD_DOWN_SWAP", "WGRAD_UP_PEELED")
+    names = ("WGRAD_BIAS_MMA", "WGRAD_DOWN_SWAP")
     before = triton_experts.H_TMA, [getattr(tb, n) for n in names]
     triton_experts.H_TMA = tma
-    for n, v in zip(names, (bias_mma, swap, up_peeled)):
+    for n, v in zip(names, (bias_mma, swap)):
         setattr(tb, n, v)
     try:
         check_backward(45, 16, 8, 2, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout,

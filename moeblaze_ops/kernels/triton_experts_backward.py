@@ -249,11 +249,6 @@ WGRAD_BIAS_MMA = True
 #: The down projection's weight gradient accumulated transposed, the recomputed w * act(h)
 #: as the MMA's register operand (tuning switch; scripts/tune_backward.py --swap).
 WGRAD_DOWN_SWAP = False
-#: The up projection's weight gradient with whole unmasked reduction steps and a masked
-#: last one, as the down projection's (tuning switch; --up-peeled in the scripts). Off
-#: since it gave run-to-run differences on the H200, measured with the register bias sum
-#: that WGRAD_BIAS_MMA replaced; to be measured again with the tensor-core one.
-WGRAD_UP_PEELED = False
 
 
 def _gemm_config(dtype, kind):
@@ -311,7 +306,9 @@ def _launch_wgrad(a, b, eti, rw, offsets, grad_w, grad_b, P, Q, I, transposed_ou
         DOWN=down, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=grad_b is not None, FAST_ACT=fwd._fast_act(grad_w),
         TMA=tma, PRECISION=_precision(grad_w.dtype), BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BR,
         BIAS_COLS=16 if (WGRAD_BIAS_MMA and not down) or (down and WGRAD_DOWN_SWAP) else 1,
-        PEELED=down or WGRAD_UP_PEELED, SWAP=down and WGRAD_DOWN_SWAP, num_warps=warps,
+        # The up projection keeps every step masked: peeled, it differed run to run on the
+        # H200 and, with the tensor-core bias share, faulted (docs/perf-notes.md).
+        PEELED=down, SWAP=down and WGRAD_DOWN_SWAP, num_warps=warps,
         num_stages=stages,
     )
 
