@@ -46,8 +46,8 @@ def main():
     p.add_argument("--layouts", nargs="*", default=["concatenated"])
     p.add_argument("--h-tma", nargs="*", type=int, default=[1, 0])
     p.add_argument("--up-tiles", nargs="*", default=["default"], help="wgrad_up tile BP,BQ,BR,warps,stages")
-    p.add_argument("--bias-mma", nargs="*", type=int, default=[1])
-    p.add_argument("--swap", nargs="*", type=int, default=[0])
+    p.add_argument("--bias-mma", nargs="*", type=int, default=[int(triton_experts_backward.WGRAD_BIAS_MMA)])
+    p.add_argument("--swap", nargs="*", type=int, default=[int(triton_experts_backward.WGRAD_DOWN_SWAP)])
     a = p.parse_args()
     for layout, tma, tile, mma, swap in itertools.product(a.layouts, a.h_tma, a.up_tiles, a.bias_mma, a.swap):
         triton_experts.H_TMA = bool(tma)
