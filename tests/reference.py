@@ -30,8 +30,30 @@ def reference_activation(h, activation, interleaved=False, alpha=1.702, limit=7.
 def reference_moe(x, topk_ids, topk_weights, w_gate_up, w_down, activation="swiglu", *, b_gate_up=None,
                   b_down=None, transposed=False, interleaved=False, alpha=1.702, limit=7.0):
     """out[i] = sum_k topk_weights[i, k] * expert_{topk_ids[i, k]}(x[i]); ids >= E contribute nothing."""
+    ys, order, src_tok = _routed_rows(x, topk_ids, w_gate_up, w_down, activation, b_gate_up, b_down, transposed,
+                                      interleaved, alpha, limit)
+    ys = ys * topk_weights.reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
+    out = torch.zeros_like(x)
+    return out.index_add(0, src_tok, ys)
+
+
+def router_grad_scale(grad_out, x, topk_ids, topk_weights, w_gate_up, w_down, activation="swiglu", *,
+                      b_gate_up=None, b_down=None, transposed=False, interleaved=False, alpha=1.702, limit=7.0):
+    """The root-sum-square of the terms of the router gradient's dot products,
+    ``sqrt(sum over (i, k) and c of (grad_out[i, c] * y_ik[c])^2)``: the scale of its
+    rounding error. (The gradient's own norm equals it on average over random data, but
+    a few dot products, as with one token, can cancel to far less.)"""
+    ys, _, src_tok = _routed_rows(x, topk_ids, w_gate_up, w_down, activation, b_gate_up, b_down, transposed,
+                                  interleaved, alpha, limit)
+    return (grad_out.index_select(0, src_tok).to(ys.dtype) * ys).norm()
+
+
+def _routed_rows(x, topk_ids, w_gate_up, w_down, activation, b_gate_up, b_down, transposed, interleaved, alpha,
+                 limit):
+    """Each real routed row's expert output (unweighted), in expert order, with the
+    (token, k) position it came from and its token."""
     E = w_gate_up.shape[0]
-    L, K = topk_ids.shape
+    K = topk_ids.shape[1]
     flat_e = topk_ids.reshape(-1).long()
     order = flat_e.argsort(stable=True)
     counts = torch.bincount(flat_e.clamp(max=E), minlength=E + 1)[:E]
@@ -54,6 +76,4 @@ def reference_moe(x, topk_ids, topk_weights, w_gate_up, w_down, activation="swig
             y = y + b_down[e]
         outs.append(y)
     ys = torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
-    ys = ys * topk_weights.reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
-    out = torch.zeros_like(x)
-    return out.index_add(0, src_tok, ys)
+    return ys, order, src_tok
