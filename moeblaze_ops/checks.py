@@ -188,9 +188,10 @@ def check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_ind
     return E, d, I
 
 
-def check_grad(op, arg, grad, like):
-    check_tensor(op, arg, grad, ndim=like.dim(), dtypes=FLOAT_DTYPES, device=like.device,
-                 shape=tuple(like.shape))
+def check_grad(op, arg, grad, shape, device):
+    """An incoming gradient: floating point, on ``device``, of ``shape``. (Takes the shape
+    rather than a tensor like it: building one would allocate an [L*K, N] buffer.)"""
+    check_tensor(op, arg, grad, ndim=len(shape), dtypes=FLOAT_DTYPES, device=device, shape=tuple(shape))
 
 
 # --------------------------------------------------------------------------- front door

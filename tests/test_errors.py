@@ -123,3 +123,27 @@ def test_backward_ops_reject_bad_gradients(layer):
         ops.expert_up_backward(h.long(), x, wgu, eti, offsets, tim, False, False)
     with pytest.raises(ValueError, match="'grad_out'"):
         ops.expert_down_backward(x[:3], h, wd, eti, offsets, tim, tw, None, "swiglu", False, False, 1.702, 7.0)
+
+
+def test_backward_checks_allocate_nothing(layer):
+    """The backward ops' argument checks build no tensors: a check that made an [L*K, N]
+    tensor to compare grad_h against doubled recompute mode's peak memory on the GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moeblaze_ops.ops.experts import _check_down_backward, _check_up_backward
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    eti, offsets, tim, h = _op_args(layer)
+    x, wgu, wd, tw = layer["x"], layer["w_gate_up"], layer["w_down"], layer["topk_weights"]
+    with Allocations() as mode:
+        _check_up_backward(h, x, wgu, eti, offsets, tim, False)
+        _check_down_backward(x, h, wd, eti, offsets, tim, tw, None, "swiglu", False)
+    assert mode.ops == []

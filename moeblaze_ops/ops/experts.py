@@ -79,7 +79,7 @@ def expert_up_backward(
 
 def _check_up_backward(grad_h, x, w_gate_up, eti, offsets, tim, transposed):
     E, N, _ = check_expert_up(x, w_gate_up, eti, offsets, tim, None, transposed, op="expert_up_backward")
-    check_grad("expert_up_backward", "grad_h", grad_h, x.new_empty(eti.shape[0], N))
+    check_grad("expert_up_backward", "grad_h", grad_h, (eti.shape[0], N), x.device)
     return E, N
 
 
@@ -189,7 +189,7 @@ def expert_down_backward(
 def _check_down_backward(grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed):
     E, d, I = check_expert_down(h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed,
                                 op="expert_down_backward")
-    check_grad("expert_down_backward", "grad_out", grad_out, h.new_empty(topk_weights.shape[0], d))
+    check_grad("expert_down_backward", "grad_out", grad_out, (topk_weights.shape[0], d), h.device)
     return E, d
 
 
