@@ -2,7 +2,8 @@
 
 Importing the package registers the ops in the ``moeblaze`` namespace
 (``torch.ops.moeblaze.dispatch``, ``expert_up``, ``expert_down``,
-``expert_up_backward``, ``expert_down_backward``, ``expert_down_backward_recompute``).
+``expert_up_backward``, ``expert_down_backward``, its in-place form ``expert_down_backward_``
+and ``expert_down_backward_recompute``).
 ``moe_experts`` composes them into a differentiable experts layer. ``import moeblaze_ops.hf``
 registers the transformers (v5) experts backends ``experts_implementation="moeblaze"`` and
 ``"moeblaze_recompute"``; importing ``moeblaze_ops`` after transformers does too.

@@ -25,6 +25,7 @@ def moe_experts(
     alpha: float = 1.702,
     limit: float = 7.0,
     recompute: bool = False,
+    overwrite_h: bool = True,
 ) -> Tensor:
     """Runs every token through its K experts and sums the results with their weights.
 
@@ -50,6 +51,11 @@ def moe_experts(
             recompute h there with one more up-projection GEMM, writing dH over it (for
             the longest sequences: neither the saved h nor a second [L*K, N] buffer in
             backward). By default backward keeps h as well.
+        overwrite_h: in eager autograd, let backward write dH over the h it kept rather
+            than into a second [L*K, N] tensor (the same memory saving for the default
+            mode). A second backward through the same graph (``retain_graph=True``) then
+            raises; pass False for that. Compiled graphs always keep the two apart:
+            Inductor would copy h before writing over it.
     """
     for arg, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if not isinstance(t, Tensor) or t.dim() == 0:
@@ -67,9 +73,11 @@ def moe_experts(
     E, _, d = check_moe_experts(x2, ids, tw, w_gate_up, w_down, b_gate_up, b_down, activation, transposed)
     ops = torch.ops.moeblaze
     eti, offsets, tim = ops.dispatch(ids, E)
+    args = (activation, transposed, interleaved, alpha, limit)
     if recompute:
-        out = _RecomputedExperts.apply(x2, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim,
-                                       (activation, transposed, interleaved, alpha, limit))
+        out = _RecomputedExperts.apply(x2, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args)
+    elif overwrite_h and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        out = _OverwritingExperts.apply(x2, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args)
     else:
         h = ops.expert_up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
         out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, activation, transposed, interleaved,
@@ -77,36 +85,76 @@ def moe_experts(
     return out.reshape(*lead, d)
 
 
+def _up_backward(ctx, saved, grad_h, grad_w_down, grad_b_down, grad_tw):
+    """The rest of both Functions' backward: the up projection's gradients, and each
+    input's gradient where autograd asked for it."""
+    x, w_gate_up, _, b_gate_up, b_down, _, eti, offsets, tim = saved
+    transposed = ctx.args[1]
+    need = ctx.needs_input_grad  # x, w_gate_up, w_down, b_gate_up, b_down, tw, ...
+    has_bgu, has_bd = b_gate_up is not None, b_down is not None
+    need_x, need_wgu = need[0], need[1] or (has_bgu and need[3])
+    grad_x = grad_w_gate_up = grad_b_gate_up = None
+    if need_x or need_wgu:
+        grad_x, grad_w_gate_up, grad_b_gate_up = torch.ops.moeblaze.expert_up_backward(
+            grad_h, x, w_gate_up, eti, offsets, tim, has_bgu, transposed, need_x, need_wgu)
+    keep = lambda g, i, present=True: g if present and need[i] else None  # noqa: E731
+    return (keep(grad_x, 0), keep(grad_w_gate_up, 1), keep(grad_w_down, 2), keep(grad_b_gate_up, 3, has_bgu),
+            keep(grad_b_down, 4, has_bd), keep(grad_tw, 5), None, None, None, None)
+
+
+def _down_weight_grad_needed(ctx, b_down):
+    need = ctx.needs_input_grad
+    return need[2] or (b_down is not None and need[4])
+
+
+def _forward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args):
+    ops = torch.ops.moeblaze
+    h = ops.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, args[1])
+    return h, ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
+
+
 class _RecomputedExperts(torch.autograd.Function):
     """expert_up + expert_down whose backward recomputes h instead of keeping it."""
 
     @staticmethod
     def forward(ctx, x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args):
-        activation, transposed, interleaved, alpha, limit = args
-        ops = torch.ops.moeblaze
-        h = ops.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
-        out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, activation, transposed, interleaved,
-                              alpha, limit)
+        _, out = _forward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args)
         ctx.save_for_backward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim)
         ctx.args = args
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim = ctx.saved_tensors
-        activation, transposed, interleaved, alpha, limit = ctx.args
-        ops = torch.ops.moeblaze
-        need = ctx.needs_input_grad  # x, w_gate_up, w_down, b_gate_up, b_down, tw, ...
-        has_bgu, has_bd = b_gate_up is not None, b_down is not None
+        saved = ctx.saved_tensors
+        x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim = saved
         # One op recomputes h and writes dH over it (see its docstring for why one op).
-        grad_h, grad_w_down, grad_b_down, grad_tw = ops.expert_down_backward_recompute(
-            grad_out, x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, activation, transposed,
-            interleaved, alpha, limit, need[2] or (has_bd and need[4]))
-        need_x, need_wgu = need[0], need[1] or (has_bgu and need[3])
-        grad_x = grad_w_gate_up = grad_b_gate_up = None
-        if need_x or need_wgu:
-            grad_x, grad_w_gate_up, grad_b_gate_up = ops.expert_up_backward(
-                grad_h, x, w_gate_up, eti, offsets, tim, has_bgu, transposed, need_x, need_wgu)
-        keep = lambda g, i, present=True: g if present and need[i] else None  # noqa: E731
-        return (keep(grad_x, 0), keep(grad_w_gate_up, 1), keep(grad_w_down, 2), keep(grad_b_gate_up, 3, has_bgu),
-                keep(grad_b_down, 4, has_bd), keep(grad_tw, 5), None, None, None, None)
+        grad_h, grad_w_down, grad_b_down, grad_tw = torch.ops.moeblaze.expert_down_backward_recompute(
+            grad_out, x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, *ctx.args,
+            _down_weight_grad_needed(ctx, b_down))
+        return _up_backward(ctx, saved, grad_h, grad_w_down, grad_b_down, grad_tw)
+
+
+class _OverwritingExperts(torch.autograd.Function):
+    """expert_up + expert_down whose backward keeps h and writes dH over it (eager)."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args):
+        h, out = _forward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args)
+        ctx.save_for_backward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, h)
+        ctx.args = args
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        try:
+            *saved, h = ctx.saved_tensors
+        except RuntimeError as e:
+            if "modified by an inplace operation" not in str(e):
+                raise
+            raise RuntimeError("moeblaze.moe_experts: a second backward through this layer needs h, which the "
+                               "first backward overwrote with its gradient; call moe_experts(..., "
+                               "overwrite_h=False) to backward more than once") from e
+        x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim = saved
+        grad_w_down, grad_b_down, grad_tw = torch.ops.moeblaze.expert_down_backward_(
+            grad_out, h, w_down, eti, offsets, tim, tw, b_down, *ctx.args, _down_weight_grad_needed(ctx, b_down))
+        return _up_backward(ctx, saved, h, grad_w_down, grad_b_down, grad_tw)

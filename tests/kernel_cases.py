@@ -89,7 +89,7 @@ def check_frozen_grads(L, d, I, E, K, *, trainable, dtype, device, seed, recompu
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = str(func.overloadpacket)
-            if name.startswith("moeblaze.expert_") and name.endswith(("backward", "backward_recompute")):
+            if name.startswith("moeblaze.expert_") and name.endswith(("backward", "backward_", "backward_recompute")):
                 # Trailing arguments equal to their defaults may be left out of args.
                 schema = func._schema.arguments
                 values = {a.name: (args[i] if i < len(args) else (kwargs or {}).get(a.name, a.default_value))

@@ -28,8 +28,8 @@ def test_gradcheck(activation, layout, bias, seed):
                        bias=bias, seed=seed, requires_grad=True)
     names = _grad_inputs(layer)
 
-    def f(*tensors):
-        return moe_experts(**{**layer, **dict(zip(names, tensors))}, limit=1.0)
+    def f(*tensors):  # gradcheck backpropagates through one graph many times: h must survive
+        return moe_experts(**{**layer, **dict(zip(names, tensors))}, limit=1.0, overwrite_h=False)
 
     assert torch.autograd.gradcheck(f, [layer[k] for k in names]), f"seed={seed}"
 
@@ -38,7 +38,7 @@ def test_gradcheck_sentinels_and_empty_expert(seed):
     layer = make_layer(7, 4, 3, 4, 2, dtype=torch.float64, routing="no_last", sentinel_frac=0.3, bias=True,
                        seed=seed, requires_grad=True)
     names = _grad_inputs(layer)
-    f = lambda *t: moe_experts(**{**layer, **dict(zip(names, t))})  # noqa: E731
+    f = lambda *t: moe_experts(**{**layer, **dict(zip(names, t))}, overwrite_h=False)  # noqa: E731
     assert torch.autograd.gradcheck(f, [layer[k] for k in names]), f"seed={seed}"
 
 
@@ -140,4 +140,27 @@ def test_frozen_inputs_skip_their_gradients(case, recompute, seed):
     calls = dict(check_frozen_grads(9, 8, 4, 3, 2, trainable=trainable, dtype=torch.float32, device="cpu",
                                     seed=seed, recompute=recompute))
     assert calls.get("expert_up_backward") == up_flags
-    assert calls["expert_down_backward_recompute" if recompute else "expert_down_backward"] == down_flags
+    assert calls["expert_down_backward_recompute" if recompute else "expert_down_backward_"] == down_flags
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_overwrite_h(bias, seed):
+    """Eager backward writes dH over the kept h (overwrite_h, the default): the same
+    gradients, bit for bit, as keeping the two apart; a second backward through the
+    graph raises a named error instead of reading the overwritten h."""
+    layer = make_layer(33, 8, 4, 3, 2, dtype=torch.float32, routing="skewed", bias=bias, seed=seed)
+    names = _grad_inputs(layer)
+    g = torch.randn(33, 8, generator=torch.Generator().manual_seed(seed))
+    grads = {}
+    for overwrite in (True, False):
+        inputs = {k: (v.clone().requires_grad_(k in names) if k in names else v) for k, v in layer.items()}
+        out = moe_experts(**inputs, overwrite_h=overwrite)
+        grads[overwrite] = torch.autograd.grad(out, [inputs[k] for k in names], g, retain_graph=True)
+        if overwrite:
+            with pytest.raises(RuntimeError, match="overwrite_h=False"):
+                torch.autograd.grad(out, [inputs[k] for k in names], g)
+        else:
+            again = torch.autograd.grad(out, [inputs[k] for k in names], g)
+            assert all(torch.equal(a, b) for a, b in zip(again, grads[False]))
+    for name, a, b in zip(names, grads[True], grads[False]):
+        assert torch.equal(a, b), name

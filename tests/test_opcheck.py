@@ -47,6 +47,8 @@ def op_args(layer):
                                bgu is not None, tr),
         "expert_down_backward": (torch.randn_like(out), h.detach(), wd.detach(), eti, offsets, tim,
                                  tw.detach(), detached(bd), act, tr, il, 1.702, 1.0),
+        "expert_down_backward_": (torch.randn_like(out), h.detach().clone(), wd.detach(), eti, offsets, tim,
+                                  tw.detach(), detached(bd), act, tr, il, 1.702, 1.0),
         "expert_down_backward_recompute": (torch.randn_like(out), x.detach(), wgu.detach(), wd.detach(), eti,
                                            offsets, tim, tw.detach(), detached(bgu), detached(bd), act, tr, il,
                                            1.702, 1.0),
@@ -54,7 +56,7 @@ def op_args(layer):
 
 
 OPS = ["dispatch", "expert_up", "expert_down", "expert_up_backward", "expert_down_backward",
-       "expert_down_backward_recompute"]
+       "expert_down_backward_", "expert_down_backward_recompute"]
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -93,5 +95,5 @@ def test_opcheck_backward_ops_skipping_gradients(flags, seed):
     args = op_args(layer)
     ops = torch.ops.moeblaze
     torch.library.opcheck(ops.expert_up_backward.default, args["expert_up_backward"] + flags, test_utils=TEST_UTILS)
-    for op in ("expert_down_backward", "expert_down_backward_recompute"):
+    for op in ("expert_down_backward", "expert_down_backward_", "expert_down_backward_recompute"):
         torch.library.opcheck(getattr(ops, op).default, args[op] + flags[1:], test_utils=TEST_UTILS)

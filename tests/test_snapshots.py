@@ -11,7 +11,7 @@ from conftest import make_layer
 from moeblaze_ops import moe_experts
 
 OPS = ["dispatch", "expert_up", "expert_down", "expert_up_backward", "expert_down_backward",
-       "expert_down_backward_recompute"]
+       "expert_down_backward_", "expert_down_backward_recompute"]
 
 
 def _moeblaze_calls(gm):
@@ -29,6 +29,7 @@ moeblaze::expert_up(Tensor x, Tensor w_gate_up, Tensor expert_token_indices, Ten
 moeblaze::expert_down(Tensor h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_down=None, str activation="swiglu", bool transposed=False, bool interleaved=False, float alpha=1.702, float limit=7.) -> Tensor
 moeblaze::expert_up_backward(Tensor grad_h, Tensor x, Tensor w_gate_up, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, bool has_bias, bool transposed, bool need_input_grad=True, bool need_weight_grad=True) -> (Tensor, Tensor, Tensor)
 moeblaze::expert_down_backward(Tensor grad_out, Tensor h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_down, str activation, bool transposed, bool interleaved, float alpha, float limit, bool need_weight_grad=True) -> (Tensor, Tensor, Tensor, Tensor)
+moeblaze::expert_down_backward_(Tensor grad_out, Tensor(a1!) h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_down, str activation, bool transposed, bool interleaved, float alpha, float limit, bool need_weight_grad=True) -> (Tensor, Tensor, Tensor)
 moeblaze::expert_down_backward_recompute(Tensor grad_out, Tensor x, Tensor w_gate_up, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_gate_up, Tensor? b_down, str activation, bool transposed, bool interleaved, float alpha, float limit, bool need_weight_grad=True) -> (Tensor, Tensor, Tensor, Tensor)""")
 
     def _compiled_calls(self, recompute):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kernel_cases import check_backward, check_dispatch_bitwise, check_forward, check_frozen_grads
-from moeblaze_ops import ACTIVATIONS
+from conftest import make_layer
+from moeblaze_ops import ACTIVATIONS, moe_experts
 from moeblaze_ops.kernels import force_triton, triton_backward
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -148,3 +149,30 @@ def test_kernels_with_weight_tma(layout, on, seed):
         check_backward(45, 20, 12, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
     finally:
         triton_experts.W_TMA = before
+
+
+@pytest.mark.parametrize("mode,most", [({"overwrite_h": False}, 2), ({}, 1), ({"recompute": True}, 1)])
+def test_live_h_sized_buffers(mode, most, seed, monkeypatch):
+    """How many [L*K, N] buffers (h, dH) the kernels hold at once in a forward + backward:
+    one in the default and recompute modes (dH written over h), two with overwrite_h=False."""
+    import weakref
+
+    from moeblaze_ops.kernels import triton_experts, triton_experts_backward
+
+    L, d, I, E, K = 40, 12, 8, 3, 2  # d != 2I: no other buffer has h's shape
+    count = {"live": 0, "most": 0}
+    allocate = triton_experts._empty
+
+    def tracked(*shape, dtype, device):
+        t = allocate(*shape, dtype=dtype, device=device)
+        if tuple(shape) == (L * K, 2 * I):
+            count["live"] += 1
+            count["most"] = max(count["most"], count["live"])
+            weakref.finalize(t, lambda: count.__setitem__("live", count["live"] - 1))
+        return t
+
+    monkeypatch.setattr(triton_experts, "_empty", tracked)
+    monkeypatch.setattr(triton_experts_backward, "_empty", tracked)
+    layer = make_layer(L, d, I, E, K, seed=seed, requires_grad=True)
+    moe_experts(**layer, **mode).square().sum().backward()
+    assert layer["x"].grad is not None and count["most"] == most

@@ -208,6 +208,48 @@ def _(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map
     return _down_grads_like(h, w_down, b_down, topk_weights, need_weight_grad)
 
 
+@torch.library.custom_op("moeblaze::expert_down_backward_", mutates_args=("h",))
+def expert_down_backward_(
+    grad_out: Tensor,
+    h: Tensor,
+    w_down: Tensor,
+    expert_token_indices: Tensor,
+    expert_offsets: Tensor,
+    token_index_map: Tensor,
+    topk_weights: Tensor,
+    b_down: Optional[Tensor],
+    activation: str,
+    transposed: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    need_weight_grad: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``expert_down_backward`` that writes grad_h over ``h`` (contiguous) instead of into
+    a new [L*K, N] tensor: returns ``(grad_w_down, grad_b_down, grad_topk_weights)`` and
+    leaves the gradient in ``h``. The weight gradients read h before it is overwritten.
+    ``moe_experts`` uses it in eager backward, where h is its own; a second backward
+    through the same graph then finds h changed and raises.
+    """
+    _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
+                         topk_weights, b_down, activation, transposed)
+    if not h.is_contiguous():
+        raise ValueError("moeblaze.expert_down_backward_: argument 'h' must be contiguous (it is overwritten "
+                         "with its gradient)")
+    _, grad_w, grad_b, grad_tw = backward_kernels(h).expert_down_backward(
+        grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
+        activation, transposed, interleaved, alpha, limit, in_place=True, need_weight_grad=need_weight_grad)
+    return grad_w, grad_b, grad_tw
+
+
+@expert_down_backward_.register_fake
+def _(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
+      activation, transposed, interleaved, alpha, limit, need_weight_grad=True):
+    _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
+                         topk_weights, b_down, activation, transposed)
+    return _down_grads_like(h, w_down, b_down, topk_weights, need_weight_grad)[1:]
+
+
 @torch.library.custom_op("moeblaze::expert_down_backward_recompute", mutates_args=())
 def expert_down_backward_recompute(
     grad_out: Tensor,
