@@ -76,41 +76,13 @@ def moe_experts(
     args = (activation, transposed, interleaved, alpha, limit)
     if recompute:
         out = _RecomputedExperts.apply(x2, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args)
-    elif overwrite_h and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        out = _OverwritingExperts.apply(x2, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args)
     else:
         h = ops.expert_up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
-        out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, activation, transposed, interleaved,
-                              alpha, limit)
+        if overwrite_h and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            out = _OverwritingDown.apply(h, w_down, b_down, tw, eti, offsets, tim, args)
+        else:
+            out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
     return out.reshape(*lead, d)
-
-
-def _up_backward(ctx, saved, grad_h, grad_w_down, grad_b_down, grad_tw):
-    """The rest of both Functions' backward: the up projection's gradients, and each
-    input's gradient where autograd asked for it."""
-    x, w_gate_up, _, b_gate_up, b_down, _, eti, offsets, tim = saved
-    transposed = ctx.args[1]
-    need = ctx.needs_input_grad  # x, w_gate_up, w_down, b_gate_up, b_down, tw, ...
-    has_bgu, has_bd = b_gate_up is not None, b_down is not None
-    need_x, need_wgu = need[0], need[1] or (has_bgu and need[3])
-    grad_x = grad_w_gate_up = grad_b_gate_up = None
-    if need_x or need_wgu:
-        grad_x, grad_w_gate_up, grad_b_gate_up = torch.ops.moeblaze.expert_up_backward(
-            grad_h, x, w_gate_up, eti, offsets, tim, has_bgu, transposed, need_x, need_wgu)
-    keep = lambda g, i, present=True: g if present and need[i] else None  # noqa: E731
-    return (keep(grad_x, 0), keep(grad_w_gate_up, 1), keep(grad_w_down, 2), keep(grad_b_gate_up, 3, has_bgu),
-            keep(grad_b_down, 4, has_bd), keep(grad_tw, 5), None, None, None, None)
-
-
-def _down_weight_grad_needed(ctx, b_down):
-    need = ctx.needs_input_grad
-    return need[2] or (b_down is not None and need[4])
-
-
-def _forward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args):
-    ops = torch.ops.moeblaze
-    h = ops.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, args[1])
-    return h, ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
 
 
 class _RecomputedExperts(torch.autograd.Function):
@@ -118,43 +90,59 @@ class _RecomputedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args):
-        _, out = _forward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args)
+        activation, transposed, interleaved, alpha, limit = args
+        ops = torch.ops.moeblaze
+        h = ops.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+        out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, activation, transposed, interleaved,
+                              alpha, limit)
         ctx.save_for_backward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim)
         ctx.args = args
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim = saved
+        x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim = ctx.saved_tensors
+        activation, transposed, interleaved, alpha, limit = ctx.args
+        ops = torch.ops.moeblaze
+        need = ctx.needs_input_grad  # x, w_gate_up, w_down, b_gate_up, b_down, tw, ...
+        has_bgu, has_bd = b_gate_up is not None, b_down is not None
         # One op recomputes h and writes dH over it (see its docstring for why one op).
-        grad_h, grad_w_down, grad_b_down, grad_tw = torch.ops.moeblaze.expert_down_backward_recompute(
-            grad_out, x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, *ctx.args,
-            _down_weight_grad_needed(ctx, b_down))
-        return _up_backward(ctx, saved, grad_h, grad_w_down, grad_b_down, grad_tw)
+        grad_h, grad_w_down, grad_b_down, grad_tw = ops.expert_down_backward_recompute(
+            grad_out, x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, activation, transposed,
+            interleaved, alpha, limit, need[2] or (has_bd and need[4]))
+        need_x, need_wgu = need[0], need[1] or (has_bgu and need[3])
+        grad_x = grad_w_gate_up = grad_b_gate_up = None
+        if need_x or need_wgu:
+            grad_x, grad_w_gate_up, grad_b_gate_up = ops.expert_up_backward(
+                grad_h, x, w_gate_up, eti, offsets, tim, has_bgu, transposed, need_x, need_wgu)
+        keep = lambda g, i, present=True: g if present and need[i] else None  # noqa: E731
+        return (keep(grad_x, 0), keep(grad_w_gate_up, 1), keep(grad_w_down, 2), keep(grad_b_gate_up, 3, has_bgu),
+                keep(grad_b_down, 4, has_bd), keep(grad_tw, 5), None, None, None, None)
 
 
-class _OverwritingExperts(torch.autograd.Function):
-    """expert_up + expert_down whose backward keeps h and writes dH over it (eager)."""
+class _OverwritingDown(torch.autograd.Function):
+    """expert_down whose backward writes dH over the h it kept (eager ``moe_experts``,
+    where h is its own): the gradient for h is h itself, afterwards."""
 
     @staticmethod
-    def forward(ctx, x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args):
-        h, out = _forward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args)
-        ctx.save_for_backward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, h)
+    def forward(ctx, h, w_down, b_down, tw, eti, offsets, tim, args):
+        ctx.save_for_backward(h, w_down, b_down, tw, eti, offsets, tim)
         ctx.args = args
-        return out
+        return torch.ops.moeblaze.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
 
     @staticmethod
     def backward(ctx, grad_out):
         try:
-            *saved, h = ctx.saved_tensors
+            h, w_down, b_down, tw, eti, offsets, tim = ctx.saved_tensors
         except RuntimeError as e:
             if "modified by an inplace operation" not in str(e):
                 raise
             raise RuntimeError("moeblaze.moe_experts: a second backward through this layer needs h, which the "
                                "first backward overwrote with its gradient; call moe_experts(..., "
                                "overwrite_h=False) to backward more than once") from e
-        x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim = saved
-        grad_w_down, grad_b_down, grad_tw = torch.ops.moeblaze.expert_down_backward_(
-            grad_out, h, w_down, eti, offsets, tim, tw, b_down, *ctx.args, _down_weight_grad_needed(ctx, b_down))
-        return _up_backward(ctx, saved, h, grad_w_down, grad_b_down, grad_tw)
+        need = ctx.needs_input_grad  # h, w_down, b_down, tw, ...
+        has_b = b_down is not None
+        grad_w, grad_b, grad_tw = torch.ops.moeblaze.expert_down_backward_(
+            grad_out, h, w_down, eti, offsets, tim, tw, b_down, *ctx.args, need[1] or (has_b and need[2]))
+        return (h if need[0] else None, grad_w if need[1] else None, grad_b if has_b and need[2] else None,
+                grad_tw if need[3] else None, None, None, None, None)
