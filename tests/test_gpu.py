@@ -220,3 +220,16 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                        bias=True, tw_dtype=torch.float32)
     finally:
         triton_experts.W_TMA = before
+
+
+@pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
+def test_column_slabs(layout, seed, triton_bwd, monkeypatch):
+    """The [L*K, d] scratch made in column slabs (the D_SLAB switch, 1024 of d = 2880):
+    forward and every gradient against the reference."""
+    from moeblaze_ops.kernels import triton_experts
+
+    monkeypatch.setattr(triton_experts, "D_SLAB", 1024)
+    check_forward(777, 2880, 1408, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
+                  bias=True, tw_dtype=torch.float32)
+    check_backward(777, 2880, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
+                   bias=True, tw_dtype=torch.float32)

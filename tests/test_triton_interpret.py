@@ -176,3 +176,16 @@ def test_live_h_sized_buffers(mode, most, seed, monkeypatch):
     layer = make_layer(L, d, I, E, K, seed=seed, requires_grad=True)
     moe_experts(**layer, **mode).square().sum().backward()
     assert layer["x"].grad is not None and count["most"] == most
+
+
+@pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
+def test_column_slabs(layout, seed, monkeypatch):
+    """The [L*K, d] scratch made in column slabs (``D_SLAB``; d = 20 in slabs of 8, 8, 4):
+    forward and every gradient against the reference."""
+    from moeblaze_ops.kernels import triton_experts
+
+    monkeypatch.setattr(triton_experts, "D_SLAB", 8)
+    assert triton_experts.column_slabs(20) == [(0, 8), (8, 16), (16, 20)]
+    check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
+    check_backward(45, 20, 12, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True,
+                   routing="skewed", sentinel_frac=0.2)

@@ -17,6 +17,8 @@ gathered A rows and their expert's weights in L2.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +33,23 @@ POISON = False
 #: and the number of persistent programs per SM.
 CONFIG_OVERRIDE: dict = {}
 PROGRAMS_PER_SM = 1
+#: Width in columns of the slabs in which the two [L*K, d] scratch buffers are made and
+#: consumed: the down GEMM's expert outputs (then the combine) and the input gradient's
+#: rows (then their sum). None: all d columns at once. A slab of S columns keeps the
+#: scratch at [L*K, S], the same GEMM work in d/S launches (tuning switch, off until
+#: measured on the GPU; ``MOEBLAZE_D_SLAB=512`` sets it for a run).
+D_SLAB = int(os.environ.get("MOEBLAZE_D_SLAB", "0")) or None
+
+
+def column_slabs(d):
+    """The [c0, c1) column ranges the [L*K, d] scratch is made in (``D_SLAB``)."""
+    step = D_SLAB if D_SLAB and D_SLAB < d else max(d, 1)
+    return [(c0, min(d, c0 + step)) for c0 in range(0, d, step)]
+
+
+def weight_columns(w, c0, c1, out_dim):
+    """The slice [c0, c1) of weight ``w``'s output dimension ``out_dim`` (1 or 2), a view."""
+    return w[:, c0:c1] if out_dim == 1 else w[:, :, c0:c1]
 
 
 def _empty(*shape, dtype, device):
@@ -316,8 +335,10 @@ def _weight_source(w, swk, BK, BN, kind):
     """The weight as GEMM ``kind`` reads it: ``(source, W_TMA, W_KMAJOR)``. ``swk`` is the
     stride of the reduction dimension; the other one of the last two is the output dimension."""
     kmajor = swk == 1
-    aligned = (w.is_contiguous() and w.data_ptr() % 16 == 0 and (w.shape[2] * w.element_size()) % 16 == 0
-               and max(BK, BN) <= 256)
+    # TMA: the last dimension contiguous, the other strides and the start 16-byte aligned
+    # (column slabs of a weight are such views).
+    aligned = (w.stride(2) == 1 and all(s * w.element_size() % 16 == 0 for s in w.stride()[:2])
+               and w.data_ptr() % 16 == 0 and max(BK, BN) <= 256)
     if not (W_TMA.get(kind) and aligned):
         return w, False, kmajor
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -362,26 +383,32 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
     I = w_down.shape[1] if transposed else w_down.shape[2]
     if h.stride(1) != 1:
         h = h.contiguous()
-    # The expert outputs, in expert order; sentinel rows are written as zeros.
-    y = _empty(LK, d, dtype=h.dtype, device=h.device)
     out = _empty(L, d, dtype=h.dtype, device=h.device)
-    if LK > 0 and d > 0:
-        swe, swk, swn = _weight_strides(w_down, transposed)
-        tiles = _tiles(h.device, h.dtype, "down")
-        h_src, h_tma = _h_source(h, ACT_CODES[activation], interleaved, I, tiles[0], tiles[2])
-        w_src, w_tma, w_kmajor = _weight_source(w_down, swk, tiles[2], tiles[1], "down")
-        _launch_gemm(
-            _down_kernel, h.device, h.dtype, tiles, d, W_TMA=w_tma, W_KMAJOR=w_kmajor,
-            h_src=h_src, w_ptr=w_src, b_ptr=b_down if b_down is not None else w_down, offsets_ptr=expert_offsets,
-            y_ptr=y, LK=LK, E=E, N=d, I=I, alpha=float(alpha), limit=float(limit),
-            stride_hm=h.stride(0), stride_we=swe, stride_wk=swk, stride_wn=swn,
-            stride_be=b_down.stride(0) if b_down is not None else 0, stride_ym=y.stride(0),
-            ACT=ACT_CODES[activation], INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, H_TMA=h_tma,
-            # Approximate tanh for the sigmoid where the output is 16-bit (its error, 2^-11,
-            # is below their rounding); fp32 keeps the exact form.
-            FAST_ACT=_fast_act(h),
-        )
-    combine(y, token_index_map, topk_weights, expert_offsets, out, E)
+    slabs = column_slabs(d)
+    # The expert outputs, in expert order, one column slab at a time; sentinel rows are
+    # written as zeros.
+    y = _empty(LK, slabs[0][1] - slabs[0][0] if slabs else 0, dtype=h.dtype, device=h.device)
+    tiles = _tiles(h.device, h.dtype, "down")
+    h_src, h_tma = _h_source(h, ACT_CODES[activation], interleaved, I, tiles[0], tiles[2])
+    for c0, c1 in slabs:
+        y_cols = y[:, :c1 - c0]
+        if LK > 0:
+            w = weight_columns(w_down, c0, c1, 2 if transposed else 1)
+            b = b_down[:, c0:c1] if b_down is not None else None
+            swe, swk, swn = _weight_strides(w, transposed)
+            w_src, w_tma, w_kmajor = _weight_source(w, swk, tiles[2], tiles[1], "down")
+            _launch_gemm(
+                _down_kernel, h.device, h.dtype, tiles, c1 - c0, W_TMA=w_tma, W_KMAJOR=w_kmajor,
+                h_src=h_src, w_ptr=w_src, b_ptr=b if b is not None else w, offsets_ptr=expert_offsets,
+                y_ptr=y_cols, LK=LK, E=E, N=c1 - c0, I=I, alpha=float(alpha), limit=float(limit),
+                stride_hm=h.stride(0), stride_we=swe, stride_wk=swk, stride_wn=swn,
+                stride_be=b.stride(0) if b is not None else 0, stride_ym=y_cols.stride(0),
+                ACT=ACT_CODES[activation], INTERLEAVED=interleaved, HAS_BIAS=b is not None, H_TMA=h_tma,
+                # Approximate tanh for the sigmoid where the output is 16-bit (its error,
+                # 2^-11, is below their rounding); fp32 keeps the exact form.
+                FAST_ACT=_fast_act(h),
+            )
+        combine(y_cols, token_index_map, topk_weights, expert_offsets, out[:, c0:c1], E)
     return out
 
 

@@ -385,10 +385,14 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
     grad_b = _empty(E, N, dtype=x.dtype, device=dev) if has_bias and need_weight_grad else x.new_empty(0)
     grad_x = _empty(L, d, dtype=x.dtype, device=dev) if need_input_grad else x.new_empty(0)
     if need_input_grad:
-        grad_rows = _empty(LK, d, dtype=x.dtype, device=dev)
-        if LK > 0 and d > 0:
-            _launch_dx_rows(grad_h, w_gate_up, expert_offsets, grad_rows, transposed)
-        combine(grad_rows, token_index_map, None, expert_offsets, grad_x, E)
+        slabs = fwd.column_slabs(d)
+        grad_rows = _empty(LK, slabs[0][1] - slabs[0][0] if slabs else 0, dtype=x.dtype, device=dev)
+        for c0, c1 in slabs:  # one column slab of the [L*K, d] rows at a time (D_SLAB)
+            rows = grad_rows[:, :c1 - c0]
+            if LK > 0:
+                _launch_dx_rows(grad_h, fwd.weight_columns(w_gate_up, c0, c1, 1 if transposed else 2), expert_offsets,
+                                rows, transposed)
+            combine(rows, token_index_map, None, expert_offsets, grad_x[:, c0:c1], E)
     if need_weight_grad:
         _launch_wgrad(grad_h, x.contiguous(), expert_token_indices, grad_h, expert_offsets, grad_w,
                       grad_b if has_bias else None, N, d, 0, transposed, False, 0, False, 0.0, 0.0)
