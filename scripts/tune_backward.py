@@ -1,7 +1,7 @@
 """Sweeps tile configs of the backward GEMM kernels on benchmark shapes (GPU).
 
     python scripts/tune_backward.py [--configs olmoe mixtral] [--kinds dh dx wgrad_down wgrad_up]
-        [--w-tma 0 1] [--swap 0 1]
+        [--w-tma 0 1] [--swap 0 1] [--dh-fast 0 1]
 
 Each kernel is timed on its own (dh includes the router-gradient reduce, dx the unit-weight
 combine) next to a dense cuBLAS matmul of the same FLOPs: the ceiling to aim at.
@@ -69,7 +69,11 @@ def kernels(T, d, I, E, K, device="cuda"):
 
 def variants(kind, a):
     """(label, switch setter) per variant of ``kind`` the command line asks for."""
-    if kind in ("dh", "dx"):
+    if kind == "dh":
+        return [(f"w_tma={v} fast={f}", lambda v=v, f=f: (te.W_TMA.update({kind: bool(v)}),
+                                                          setattr(tb, "DH_FAST_ACT", bool(f))))
+                for v in a.w_tma for f in a.dh_fast]
+    if kind == "dx":
         return [(f"w_tma={v}", lambda v=v: te.W_TMA.update({kind: bool(v)})) for v in a.w_tma]
     if kind == "wgrad_down":
         return [(f"swap={v}", lambda v=v: setattr(tb, "WGRAD_DOWN_SWAP", bool(v))) for v in a.swap]
@@ -77,7 +81,7 @@ def variants(kind, a):
 
 
 def main():
-    defaults = dict(te.W_TMA), tb.WGRAD_DOWN_SWAP
+    defaults = dict(te.W_TMA), tb.WGRAD_DOWN_SWAP, tb.DH_FAST_ACT
     p = argparse.ArgumentParser()
     p.add_argument("--configs", nargs="*", default=["olmoe", "mixtral"])
     p.add_argument("--kinds", nargs="*", default=list(TILES), choices=list(TILES))
@@ -85,6 +89,7 @@ def main():
     p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1],
                    help="weight tiles through TMA (1) or not (0): dh and dx read weights")
     p.add_argument("--swap", nargs="*", type=int, default=[0, 1], help="wgrad_down accumulated transposed (1) or not")
+    p.add_argument("--dh-fast", nargs="*", type=int, default=[0, 1], help="dH epilogue with the approximate sigmoid")
     a = p.parse_args()
     for name in a.configs:
         T, d, I, E, K = CONFIGS[name]
@@ -108,7 +113,7 @@ def main():
                 except Exception as e:  # out of shared memory etc.
                     print(f"{label}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
             te.CONFIG_OVERRIDE, te.W_TMA = {}, dict(defaults[0])
-            tb.WGRAD_DOWN_SWAP = defaults[1]
+            tb.WGRAD_DOWN_SWAP, tb.DH_FAST_ACT = defaults[1:]
         del fns
         torch.cuda.empty_cache()
 

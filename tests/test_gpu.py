@@ -233,3 +233,15 @@ def test_column_slabs(layout, seed, triton_bwd, monkeypatch):
                   bias=True, tw_dtype=torch.float32)
     check_backward(777, 2880, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
                    bias=True, tw_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu", "silu"])
+def test_dh_fast_sigmoid(activation, seed, triton_bwd, monkeypatch):
+    """The dH epilogue with the approximate-tanh sigmoid (the DH_FAST_ACT switch): every
+    gradient within the bf16 tolerance of the reference."""
+    from moeblaze_ops.kernels import triton_experts_backward
+
+    monkeypatch.setattr(triton_experts_backward, "DH_FAST_ACT", True)
+    check_backward(512, 256, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, activation=activation,
+                   layout="transposed_interleaved" if activation == "clamped_swiglu" else "concatenated",
+                   bias=True, tw_dtype=torch.float32)

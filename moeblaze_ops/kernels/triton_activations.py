@@ -60,8 +60,8 @@ def plain(h, ACT: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_grad(g):
-    s = _sigmoid(g, False)
+def _silu_and_grad(g, FAST: tl.constexpr):
+    s = _sigmoid(g, FAST)
     return g * s, s * (1.0 + g * (1.0 - s))
 
 
@@ -72,11 +72,11 @@ def _gelu_and_grad(g):
 
 
 @triton.jit
-def gated_grad(g, u, ACT: tl.constexpr, alpha, limit):
+def gated_grad(g, u, ACT: tl.constexpr, alpha, limit, FAST: tl.constexpr = False):
     """(a, da/dgate, da/dup) of the gated codes 0-2; the clamps pass gradient on their
-    closed intervals, as torch.clamp does."""
+    closed intervals, as torch.clamp does. FAST: the approximate-tanh sigmoid."""
     if ACT == 0:
-        f, df = _silu_and_grad(g)
+        f, df = _silu_and_grad(g, FAST)
         return f * u, df * u, f
     elif ACT == 1:
         f, df = _gelu_and_grad(g)
@@ -84,7 +84,7 @@ def gated_grad(g, u, ACT: tl.constexpr, alpha, limit):
     else:
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)
-        s = _sigmoid(alpha * gc, False)
+        s = _sigmoid(alpha * gc, FAST)
         glu = gc * s
         dglu = s * (1.0 + alpha * gc * (1.0 - s))
         return ((uc + 1.0) * glu, tl.where(g <= limit, (uc + 1.0) * dglu, 0.0),
@@ -92,10 +92,10 @@ def gated_grad(g, u, ACT: tl.constexpr, alpha, limit):
 
 
 @triton.jit
-def plain_grad(h, ACT: tl.constexpr):
-    """(a, da/dh) of the non-gated codes 3-5."""
+def plain_grad(h, ACT: tl.constexpr, FAST: tl.constexpr = False):
+    """(a, da/dh) of the non-gated codes 3-5. FAST: the approximate-tanh sigmoid."""
     if ACT == 3:
-        return _silu_and_grad(h)
+        return _silu_and_grad(h, FAST)
     elif ACT == 4:
         return _gelu_and_grad(h)
     else:

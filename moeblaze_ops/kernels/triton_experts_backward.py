@@ -38,7 +38,7 @@ def _dh_kernel(
     stride_gm, stride_we, stride_wk, stride_wn, stride_be, stride_hm, stride_dhm,
     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    W_TMA: tl.constexpr = False, W_KMAJOR: tl.constexpr = False,
+    W_TMA: tl.constexpr = False, W_KMAJOR: tl.constexpr = False, FAST_ACT: tl.constexpr = False,
 ):
     total = _num_tiles(offsets_ptr, E, LK, I, BLOCK_M, BLOCK_N, GROUPS)
     n_tiles = tl.cdiv(I, BLOCK_N)
@@ -63,7 +63,7 @@ def _dh_kernel(
         out_rows = dh_ptr + rows.to(tl.int64)[:, None] * stride_dhm
         smask = rmask[:, None] & cmask[None, :]
         if ACT < 3:
-            a, da_dg, da_du = acts.gated_grad(hg.to(tl.float32), hu.to(tl.float32), ACT, alpha, limit)
+            a, da_dg, da_du = acts.gated_grad(hg.to(tl.float32), hu.to(tl.float32), ACT, alpha, limit, FAST_ACT)
             dg = (g * w * da_dg).to(dh_ptr.dtype.element_ty)
             du = (g * w * da_du).to(dh_ptr.dtype.element_ty)
             if INTERLEAVED:
@@ -73,7 +73,7 @@ def _dh_kernel(
                 tl.store(out_rows + cols[None, :], dg, mask=smask)
                 tl.store(out_rows + I + cols[None, :], du, mask=smask)
         else:
-            a, da = acts.plain_grad(hg.to(tl.float32), ACT)
+            a, da = acts.plain_grad(hg.to(tl.float32), ACT, FAST_ACT)
             tl.store(out_rows + cols[None, :], (g * w * da).to(dh_ptr.dtype.element_ty), mask=smask)
         a = tl.where(smask, a, 0.0)
         tl.store(part_ptr + rows.to(tl.int64) * n_parts + n_idx, tl.sum(g * a, axis=1), mask=rmask)
@@ -250,6 +250,9 @@ WGRAD_BIAS_MMA = True
 #: as the MMA's register operand (tuning switch; scripts/tune_backward.py --swap). H200:
 #: OLMoE-like 4.90 -> 4.35 ms, Mixtral-like 19.5 -> 18.4 ms; same errors, deterministic.
 WGRAD_DOWN_SWAP = True
+#: The dH epilogue's sigmoid as one approximate tanh for 16-bit CUDA tensors, as in the
+#: forward down GEMM (tuning switch, off until measured; scripts/tune_backward.py --dh-fast).
+DH_FAST_ACT = False
 
 
 def _gemm_config(dtype, kind):
@@ -287,6 +290,7 @@ def _launch_dh(grad_out, h, w_down, eti, rw, offsets, b_down, grad_h, parts, bdo
         stride_gm=grad_out.stride(0), stride_we=swe, stride_wk=swk, stride_wn=swn,
         stride_be=b_down.stride(0) if b_down is not None else 0, stride_hm=h.stride(0), stride_dhm=grad_h.stride(0),
         ACT=act, INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, W_TMA=w_tma, W_KMAJOR=w_kmajor,
+        FAST_ACT=DH_FAST_ACT and fwd._fast_act(h),
     )
 
 
