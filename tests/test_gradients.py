@@ -164,3 +164,22 @@ def test_overwrite_h(bias, seed):
             assert all(torch.equal(a, b) for a, b in zip(again, grads[False]))
     for name, a, b in zip(names, grads[True], grads[False]):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_overwrite_h_under_activation_checkpointing(use_reentrant, seed):
+    """torch.utils.checkpoint (HF's gradient checkpointing) recomputes the layer in
+    backward; the overwritten h is then the recomputed one: gradients as without it."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = make_layer(33, 8, 4, 3, 2, dtype=torch.float32, bias=True, seed=seed)
+    names = _grad_inputs(layer)
+    grads = []
+    for ckpt in (False, True):
+        inputs = [layer[k].clone().requires_grad_(True) for k in names]
+        f = lambda *t: moe_experts(**{**layer, **dict(zip(names, t))})  # noqa: E731
+        out = checkpoint(f, *inputs, use_reentrant=use_reentrant) if ckpt else f(*inputs)
+        out.square().sum().backward()
+        grads.append([t.grad for t in inputs])
+    for name, a, b in zip(names, *grads):
+        assert torch.equal(a, b), name
