@@ -54,6 +54,17 @@ def test_dispatch_bitwise(L, K, E, routing, sentinel_frac, seed):
     check_dispatch_bitwise(L, K, E, device="cuda", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
 
 
+@pytest.mark.parametrize("L,K,E,routing,sentinel_frac", [(65536, 8, 128, "uniform", 0.0), (4096, 8, 256, "skewed", 0.1),
+                                                         (50000, 4, 16, "first", 0.3)])
+def test_dispatch_pairwise_bitwise(L, K, E, routing, sentinel_frac, seed, monkeypatch):
+    """The pairwise-rank dispatch kernels (the PAIRWISE_MIN_BINS switch, barriers between
+    global reads and writes) equal the portable dispatch bit for bit."""
+    from moeblaze_ops.kernels import triton_dispatch
+
+    monkeypatch.setattr(triton_dispatch, "PAIRWISE_MIN_BINS", 1)
+    check_dispatch_bitwise(L, K, E, device="cuda", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
+
+
 def _cuda_layer(seed, L=1024):
     layer = make_layer(L, 256, 128, 8, 2, dtype=torch.bfloat16, seed=seed, tw_dtype=torch.float32)
     return {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in layer.items()}

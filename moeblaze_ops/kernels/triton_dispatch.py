@@ -16,15 +16,28 @@ chunk's counts live in one row of a ``[chunks, BINS + 1]`` table: one column per
 
 Ranking in flat order is what a stable sort does, so the result equals the portable
 kernel's bit for bit.
+
+The one-hot tiles cost O(E) work per row. With many experts (``PAIRWISE_MIN_BINS``) the
+histogram and scatter kernels instead rank each step's rows among themselves (all
+pairs of the step: O(SUB) per row) and keep the chunk's running counts in its row of the
+table in global memory: each step reads the counts of its rows' experts, and the last
+row of each expert in the step (one writer per expert) advances that count, with a
+block barrier between the reads and the writes.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 SUB = 64  # rows ranked per step inside a program
+#: Use the pairwise-rank kernels when the bins (E rounded up to a power of two) are at
+#: least this many; None: always the one-hot kernels (tuning switch, off until measured on
+#: the GPU; ``MOEBLAZE_PAIRWISE_MIN_BINS=128`` sets it for a run).
+PAIRWISE_MIN_BINS = int(os.environ.get("MOEBLAZE_PAIRWISE_MIN_BINS", "0")) or None
 
 
 SENTINEL = tl.constexpr(-2)
@@ -97,6 +110,65 @@ def _chunk_scatter(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_pt
 
 
 @triton.jit
+def _step_ranks(key, SUB: tl.constexpr):
+    """Per row of a step: how many earlier rows of the step share its key, and whether no
+    later one does (the row that advances the key's running count)."""
+    i = tl.arange(0, SUB)
+    same = key[:, None] == key[None, :]
+    earlier = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+    later = tl.sum((same & (i[None, :] > i[:, None])).to(tl.int32), axis=1)
+    return earlier, later == 0
+
+
+@triton.jit
+def _chunk_histogram_pairwise(ids_ptr, counts_ptr, LK, E, CHUNK, BINS: tl.constexpr, SUB: tl.constexpr):
+    chunk = tl.program_id(0)
+    row = counts_ptr + chunk * (BINS + 1)
+    tl.store(row + tl.arange(0, BINS), tl.zeros((BINS,), dtype=tl.int32))
+    tl.store(row + BINS, 0)
+    tl.debug_barrier()
+    for s in range(0, CHUNK, SUB):
+        rows = chunk * CHUNK + s + tl.arange(0, SUB)
+        key = _keys(ids_ptr, rows, LK, E)
+        col = tl.where(key == SENTINEL, BINS, key)
+        rank, last = _step_ranks(key, SUB)
+        writer = (rows < LK) & last
+        count = tl.load(row + col, mask=writer, other=0)
+        tl.store(row + col, count + rank + 1, mask=writer)
+        tl.debug_barrier()  # this step's counts are written before the next step reads them
+
+
+@triton.jit
+def _chunk_scatter_pairwise(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_ptr, LK, E, K, CHUNK,
+                            BINS: tl.constexpr, SUB: tl.constexpr):
+    chunk = tl.program_id(0)
+    bins = tl.arange(0, BINS)
+    totals = tl.load(totals_ptr + bins)
+    expert_start = tl.cumsum(totals, axis=0) - totals  # expert_offsets[:BINS]
+    real_rows = tl.sum(totals, axis=0)  # expert_offsets[E]: the sentinels start here
+    if chunk == 0:
+        tl.store(offsets_ptr + bins, expert_start, mask=bins < E)
+        tl.store(offsets_ptr + E, real_rows)
+    # The chunk's row of the table becomes its running next position per column.
+    row = starts_ptr + chunk * (BINS + 1)
+    tl.store(row + bins, tl.load(row + bins) + expert_start)
+    tl.store(row + BINS, tl.load(row + BINS) + real_rows)
+    tl.debug_barrier()
+    for s in range(0, CHUNK, SUB):
+        rows = chunk * CHUNK + s + tl.arange(0, SUB)
+        key = _keys(ids_ptr, rows, LK, E)
+        col = tl.where(key == SENTINEL, BINS, key)
+        valid = rows < LK
+        rank, last = _step_ranks(key, SUB)
+        pos = tl.load(row + col, mask=valid, other=0) + rank
+        tl.debug_barrier()  # every row has read its base before any is advanced
+        tl.store(row + col, pos + 1, mask=valid & last)
+        tl.store(tim_ptr + rows, pos, mask=valid)
+        tl.store(eti_ptr + pos, (rows // K).to(tl.int32), mask=valid)
+        tl.debug_barrier()
+
+
+@triton.jit
 def _check_ids(ids_ptr, flags_ptr, L, E, K: tl.constexpr, BLOCK_T: tl.constexpr):
     """Each program writes its own two flags: a negative id in its tokens, a real expert id
     repeated in one of its tokens' rows (every pair k < k2, unrolled). No atomics."""
@@ -150,8 +222,13 @@ def dispatch(topk_ids: torch.Tensor, num_experts: int):
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     eti = torch.empty(LK, dtype=torch.int32, device=dev)
     tim = torch.empty(LK, dtype=torch.int32, device=dev)
-    _chunk_histogram[(num_chunks,)](ids, counts, LK, E, chunk, BINS=BINS, SUB=SUB)
+    pairwise = PAIRWISE_MIN_BINS is not None and BINS >= PAIRWISE_MIN_BINS
+    # The pairwise kernels order global reads and writes with block barriers: one stage,
+    # so that no read of the next step is issued ahead of them.
+    histogram, scatter, extra = ((_chunk_histogram_pairwise, _chunk_scatter_pairwise, {"num_stages": 1}) if pairwise
+                                 else (_chunk_histogram, _chunk_scatter, {}))
+    histogram[(num_chunks,)](ids, counts, LK, E, chunk, BINS=BINS, SUB=SUB, **extra)
     cols = 32
     _column_scan[(triton.cdiv(BINS + 1, cols),)](counts, totals, num_chunks, BINS + 1, COLS=cols, ROWS=64)
-    _chunk_scatter[(num_chunks,)](ids, counts, totals, offsets, eti, tim, LK, E, K, chunk, BINS=BINS, SUB=SUB)
+    scatter[(num_chunks,)](ids, counts, totals, offsets, eti, tim, LK, E, K, chunk, BINS=BINS, SUB=SUB, **extra)
     return eti, offsets, tim
