@@ -81,16 +81,25 @@ def _column_scan(counts_ptr, totals_ptr, NUM_CHUNKS, WIDTH, COLS: tl.constexpr, 
 
 
 @triton.jit
+def _expert_starts(totals_ptr, offsets_ptr, E, chunk, BINS: tl.constexpr):
+    """Where each expert's rows start (expert_offsets[:BINS]) and where the sentinels start
+    (expert_offsets[E]), from the column totals; program 0 writes expert_offsets."""
+    bins = tl.arange(0, BINS)
+    totals = tl.load(totals_ptr + bins)
+    expert_start = tl.cumsum(totals, axis=0) - totals
+    real_rows = tl.sum(totals, axis=0)
+    if chunk == 0:
+        tl.store(offsets_ptr + bins, expert_start, mask=bins < E)
+        tl.store(offsets_ptr + E, real_rows)
+    return expert_start, real_rows
+
+
+@triton.jit
 def _chunk_scatter(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_ptr, LK, E, K, CHUNK,
                    BINS: tl.constexpr, SUB: tl.constexpr):
     chunk = tl.program_id(0)
     bins = tl.arange(0, BINS)
-    totals = tl.load(totals_ptr + bins)
-    expert_start = tl.cumsum(totals, axis=0) - totals  # expert_offsets[:BINS]
-    real_rows = tl.sum(totals, axis=0)  # expert_offsets[E]: the sentinels start here
-    if chunk == 0:
-        tl.store(offsets_ptr + bins, expert_start, mask=bins < E)
-        tl.store(offsets_ptr + E, real_rows)
+    expert_start, real_rows = _expert_starts(totals_ptr, offsets_ptr, E, chunk, BINS)
     row = starts_ptr + chunk * (BINS + 1)
     carry = tl.load(row + bins) + expert_start
     sentinel_carry = tl.load(row + BINS) + real_rows
@@ -110,14 +119,17 @@ def _chunk_scatter(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_pt
 
 
 @triton.jit
-def _step_ranks(key, SUB: tl.constexpr):
-    """Per row of a step: how many earlier rows of the step share its key, and whether no
-    later one does (the row that advances the key's running count)."""
+def _pairwise_step(ids_ptr, rows, LK, E, BINS: tl.constexpr, SUB: tl.constexpr):
+    """A step's rows for the pairwise kernels: their table column (the expert, or BINS for
+    sentinels), how many earlier rows of the step share it, and whether the row is the
+    step's last of its column (the one that advances the column's running count); rows
+    past LK are not valid."""
+    key = _keys(ids_ptr, rows, LK, E)
     i = tl.arange(0, SUB)
     same = key[:, None] == key[None, :]
     earlier = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
     later = tl.sum((same & (i[None, :] > i[:, None])).to(tl.int32), axis=1)
-    return earlier, later == 0
+    return tl.where(key == SENTINEL, BINS, key), earlier, later == 0, rows < LK
 
 
 @triton.jit
@@ -128,11 +140,8 @@ def _chunk_histogram_pairwise(ids_ptr, counts_ptr, LK, E, CHUNK, BINS: tl.conste
     tl.store(row + BINS, 0)
     tl.debug_barrier()
     for s in range(0, CHUNK, SUB):
-        rows = chunk * CHUNK + s + tl.arange(0, SUB)
-        key = _keys(ids_ptr, rows, LK, E)
-        col = tl.where(key == SENTINEL, BINS, key)
-        rank, last = _step_ranks(key, SUB)
-        writer = (rows < LK) & last
+        col, rank, last, valid = _pairwise_step(ids_ptr, chunk * CHUNK + s + tl.arange(0, SUB), LK, E, BINS, SUB)
+        writer = valid & last
         count = tl.load(row + col, mask=writer, other=0)
         tl.store(row + col, count + rank + 1, mask=writer)
         tl.debug_barrier()  # this step's counts are written before the next step reads them
@@ -143,12 +152,7 @@ def _chunk_scatter_pairwise(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_pt
                             BINS: tl.constexpr, SUB: tl.constexpr):
     chunk = tl.program_id(0)
     bins = tl.arange(0, BINS)
-    totals = tl.load(totals_ptr + bins)
-    expert_start = tl.cumsum(totals, axis=0) - totals  # expert_offsets[:BINS]
-    real_rows = tl.sum(totals, axis=0)  # expert_offsets[E]: the sentinels start here
-    if chunk == 0:
-        tl.store(offsets_ptr + bins, expert_start, mask=bins < E)
-        tl.store(offsets_ptr + E, real_rows)
+    expert_start, real_rows = _expert_starts(totals_ptr, offsets_ptr, E, chunk, BINS)
     # The chunk's row of the table becomes its running next position per column.
     row = starts_ptr + chunk * (BINS + 1)
     tl.store(row + bins, tl.load(row + bins) + expert_start)
@@ -156,10 +160,7 @@ def _chunk_scatter_pairwise(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_pt
     tl.debug_barrier()
     for s in range(0, CHUNK, SUB):
         rows = chunk * CHUNK + s + tl.arange(0, SUB)
-        key = _keys(ids_ptr, rows, LK, E)
-        col = tl.where(key == SENTINEL, BINS, key)
-        valid = rows < LK
-        rank, last = _step_ranks(key, SUB)
+        col, rank, last, valid = _pairwise_step(ids_ptr, rows, LK, E, BINS, SUB)
         pos = tl.load(row + col, mask=valid, other=0) + rank
         tl.debug_barrier()  # every row has read its base before any is advanced
         tl.store(row + col, pos + 1, mask=valid & last)
