@@ -6,7 +6,8 @@
 # Env: SKIP_DETERMINISM=1, SKIP_GPU_TESTS=1, SKIP_BENCH=1, SKIP_TRAIN=1 leave parts out;
 # GPU_TESTS_K=<pytest -k expr> picks GPU tests; CPU_SUITE=1 adds the CPU suite on that
 # machine's torch (a compatibility check, 3 more minutes); PROFILE=1 adds
-# scripts/profile_step.py (kernel and host time per step) into $OUT/profile.txt. Test
+# scripts/profile_step.py (kernel and host time per step) into $OUT/profile.txt;
+# SWITCHES=1 measures the tuning switches that are off until measured (log only). Test
 # packages missing on the machine are installed from wheels in .whl/ when the call carries them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +47,23 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   echo "== bench train" | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train" --skip hf_eager moeblaze_compiled \
     --configs qwen3_100m olmoe qwen3_a3b conf3 conf4 mixtral "$@" 2>>"$LOG" | tee -a "$LOG"
+fi
+if [ "${SWITCHES:-0}" = 1 ]; then
+  # The tuning switches that are off until measured (docs/perf-notes.md, "The next GPU
+  # call"), each against the defaults measured above; tables go to the log only.
+  echo "== switches: memory at the peak (conf3)" | tee -a "$LOG"
+  python3 scripts/memory_peak.py --config conf3 2>>"$LOG" | tee -a "$LOG"
+  echo "== switches: DH_FAST_ACT" | tee -a "$LOG"
+  python3 scripts/tune_backward.py --kinds dh --dh-fast 0 1 --w-tma 1 --tiles 128,128,64,8,4 2>>"$LOG" | tee -a "$LOG"
+  echo "== switches: PAIRWISE_MIN_BINS=64 (dispatch)" | tee -a "$LOG"
+  MOEBLAZE_PAIRWISE_MIN_BINS=64 python3 -m moeblaze_ops.bench --configs --out /tmp/switch_dispatch \
+    2>>"$LOG" | tee -a "$LOG"
+  echo "== switches: D_SLAB=512 (forward, train)" | tee -a "$LOG"
+  MOEBLAZE_D_SLAB=512 python3 -m moeblaze_ops.bench --no-dispatch --configs olmoe conf3 conf4 mixtral \
+    --skip hf_eager hf_grouped_mm moeblaze_compiled --out /tmp/switch_dslab_fwd 2>>"$LOG" | tee -a "$LOG"
+  MOEBLAZE_D_SLAB=512 python3 -m moeblaze_ops.bench --mode train --no-dispatch --configs olmoe conf3 conf4 mixtral \
+    --skip hf_eager hf_grouped_mm moeblaze_compiled moeblaze_recompute_compiled --out /tmp/switch_dslab_train \
+    2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   echo "== profile" | tee -a "$LOG"
