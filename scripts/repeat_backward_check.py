@@ -4,9 +4,9 @@ seeds whose two runs differed and the worst relative error against float64.
 
     python scripts/repeat_backward_check.py [--seeds 8] [--L 2048 --E 16 --K 2 --routing skewed]
         [--layouts concatenated transposed_interleaved] [--h-tma 1 0]
-        [--up-tiles default 128,128,64,8,3] [--bias-mma 0 1] [--swap 0 1]
+        [--up-tiles default 128,128,64,8,3] [--swap 0 1]
 
-A variant is one choice from each of the last five lists (their product).
+A variant is one choice from each of the last four lists (their product).
 """
 
 import argparse
@@ -46,13 +46,11 @@ def main():
     p.add_argument("--layouts", nargs="*", default=["concatenated"])
     p.add_argument("--h-tma", nargs="*", type=int, default=[1, 0])
     p.add_argument("--up-tiles", nargs="*", default=["default"], help="wgrad_up tile BP,BQ,BR,warps,stages")
-    p.add_argument("--bias-mma", nargs="*", type=int, default=[int(triton_experts_backward.WGRAD_BIAS_MMA)])
     p.add_argument("--swap", nargs="*", type=int, default=[int(triton_experts_backward.WGRAD_DOWN_SWAP)])
     a = p.parse_args()
-    for layout, tma, tile, mma, swap in itertools.product(a.layouts, a.h_tma, a.up_tiles, a.bias_mma, a.swap):
+    for layout, tma, tile, swap in itertools.product(a.layouts, a.h_tma, a.up_tiles, a.swap):
         triton_experts.H_TMA = bool(tma)
         triton_experts.CONFIG_OVERRIDE = {} if tile == "default" else {"wgrad_up": tuple(map(int, tile.split(",")))}
-        triton_experts_backward.WGRAD_BIAS_MMA = bool(mma)
         triton_experts_backward.WGRAD_DOWN_SWAP = bool(swap)
         differ = {n: 0 for n in NAMES}
         worst = {n: 0.0 for n in NAMES}
@@ -66,7 +64,7 @@ def main():
             for i, n in enumerate(NAMES):
                 differ[n] += any(not torch.equal(runs[0][i], r[i]) for r in runs[1:])
                 worst[n] = max(worst[n], rel_err(runs[0][i], ref[i]))
-        print(f"{layout} h_tma={tma} up_tile={tile} bias_mma={mma} swap={swap}: seeds differing (of {a.seeds}) {differ}; "
+        print(f"{layout} h_tma={tma} up_tile={tile} swap={swap}: seeds differing (of {a.seeds}) {differ}; "
               f"worst rel err {{{', '.join(f'{n}: {e:.1e}' for n, e in worst.items())}}}", flush=True)
     triton_experts.CONFIG_OVERRIDE = {}
 

@@ -120,9 +120,11 @@ def _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask,
     operand w * act(h) becomes the MMA's A, which the tensor cores read from registers,
     instead of its B, which must go through shared memory; its bias share comes from the
     tensor cores too ([BIAS_COLS, P]: row 0 of the left operand holds w, the rest 0).
-    Otherwise ``bias_acc`` is [BLOCK_P, BIAS_COLS]: with BIAS_COLS = 16 the up
-    projection's share comes from the tensor cores (A^T times a column of ones), so A^T
-    never leaves shared memory for registers; with 1, from a register sum.
+    Otherwise ``bias_acc`` is [BLOCK_P, BIAS_COLS]: the down projection's share (BIAS_COLS
+    = 1) is a register sum of w * A^T; the up projection's (BIAS_COLS = 16) comes from the
+    tensor cores (A^T times a column of ones), so A^T never leaves shared memory. Its
+    register sum gave wrong, run-to-run different dW_gate_up on the H200 with 256-row P
+    tiles and the transposed layout's output strides (docs/perf-notes.md).
     """
     rows = r0 + tl.arange(0, BLOCK_R)
     rmask = rows < hi
@@ -161,12 +163,9 @@ def _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask,
                     other=0.0)
         acc = tl.dot(at, b, acc, input_precision=PRECISION)
         if HAS_BIAS:
-            if bias_here:
-                if BIAS_COLS == 1:
-                    bias_acc += tl.sum(at.to(tl.float32), axis=1, keep_dims=True)
-                else:  # column 0 of the ones operand is 1, the rest 0: the sum lands in column 0
-                    ones = (tl.arange(0, BLOCK_R)[:, None] >= 0) & (tl.arange(0, BIAS_COLS)[None, :] == 0)
-                    bias_acc = tl.dot(at, ones.to(at.dtype), bias_acc, input_precision=PRECISION)
+            if bias_here:  # column 0 of the ones operand is 1, the rest 0: the sum lands in column 0
+                ones = (tl.arange(0, BLOCK_R)[:, None] >= 0) & (tl.arange(0, BIAS_COLS)[None, :] == 0)
+                bias_acc = tl.dot(at, ones.to(at.dtype), bias_acc, input_precision=PRECISION)
     return acc, bias_acc
 
 
@@ -177,15 +176,14 @@ def _wgrad_kernel(
     stride_am, stride_bm, stride_oe, stride_op, stride_oq, stride_be,
     DOWN: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     FAST_ACT: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BIAS_COLS: tl.constexpr = 1,
-    PEELED: tl.constexpr = False, SWAP: tl.constexpr = False,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BIAS_COLS: tl.constexpr,
+    SWAP: tl.constexpr = False,
 ):
     """out[e] = sum over the expert's rows r of A[r]^T B[r] ([P, Q] per expert).
 
     DOWN: A[r] = grad_out[token_r] (P = d), B[r] = w_r * act(h[r]) (Q = I).
     else: A[r] = dH[r] (P = N), B[r] = x[token_r] (Q = d).
     One program per (expert, p-tile, q-tile) at a time, q fastest: neighbours share A.
-    PEELED runs the expert's whole reduction steps without row masks, then one masked step.
     SWAP (DOWN only) accumulates out[e]^T: see ``_wgrad_step``.
     """
     p_tiles = tl.cdiv(P, BLOCK_P)
@@ -206,7 +204,8 @@ def _wgrad_kernel(
             acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
             bias_acc = tl.zeros((BLOCK_P, BIAS_COLS), dtype=tl.float32)
         q0 = q_idx * BLOCK_Q
-        if PEELED:
+        if DOWN:
+            # Whole steps without row masks, then one masked step for the expert's last rows.
             full = (hi - lo) // BLOCK_R
             for i in range(0, full):
                 acc, bias_acc = _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, lo + i * BLOCK_R, hi, ps,
@@ -219,6 +218,8 @@ def _wgrad_kernel(
                                             DOWN, ACT, INTERLEAVED, HAS_BIAS, FAST_ACT, TMA, True, SWAP, PRECISION,
                                             BLOCK_P, BLOCK_R, BLOCK_Q, BIAS_COLS)
         else:
+            # Every step masked: peeled like the above, this loop differed run to run on the
+            # H200 (with the register bias sum) and faulted (with the tensor-core one).
             for r0 in range(lo, hi, BLOCK_R):
                 acc, bias_acc = _wgrad_step(acc, bias_acc, a_src, b_src, eti_ptr, rw_ptr, r0, hi, ps, pmask, qs,
                                             q0, Q, I, alpha, limit, stride_am, stride_bm, q_idx == 0,
@@ -241,11 +242,6 @@ def _wgrad_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-#: The up projection's bias gradient from the tensor cores (A^T times ones) instead of a
-#: register sum of A^T. The register sum, with 256-row P tiles and the transposed weight
-#: layout's output strides, gave wrong and run-to-run different dW_gate_up on the H200
-#: (triton 3.6; scripts/repeat_backward_check.py --bias-mma 0 1, docs/perf-notes.md).
-WGRAD_BIAS_MMA = True
 #: The down projection's weight gradient accumulated transposed, the recomputed w * act(h)
 #: as the MMA's register operand (tuning switch; scripts/tune_backward.py --swap). H200:
 #: OLMoE-like 4.90 -> 4.35 ms, Mixtral-like 19.5 -> 18.4 ms; same errors, deterministic.
@@ -310,11 +306,8 @@ def _launch_wgrad(a, b, eti, rw, offsets, grad_w, grad_b, P, Q, I, transposed_ou
         a_stride, b_stride, grad_w.stride(0), sop, soq, grad_b.stride(0) if grad_b is not None else 0,
         DOWN=down, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=grad_b is not None, FAST_ACT=fwd._fast_act(grad_w),
         TMA=tma, PRECISION=_precision(grad_w.dtype), BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BR,
-        BIAS_COLS=16 if (WGRAD_BIAS_MMA and not down) or (down and WGRAD_DOWN_SWAP) else 1,
-        # The up projection keeps every step masked: peeled, it differed run to run on the
-        # H200 and, with the tensor-core bias share, faulted (docs/perf-notes.md).
-        PEELED=down, SWAP=down and WGRAD_DOWN_SWAP, num_warps=warps,
-        num_stages=stages,
+        BIAS_COLS=1 if down and not WGRAD_DOWN_SWAP else 16,  # the bias share's width: see _wgrad_step
+        SWAP=down and WGRAD_DOWN_SWAP, num_warps=warps, num_stages=stages,
     )
 
 
