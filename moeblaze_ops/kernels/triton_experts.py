@@ -384,31 +384,41 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
     if h.stride(1) != 1:
         h = h.contiguous()
     out = _empty(L, d, dtype=h.dtype, device=h.device)
-    slabs = column_slabs(d)
-    # The expert outputs, in expert order, one column slab at a time; sentinel rows are
-    # written as zeros.
-    y = _empty(LK, slabs[0][1] - slabs[0][0] if slabs else 0, dtype=h.dtype, device=h.device)
     tiles = _tiles(h.device, h.dtype, "down")
     h_src, h_tma = _h_source(h, ACT_CODES[activation], interleaved, I, tiles[0], tiles[2])
+
+    def expert_outputs(y, c0, c1):  # columns [c0, c1) of every row's output; sentinel rows zero
+        w = weight_columns(w_down, c0, c1, 2 if transposed else 1)
+        b = b_down[:, c0:c1] if b_down is not None else None
+        swe, swk, swn = _weight_strides(w, transposed)
+        w_src, w_tma, w_kmajor = _weight_source(w, swk, tiles[2], tiles[1], "down")
+        _launch_gemm(
+            _down_kernel, h.device, h.dtype, tiles, c1 - c0, W_TMA=w_tma, W_KMAJOR=w_kmajor,
+            h_src=h_src, w_ptr=w_src, b_ptr=b if b is not None else w, offsets_ptr=expert_offsets,
+            y_ptr=y, LK=LK, E=E, N=c1 - c0, I=I, alpha=float(alpha), limit=float(limit),
+            stride_hm=h.stride(0), stride_we=swe, stride_wk=swk, stride_wn=swn,
+            stride_be=b.stride(0) if b is not None else 0, stride_ym=y.stride(0),
+            ACT=ACT_CODES[activation], INTERLEAVED=interleaved, HAS_BIAS=b is not None, H_TMA=h_tma,
+            # Approximate tanh for the sigmoid where the output is 16-bit (its error, 2^-11,
+            # is below their rounding); fp32 keeps the exact form.
+            FAST_ACT=_fast_act(h),
+        )
+
+    return combine_in_slabs(expert_outputs, LK, h.dtype, token_index_map, topk_weights, expert_offsets, out, E)
+
+
+def combine_in_slabs(make_rows, LK, dtype, token_index_map, topk_weights, expert_offsets, out, E):
+    """``combine`` of [L*K, d] rows made one column slab at a time (``D_SLAB``):
+    ``make_rows(rows, c0, c1)`` writes columns [c0, c1) of every row into the
+    [L*K, c1 - c0] view ``rows`` of one scratch buffer, then they are summed into
+    ``out[:, c0:c1]``."""
+    slabs = column_slabs(out.shape[1])
+    scratch = _empty(LK, slabs[0][1] - slabs[0][0] if slabs else 0, dtype=dtype, device=out.device)
     for c0, c1 in slabs:
-        y_cols = y[:, :c1 - c0]
+        rows = scratch[:, :c1 - c0]
         if LK > 0:
-            w = weight_columns(w_down, c0, c1, 2 if transposed else 1)
-            b = b_down[:, c0:c1] if b_down is not None else None
-            swe, swk, swn = _weight_strides(w, transposed)
-            w_src, w_tma, w_kmajor = _weight_source(w, swk, tiles[2], tiles[1], "down")
-            _launch_gemm(
-                _down_kernel, h.device, h.dtype, tiles, c1 - c0, W_TMA=w_tma, W_KMAJOR=w_kmajor,
-                h_src=h_src, w_ptr=w_src, b_ptr=b if b is not None else w, offsets_ptr=expert_offsets,
-                y_ptr=y_cols, LK=LK, E=E, N=c1 - c0, I=I, alpha=float(alpha), limit=float(limit),
-                stride_hm=h.stride(0), stride_we=swe, stride_wk=swk, stride_wn=swn,
-                stride_be=b.stride(0) if b is not None else 0, stride_ym=y_cols.stride(0),
-                ACT=ACT_CODES[activation], INTERLEAVED=interleaved, HAS_BIAS=b is not None, H_TMA=h_tma,
-                # Approximate tanh for the sigmoid where the output is 16-bit (its error,
-                # 2^-11, is below their rounding); fp32 keeps the exact form.
-                FAST_ACT=_fast_act(h),
-            )
-        combine(y_cols, token_index_map, topk_weights, expert_offsets, out[:, c0:c1], E)
+            make_rows(rows, c0, c1)
+        combine(rows, token_index_map, topk_weights, expert_offsets, out[:, c0:c1], E)
     return out
 
 

@@ -27,7 +27,7 @@ from .torch_experts import row_weights
 from .triton_activations import ACT_CODES
 from .triton_experts import (
     _activate, _empty, _load_act_operand, _num_programs, _num_tiles, _precision, _tile_of, _up_kernel,
-    _weight_tile, combine,
+    _weight_tile,
 )
 
 
@@ -381,15 +381,11 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
     grad_w = _empty(*w_gate_up.shape, dtype=w_gate_up.dtype, device=dev) if need_weight_grad else x.new_empty(0)
     grad_b = _empty(E, N, dtype=x.dtype, device=dev) if has_bias and need_weight_grad else x.new_empty(0)
     grad_x = _empty(L, d, dtype=x.dtype, device=dev) if need_input_grad else x.new_empty(0)
-    if need_input_grad:
-        slabs = fwd.column_slabs(d)
-        grad_rows = _empty(LK, slabs[0][1] - slabs[0][0] if slabs else 0, dtype=x.dtype, device=dev)
-        for c0, c1 in slabs:  # one column slab of the [L*K, d] rows at a time (D_SLAB)
-            rows = grad_rows[:, :c1 - c0]
-            if LK > 0:
-                _launch_dx_rows(grad_h, fwd.weight_columns(w_gate_up, c0, c1, 1 if transposed else 2), expert_offsets,
-                                rows, transposed)
-            combine(rows, token_index_map, None, expert_offsets, grad_x[:, c0:c1], E)
+    if need_input_grad:  # each token's K rows of dH @ W, summed in order (unit weights)
+        fwd.combine_in_slabs(
+            lambda rows, c0, c1: _launch_dx_rows(grad_h, fwd.weight_columns(w_gate_up, c0, c1, 1 if transposed else 2),
+                                                 expert_offsets, rows, transposed),
+            LK, x.dtype, token_index_map, None, expert_offsets, grad_x, E)
     if need_weight_grad:
         _launch_wgrad(grad_h, x.contiguous(), expert_token_indices, grad_h, expert_offsets, grad_w,
                       grad_b if has_bias else None, N, d, 0, transposed, False, 0, False, 0.0, 0.0)
