@@ -128,18 +128,18 @@ class _OverwritingDown(torch.autograd.Function):
     def forward(ctx, h, w_down, b_down, tw, eti, offsets, tim, args):
         ctx.save_for_backward(h, w_down, b_down, tw, eti, offsets, tim)
         ctx.args = args
+        ctx.overwritten = False
         return torch.ops.moeblaze.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
 
     @staticmethod
     def backward(ctx, grad_out):
-        try:
-            h, w_down, b_down, tw, eti, offsets, tim = ctx.saved_tensors
-        except RuntimeError as e:
-            if "modified by an inplace operation" not in str(e):
-                raise
+        # retain_graph reuses this ctx; h's version counter would also catch it, less clearly.
+        if ctx.overwritten:
             raise RuntimeError("moeblaze.moe_experts: a second backward through this layer needs h, which the "
                                "first backward overwrote with its gradient; call moe_experts(..., "
-                               "overwrite_h=False) to backward more than once") from e
+                               "overwrite_h=False) to backward more than once")
+        ctx.overwritten = True
+        h, w_down, b_down, tw, eti, offsets, tim = ctx.saved_tensors
         need = ctx.needs_input_grad  # h, w_down, b_down, tw, ...
         has_b = b_down is not None
         grad_w, grad_b, grad_tw = torch.ops.moeblaze.expert_down_backward_(
