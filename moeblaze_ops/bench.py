@@ -241,20 +241,25 @@ def bench_train(names, skip):
     return rows
 
 
-def train_table(rows):
+def _against_base(rows, base_peer="hf_grouped_mm_compiled"):
+    """(config, peer, row, the config's base row or None, speed vs base as text), per row."""
     by = {}
     for r in rows:
         by.setdefault(r["config"], {})[r["peer"]] = r
+    for cfg, peers_ in by.items():
+        base = peers_.get(base_peer)
+        for peer, r in peers_.items():
+            yield cfg, peer, r, base, (f"{base['ms'] / r['ms']:.2f}x" if base else "-")
+
+
+def train_table(rows):
     lines = ["| config | peer | fwd+bwd ms | TFLOP/s | activation GB | peak GB | speed vs compiled grouped_mm "
              "| activation vs compiled grouped_mm | peak vs compiled grouped_mm |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for cfg, peers_ in by.items():
-        base = peers_.get("hf_grouped_mm_compiled")
-        for peer, r in peers_.items():
-            ratio = lambda k: f"{r[k] / base[k]:.2f}x" if base and base[k] > 0 else "-"  # noqa: E731
-            speed = f"{base['ms'] / r['ms']:.2f}x" if base else "-"
-            lines.append(f"| {cfg} | {peer} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['activation_gb']:.3f} "
-                         f"| {r['peak_gb']:.2f} | {speed} | {ratio('activation_gb')} | {ratio('peak_gb')} |")
+    for cfg, peer, r, base, speed in _against_base(rows):
+        ratio = lambda k: f"{r[k] / base[k]:.2f}x" if base and base[k] > 0 else "-"  # noqa: E731
+        lines.append(f"| {cfg} | {peer} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['activation_gb']:.3f} "
+                     f"| {r['peak_gb']:.2f} | {speed} | {ratio('activation_gb')} | {ratio('peak_gb')} |")
     return "\n".join(lines)
 
 
@@ -280,20 +285,14 @@ def bench_dispatch():
 
 
 def forward_table(rows):
-    by = {}
-    for r in rows:
-        by.setdefault(r["config"], {})[r["peer"]] = r
     lines = ["| config | peer | ms | TFLOP/s | peak GB (no grad) | peak GB (training fwd) | speed vs compiled "
              "grouped_mm | peak vs compiled grouped_mm (no grad / training fwd) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for cfg, peers_ in by.items():
-        base = peers_.get("hf_grouped_mm_compiled")
-        for peer, r in peers_.items():
-            speed = f"{base['ms'] / r['ms']:.2f}x" if base else "-"
-            mem = (f"{r['peak_gb'] / base['peak_gb']:.2f}x / {r['train_fwd_peak_gb'] / base['train_fwd_peak_gb']:.2f}x"
-                   if base and base["peak_gb"] > 0 else "-")
-            lines.append(f"| {cfg} | {peer} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['peak_gb']:.2f} "
-                         f"| {r['train_fwd_peak_gb']:.2f} | {speed} | {mem} |")
+    for cfg, peer, r, base, speed in _against_base(rows):
+        mem = (f"{r['peak_gb'] / base['peak_gb']:.2f}x / {r['train_fwd_peak_gb'] / base['train_fwd_peak_gb']:.2f}x"
+               if base and base["peak_gb"] > 0 else "-")
+        lines.append(f"| {cfg} | {peer} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['peak_gb']:.2f} "
+                     f"| {r['train_fwd_peak_gb']:.2f} | {speed} | {mem} |")
     return "\n".join(lines)
 
 
