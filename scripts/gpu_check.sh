@@ -7,6 +7,7 @@
 # GPU_TESTS_K=<pytest -k expr> picks GPU tests; CPU_SUITE=1 adds the CPU suite on that
 # machine's torch (a compatibility check, 3 more minutes); PROFILE=1 adds
 # scripts/profile_step.py (kernel and host time per step) into $OUT/profile.txt;
+# GPU_TEST_WORKERS=<n> sets the pytest-xdist processes (6; one GPU is shared);
 # SWITCHES=1 measures the tuning switches that are off until measured (log only). Test
 # packages missing on the machine are installed from wheels in .whl/ when the call carries them.
 set -uo pipefail
@@ -16,9 +17,13 @@ mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -d .whl ]; then
-  for mod in pytest pluggy iniconfig hypothesis sortedcontainers expecttest tqdm; do
+  # module:wheel-name pairs; xdist runs the GPU tests in several processes (most of their
+  # time is Triton compiling, which is CPU work).
+  for pair in pytest:pytest pluggy:pluggy iniconfig:iniconfig hypothesis:hypothesis \
+      sortedcontainers:sortedcontainers expecttest:expecttest tqdm:tqdm execnet:execnet xdist:pytest_xdist; do
+    mod=${pair%%:*} whl=${pair##*:}
     python3 -c "import $mod" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
-      --target /tmp/site .whl/${mod}-*.whl
+      --target /tmp/site .whl/${whl}-*.whl
   done
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
@@ -32,7 +37,10 @@ if [ "${SKIP_DETERMINISM:-0}" != 1 ]; then
 fi
 if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
   echo "== GPU tests" | tee -a "$LOG"
-  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rf --tb=short --durations=8 ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} 2>&1 | tee -a "$LOG" | tail -15
+  workers=()
+  PYTHONPATH=$PYTHONPATH python3 -c "import xdist" 2>/dev/null && workers=(-n "${GPU_TEST_WORKERS:-6}")
+  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rf --tb=short --durations=8 "${workers[@]}" \
+    ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} 2>&1 | tee -a "$LOG" | tail -15
 fi
 if [ "${CPU_SUITE:-0}" = 1 ]; then
   echo "== CPU suite on this machine's torch" | tee -a "$LOG"
