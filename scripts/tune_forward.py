@@ -61,7 +61,7 @@ def main():
             for tile, h_tma, fast, w_tma in [(t, v, f, w) for t in tiles for v in a.h_tma for f in a.fast_act
                                              for w in a.w_tma]:
                 te.H_TMA, te.FAST_ACT = bool(h_tma), bool(fast)
-                te.W_TMA = dict.fromkeys(("up", "down"), bool(w_tma))
+                te.W_TMA = {**default_w_tma, "up": bool(w_tma), "down": bool(w_tma)}
                 row = []
                 for kind, act in jobs:
                     te.CONFIG_OVERRIDE = {kind: tile}
@@ -78,9 +78,9 @@ def main():
                 print(f"  pps={pps} tile={tile} h_tma={h_tma} fast_act={fast} w_tma={w_tma}: " + " | ".join(row),
                       flush=True)
         te.CONFIG_OVERRIDE = {}
-    te.W_TMA = default_w_tma
         del x, wgu, wd, h, dense_a, dense_h
         torch.cuda.empty_cache()
+    te.W_TMA = default_w_tma
 
 
 if __name__ == "__main__":

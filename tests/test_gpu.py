@@ -54,14 +54,16 @@ def test_dispatch_bitwise(L, K, E, routing, sentinel_frac, seed):
     check_dispatch_bitwise(L, K, E, device="cuda", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
 
 
+@pytest.mark.parametrize("min_bins", [1, None], ids=["pairwise", "one_hot"])
 @pytest.mark.parametrize("L,K,E,routing,sentinel_frac", [(65536, 8, 128, "uniform", 0.0), (4096, 8, 256, "skewed", 0.1),
                                                          (50000, 4, 16, "first", 0.3)])
-def test_dispatch_pairwise_bitwise(L, K, E, routing, sentinel_frac, seed, monkeypatch):
-    """The pairwise-rank dispatch kernels (the PAIRWISE_MIN_BINS switch, barriers between
-    global reads and writes) equal the portable dispatch bit for bit."""
+def test_dispatch_pairwise_bitwise(L, K, E, routing, sentinel_frac, min_bins, seed, monkeypatch):
+    """Both dispatch kernel families at every E, whatever the default threshold picks: the
+    pairwise-rank kernels (PAIRWISE_MIN_BINS=1; barriers between global reads and writes)
+    and the one-hot kernels (None) equal the portable dispatch bit for bit."""
     from moeblaze_ops.kernels import triton_dispatch
 
-    monkeypatch.setattr(triton_dispatch, "PAIRWISE_MIN_BINS", 1)
+    monkeypatch.setattr(triton_dispatch, "PAIRWISE_MIN_BINS", min_bins)
     check_dispatch_bitwise(L, K, E, device="cuda", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
 
 
@@ -233,26 +235,29 @@ def test_weight_tma(layout, on, seed, triton_bwd):
         triton_experts.W_TMA = before
 
 
+@pytest.mark.parametrize("slab", [1024, None], ids=["slabs_1024", "no_slabs"])
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
-def test_column_slabs(layout, seed, triton_bwd, monkeypatch):
-    """The [L*K, d] scratch made in column slabs (the D_SLAB switch, 1024 of d = 2880):
-    forward and every gradient against the reference."""
+def test_column_slabs(layout, slab, seed, triton_bwd, monkeypatch):
+    """The [L*K, d] scratch made in column slabs (D_SLAB = 1024 of d = 2880: two whole
+    slabs and a partial one) and in one piece (None): forward and every gradient against
+    the reference."""
     from moeblaze_ops.kernels import triton_experts
 
-    monkeypatch.setattr(triton_experts, "D_SLAB", 1024)
+    monkeypatch.setattr(triton_experts, "D_SLAB", slab)
     check_forward(777, 2880, 1408, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
                   bias=True, tw_dtype=torch.float32)
     check_backward(777, 2880, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
                    bias=True, tw_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["approx", "exact"])
 @pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu", "silu"])
-def test_dh_fast_sigmoid(activation, seed, triton_bwd, monkeypatch):
-    """The dH epilogue with the approximate-tanh sigmoid (the DH_FAST_ACT switch): every
-    gradient within the bf16 tolerance of the reference."""
+def test_dh_fast_sigmoid(activation, fast, seed, triton_bwd, monkeypatch):
+    """The dH epilogue with the approximate-tanh sigmoid (DH_FAST_ACT, the default) and
+    with the exact one: every gradient within the bf16 tolerance of the reference."""
     from moeblaze_ops.kernels import triton_experts_backward
 
-    monkeypatch.setattr(triton_experts_backward, "DH_FAST_ACT", True)
+    monkeypatch.setattr(triton_experts_backward, "DH_FAST_ACT", fast)
     check_backward(512, 256, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, activation=activation,
                    layout="transposed_interleaved" if activation == "clamped_swiglu" else "concatenated",
                    bias=True, tw_dtype=torch.float32)

@@ -35,10 +35,12 @@ CONFIG_OVERRIDE: dict = {}
 PROGRAMS_PER_SM = 1
 #: Width in columns of the slabs in which the two [L*K, d] scratch buffers are made and
 #: consumed: the down GEMM's expert outputs (then the combine) and the input gradient's
-#: rows (then their sum). None: all d columns at once. A slab of S columns keeps the
-#: scratch at [L*K, S], the same GEMM work in d/S launches (tuning switch, off until
-#: measured on the GPU; ``MOEBLAZE_D_SLAB=512`` sets it for a run).
-D_SLAB = int(os.environ.get("MOEBLAZE_D_SLAB", "0")) or None
+#: rows (then their sum). 0: all d columns at once. A slab of S columns keeps the
+#: scratch at [L*K, S], the same GEMM work in d/S launches. 512 on the H200: training-
+#: forward peak 0.65x -> 0.59-0.61x of compiled grouped_mm on conf3, conf4 and
+#: Mixtral-like, time within 3% (256: another 0.01x for 3% more time). Environment
+#: variable ``MOEBLAZE_D_SLAB`` overrides it (0 turns slabs off).
+D_SLAB = int(os.environ.get("MOEBLAZE_D_SLAB", "512")) or None
 
 
 def column_slabs(d):
@@ -274,9 +276,9 @@ def _gemm_config(dtype, kind):
     """
     if dtype == torch.float32:
         return 64, 64, 32, 4, 3
-    # Down: BK=64 measured 8-16% faster with H_TMA (concatenated h), but the interleaved
-    # layout's 2*BK-wide TMA box is only verified at BK=32: docs/perf-notes.md.
-    return (128, 256, 64, 8, 3) if kind == "up" else (128, 256, 32, 8, 4)
+    # Down: BK=64 with 3 stages against BK=32 with 4: OLMoE-like 4.60 -> 3.50 ms,
+    # Mixtral-like 13.28 -> 10.40 ms (docs/bench/tune-round7-down-bk64.txt).
+    return (128, 256, 64, 8, 3)
 
 
 def _tiles(device, dtype, kind, configs=None):
