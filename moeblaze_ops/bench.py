@@ -376,7 +376,7 @@ def main(argv=None):
         text += ["", "## forward + backward (SwiGLU, uniform routing)", "", train_table(result["train"])]
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     (out / "bench.md").write_text("\n".join(text) + "\n")
-    if a.mode == "forward":
+    if a.mode == "forward" and result["forward"]:  # `--configs` alone: the dispatch rows only
         plot(result["forward"], out / "forward.png")
     print("\n".join(text), flush=True)
     print(f"\n({time.time() - t0:.0f} s)")

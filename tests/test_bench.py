@@ -22,3 +22,10 @@ def test_train_smoke_measures_what_backward_keeps(tmp_path):
     # ... under torch.compile (Inductor) too: the compiled forward hands backward no h.
     assert rows["moeblaze_recompute_compiled"]["activation_bytes"] == expected - LK * 2 * I * f32
     assert (tmp_path / "bench.md").read_text().count("| smoke |") == 4
+
+
+def test_no_forward_rows_writes_tables_without_a_plot(tmp_path):
+    """`--configs` with no names (the dispatch micro-benchmark alone) has no forward rows to
+    plot: the run still writes its files."""
+    main(["--device", "cpu", "--configs", "--no-dispatch", "--out", str(tmp_path)])
+    assert (tmp_path / "bench.md").exists() and not (tmp_path / "forward.png").exists()
