@@ -36,7 +36,7 @@ def main():
     p.add_argument("--tiles", nargs="*", default=None, help="BM,BN,BK,warps,stages ...")
     p.add_argument("--h-tma", nargs="*", type=int, default=[1], help="down kernel reads h through TMA (1) or not (0)")
     p.add_argument("--fast-act", nargs="*", type=int, default=[1], help="approximate-tanh sigmoid (1) or exact (0)")
-    p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1], help="weight tiles through TMA (1) or not (0)")
+    p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1], help="the up GEMM's weight tiles through TMA (1) or not (0)")
     p.add_argument("--activations", nargs="*", default=["swiglu"], help="the down kernel's activation(s)")
     a = p.parse_args()
     default_w_tma = dict(te.W_TMA)
@@ -61,7 +61,7 @@ def main():
             for tile, h_tma, fast, w_tma in [(t, v, f, w) for t in tiles for v in a.h_tma for f in a.fast_act
                                              for w in a.w_tma]:
                 te.H_TMA, te.FAST_ACT = bool(h_tma), bool(fast)
-                te.W_TMA = {**default_w_tma, "up": bool(w_tma), "down": bool(w_tma)}
+                te.W_TMA = {**default_w_tma, "up": bool(w_tma)}
                 row = []
                 for kind, act in jobs:
                     te.CONFIG_OVERRIDE = {kind: tile}

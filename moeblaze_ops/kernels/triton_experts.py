@@ -328,9 +328,11 @@ def _h_source(h, act, interleaved, I, BM, BK):
 
 #: Per GEMM kind, whether it reads weight tiles through TMA descriptors where it can
 #: (tuning switch). From the H200 sweep (docs/perf-notes.md): faster for dH (OLMoE-like
-#: 3.22 -> 3.08 ms, Mixtral-like 10.36 -> 9.41), dX and the up GEMM on large experts;
-#: slower for the down GEMM, whose activation prologue is its bottleneck.
-W_TMA = {"up": True, "down": False, "dh": True, "dx": True}
+#: 3.22 -> 3.08 ms, Mixtral-like 10.36 -> 9.41), dX and the up GEMM on large experts.
+#: The down GEMM has no such option: it measured slower (its activation prologue is its
+#: bottleneck), and at its 128x256x64 tile the H200 gave wrong outputs with it
+#: (docs/bench/probe-down-wtma-h200.txt; other tiles were right, so the compiler, not the indexing).
+W_TMA = {"up": True, "dh": True, "dx": True}
 
 
 def _weight_source(w, swk, BK, BN, kind):
@@ -393,10 +395,9 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         w = weight_columns(w_down, c0, c1, 2 if transposed else 1)
         b = b_down[:, c0:c1] if b_down is not None else None
         swe, swk, swn = _weight_strides(w, transposed)
-        w_src, w_tma, w_kmajor = _weight_source(w, swk, tiles[2], tiles[1], "down")
         _launch_gemm(
-            _down_kernel, h.device, h.dtype, tiles, c1 - c0, W_TMA=w_tma, W_KMAJOR=w_kmajor,
-            h_src=h_src, w_ptr=w_src, b_ptr=b if b is not None else w, offsets_ptr=expert_offsets,
+            _down_kernel, h.device, h.dtype, tiles, c1 - c0, W_TMA=False, W_KMAJOR=swk == 1,
+            h_src=h_src, w_ptr=w, b_ptr=b if b is not None else w, offsets_ptr=expert_offsets,
             y_ptr=y, LK=LK, E=E, N=c1 - c0, I=I, alpha=float(alpha), limit=float(limit),
             stride_hm=h.stride(0), stride_we=swe, stride_wk=swk, stride_wn=swn,
             stride_be=b.stride(0) if b is not None else 0, stride_ym=y.stride(0),
