@@ -12,6 +12,7 @@ import argparse
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from moeblaze_ops import bench
@@ -54,7 +55,11 @@ def main():
                     torch.cuda.synchronize()
                 wall = (time.perf_counter() - t0) / a.steps * 1e3
             events = prof.key_averages()
-            device = sum(e.self_device_time_total for e in events) / a.steps / 1e3 if cuda else float("nan")
+            # Kernels only: an op's row repeats the device time of the kernels it launched
+            # (the sum over every row was twice the step's device time).
+            device = sum(e.self_device_time_total for e in events
+                         if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / a.steps / 1e3
+            device = device if cuda else float("nan")
             print(f"\n## {name} {peer}: host ms per step {host:.2f} (launching), wall {wall:.2f}, "
                   f"device ms per step {device:.2f}", flush=True)
             sort = "self_device_time_total" if cuda else "self_cpu_time_total"
