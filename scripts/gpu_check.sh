@@ -8,7 +8,7 @@
 # machine's torch (a compatibility check, 3 more minutes); PROFILE=1 adds
 # scripts/profile_step.py (kernel and host time per step) into $OUT/profile.txt;
 # GPU_TEST_WORKERS=<n> sets the pytest-xdist processes (6; one GPU is shared);
-# SWITCHES=1 measures the tuning switches that are off until measured (log only). Test
+# SWITCHES=1 measures the other side of each tuning switch (log only). Test
 # packages missing on the machine are installed from wheels in .whl/ when the call carries them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,19 +57,21 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
     --configs qwen3_100m olmoe qwen3_a3b conf3 conf4 mixtral "$@" 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${SWITCHES:-0}" = 1 ]; then
-  # The tuning switches that are off until measured (docs/perf-notes.md, "The next GPU
-  # call"), each against the defaults measured above; tables go to the log only.
+  # The other side of each tuning switch (docs/perf-notes.md), to compare with the
+  # defaults measured above; tables go to the log only.
   echo "== switches: memory at the peak (conf3)" | tee -a "$LOG"
   python3 scripts/memory_peak.py --config conf3 2>>"$LOG" | tee -a "$LOG"
   echo "== switches: DH_FAST_ACT" | tee -a "$LOG"
   python3 scripts/tune_backward.py --kinds dh --dh-fast 0 1 --w-tma 1 --tiles 128,128,64,8,4 2>>"$LOG" | tee -a "$LOG"
-  echo "== switches: PAIRWISE_MIN_BINS=64 (dispatch)" | tee -a "$LOG"
-  MOEBLAZE_PAIRWISE_MIN_BINS=64 python3 -m moeblaze_ops.bench --configs --out /tmp/switch_dispatch \
-    2>>"$LOG" | tee -a "$LOG"
-  echo "== switches: D_SLAB=512 (forward, train)" | tee -a "$LOG"
-  MOEBLAZE_D_SLAB=512 python3 -m moeblaze_ops.bench --no-dispatch --configs olmoe conf3 conf4 mixtral \
+  echo "== switches: PAIRWISE_MIN_BINS=64, =0 (dispatch)" | tee -a "$LOG"
+  for bins in 64 0; do
+    MOEBLAZE_PAIRWISE_MIN_BINS=$bins python3 -m moeblaze_ops.bench --configs --out /tmp/switch_dispatch \
+      2>>"$LOG" | tee -a "$LOG"
+  done
+  echo "== switches: D_SLAB=0, no slabs (forward, train)" | tee -a "$LOG"
+  MOEBLAZE_D_SLAB=0 python3 -m moeblaze_ops.bench --no-dispatch --configs olmoe conf3 conf4 mixtral \
     --skip hf_eager hf_grouped_mm moeblaze_compiled --out /tmp/switch_dslab_fwd 2>>"$LOG" | tee -a "$LOG"
-  MOEBLAZE_D_SLAB=512 python3 -m moeblaze_ops.bench --mode train --no-dispatch --configs olmoe conf3 conf4 mixtral \
+  MOEBLAZE_D_SLAB=0 python3 -m moeblaze_ops.bench --mode train --no-dispatch --configs olmoe conf3 conf4 mixtral \
     --skip hf_eager hf_grouped_mm moeblaze_compiled moeblaze_recompute_compiled --out /tmp/switch_dslab_train \
     2>>"$LOG" | tee -a "$LOG"
 fi

@@ -221,8 +221,9 @@ def test_invalid_id_flags(K, seed):
 @pytest.mark.parametrize("on", [True, False])
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
 def test_weight_tma(layout, on, seed, triton_bwd):
-    """Weight tiles through TMA descriptors in every GEMM, or in none (the per-kind W_TMA
-    tuning switch): forward and every gradient still match the reference."""
+    """Weight tiles through TMA descriptors in every GEMM that has the option (up, dH, dX),
+    or in none (the per-kind W_TMA tuning switch): forward and every gradient still match
+    the reference."""
     from moeblaze_ops.kernels import triton_experts
 
     before, triton_experts.W_TMA = triton_experts.W_TMA, dict.fromkeys(triton_experts.W_TMA, on)

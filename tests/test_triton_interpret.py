@@ -124,9 +124,9 @@ def test_invalid_id_flags(K, defect, seed):
 @pytest.mark.parametrize("on", [True, False])
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
 def test_kernels_with_weight_tma(layout, on, seed):
-    """Weight tiles through 3-D TMA descriptors in every GEMM, or in none (``W_TMA``, a
-    per-kind tuning switch): forward and backward against the reference, with tiles running
-    past each expert's weight edges."""
+    """Weight tiles through 3-D TMA descriptors in every GEMM that has the option (up, dH,
+    dX), or in none (``W_TMA``, a per-kind tuning switch): forward and backward against the
+    reference, with tiles running past each expert's weight edges."""
     from moeblaze_ops.kernels import triton_experts
 
     before, triton_experts.W_TMA = triton_experts.W_TMA, dict.fromkeys(triton_experts.W_TMA, on)
