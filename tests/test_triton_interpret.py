@@ -188,3 +188,20 @@ def test_dispatch_pairwise_kernels_bitwise(L, K, E, routing, sentinel_frac, seed
 
     monkeypatch.setattr(triton_dispatch, "PAIRWISE_MIN_BINS", 1)
     check_dispatch_bitwise(L, K, E, device="cpu", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
+
+
+@pytest.mark.parametrize("chunk", [16, 128])
+@pytest.mark.parametrize(
+    "L,K,E,routing,sentinel_frac",
+    [(33, 2, 8, "uniform", 0.0), (1, 1, 1, "uniform", 0.0), (200, 8, 64, "skewed", 0.1), (50, 3, 6, "first", 0.4),
+     (40, 2, 6, "no_last", 0.0), (3000, 4, 16, "uniform", 0.0)],
+)
+def test_dispatch_sorted_kernels_bitwise(L, K, E, routing, sentinel_frac, chunk, seed, monkeypatch):
+    """The sorted-chunk dispatch kernels (``SORTED_MIN_BINS``; chunks of 16 rows: many
+    chunks, runs across chunk edges; of 128: padding past the last row): the same three
+    arrays as the portable dispatch, bit for bit."""
+    from moeblaze_ops.kernels import triton_dispatch
+
+    monkeypatch.setattr(triton_dispatch, "SORTED_MIN_BINS", 1)
+    monkeypatch.setattr(triton_dispatch, "SORT_CHUNK", chunk)
+    check_dispatch_bitwise(L, K, E, device="cpu", routing=routing, sentinel_frac=sentinel_frac, seed=seed)

@@ -17,12 +17,17 @@ chunk's counts live in one row of a ``[chunks, BINS + 1]`` table: one column per
 Ranking in flat order is what a stable sort does, so the result equals the portable
 kernel's bit for bit.
 
-The one-hot tiles cost O(E) work per row. With many experts (``PAIRWISE_MIN_BINS``) the
-histogram and scatter kernels instead rank each step's rows among themselves (all
-pairs of the step: O(SUB) per row) and keep the chunk's running counts in its row of the
-table in global memory: each step reads the counts of its rows' experts, and the last
-row of each expert in the step (one writer per expert) advances that count, with a
-block barrier between the reads and the writes.
+How a program ranks its rows picks one of three kernel families for steps 1 and 3:
+
+- one-hot tiles of 64 rows (the default below 128 bins): O(E) work per row;
+- sorted chunks (``SORTED_MIN_BINS``, the default from 128 bins): the chunk is one block
+  of ``SORT_CHUNK`` rows whose (column, row) keys are sorted in registers; a row's rank
+  is its distance to the start of its run of equal columns, and the last row of each run
+  writes the run's length into the table. O(log^2 chunk) work per row, no barrier in the
+  scatter; not a global sort, and the result is the same ranking in flat order;
+- pairwise steps (``PAIRWISE_MIN_BINS``, off): each 64-row step ranks its rows among
+  themselves (all pairs) and keeps the chunk's running counts in its table row in global
+  memory (the last row of each expert in the step advances it, behind block barriers).
 """
 
 from __future__ import annotations
@@ -35,11 +40,21 @@ import triton.language as tl
 
 SUB = 64  # rows ranked per step inside a program
 #: Use the pairwise-rank kernels when the bins (E rounded up to a power of two) are at
-#: least this many; None: always the one-hot kernels. H200, (L, K, E) = (1M, 8, 256):
-#: kernels 2.29 -> 1.93 ms; at E = 128 no difference (docs/perf-notes.md). Environment
-#: variable ``MOEBLAZE_PAIRWISE_MIN_BINS`` overrides it (0: never).
-PAIRWISE_MIN_BINS = int(os.environ.get("MOEBLAZE_PAIRWISE_MIN_BINS", "256")) or None
+#: least this many and the sorted-chunk kernels are not chosen; None: never. H200,
+#: (L, K, E) = (1M, 8, 256): 2.29 -> 1.93 ms against the one-hot kernels, but the sorted
+#: ones take 0.60-0.68 ms there, so off by default (docs/perf-notes.md). Environment
+#: variable ``MOEBLAZE_PAIRWISE_MIN_BINS`` sets it.
+PAIRWISE_MIN_BINS = int(os.environ.get("MOEBLAZE_PAIRWISE_MIN_BINS", "0")) or None
 
+
+#: Use the sorted-chunk kernels when the bins are at least this many; None: never.
+#: ``SORT_CHUNK`` rows per chunk. H200, kernels of (L, K, E) = (65536, 8, 128),
+#: (262144, 4, 16), (1M, 8, 256): one-hot 0.138 / 0.083 ms, pairwise 1.93 ms at E = 256;
+#: sorted chunks of 1024 rows 0.055 / 0.093 / 0.680 ms (512: 0.072 / 0.081 / 0.601; 256
+#: and 2048 slower, 4096 slower than one-hot). Environment variables
+#: ``MOEBLAZE_SORTED_MIN_BINS`` (0: never) and ``MOEBLAZE_SORT_CHUNK`` set them.
+SORTED_MIN_BINS = int(os.environ.get("MOEBLAZE_SORTED_MIN_BINS", "128")) or None
+SORT_CHUNK = int(os.environ.get("MOEBLAZE_SORT_CHUNK", "1024"))
 
 SENTINEL = tl.constexpr(-2)
 
@@ -171,6 +186,57 @@ def _chunk_scatter_pairwise(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_pt
 
 
 @triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _sorted_runs(ids_ptr, chunk, LK, E, CHUNK: tl.constexpr, BINS: tl.constexpr):
+    """A chunk's rows sorted by (table column, row): each sorted slot's column (the expert,
+    BINS for sentinels, BINS + 1 for padding past LK), its row, its rank inside its run of
+    equal columns (= earlier rows of the chunk in that column), and whether it ends the run."""
+    local = tl.arange(0, CHUNK)
+    key = _keys(ids_ptr, chunk * CHUNK + local, LK, E)
+    col = tl.where(key == SENTINEL, BINS, tl.where(key < 0, BINS + 1, key))
+    # Row numbers ride in the low bits, so the sort is stable in row order.
+    packed = tl.sort(col * CHUNK + local)
+    col = packed // CHUNK
+    slot = tl.arange(0, CHUNK)
+    before = tl.gather(col, tl.maximum(slot - 1, 0), 0)
+    after = tl.gather(col, tl.minimum(slot + 1, CHUNK - 1), 0)
+    starts = (slot == 0) | (before != col)
+    run_start = tl.associative_scan(tl.where(starts, slot, 0), 0, _maximum)
+    ends = (slot == CHUNK - 1) | (after != col)
+    return col, chunk * CHUNK + packed % CHUNK, slot - run_start, ends
+
+
+@triton.jit
+def _chunk_histogram_sorted(ids_ptr, counts_ptr, LK, E, CHUNK: tl.constexpr, BINS: tl.constexpr):
+    chunk = tl.program_id(0)
+    row = counts_ptr + chunk * (BINS + 1)
+    tl.store(row + tl.arange(0, BINS), tl.zeros((BINS,), dtype=tl.int32))
+    tl.store(row + BINS, 0)
+    tl.debug_barrier()  # the zeros land before the runs' counts
+    col, _, rank, ends = _sorted_runs(ids_ptr, chunk, LK, E, CHUNK, BINS)
+    tl.store(row + col, rank + 1, mask=ends & (col <= BINS))  # one writer per column
+
+
+@triton.jit
+def _chunk_scatter_sorted(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_ptr, LK, E, K,
+                          CHUNK: tl.constexpr, BINS: tl.constexpr):
+    chunk = tl.program_id(0)
+    expert_start, real_rows = _expert_starts(totals_ptr, offsets_ptr, E, chunk, BINS)
+    row = starts_ptr + chunk * (BINS + 1)
+    first = tl.load(row + tl.arange(0, BINS)) + expert_start  # where each expert's rows of the chunk go
+    sentinel_first = tl.load(row + BINS) + real_rows
+    col, rows, rank, _ = _sorted_runs(ids_ptr, chunk, LK, E, CHUNK, BINS)
+    pos = tl.where(col == BINS, sentinel_first, tl.gather(first, tl.minimum(col, BINS - 1), 0)) + rank
+    valid = col <= BINS
+    tl.store(tim_ptr + rows, pos, mask=valid)
+    tl.store(eti_ptr + pos, (rows // K).to(tl.int32), mask=valid)
+
+
+@triton.jit
 def _check_ids(ids_ptr, flags_ptr, L, E, K: tl.constexpr, BLOCK_T: tl.constexpr):
     """Each program writes its own two flags: a negative id in its tokens, a real expert id
     repeated in one of its tokens' rows (every pair k < k2, unrolled). No atomics."""
@@ -217,20 +283,34 @@ def dispatch(topk_ids: torch.Tensor, num_experts: int):
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    chunk = _chunk_size(LK)
+    sorted_ = SORTED_MIN_BINS is not None and BINS >= SORTED_MIN_BINS
+    chunk = min(SORT_CHUNK, max(16, triton.next_power_of_2(LK))) if sorted_ else _chunk_size(LK)
+    if sorted_ and (BINS + 2) * chunk > 2**31:
+        raise ValueError(f"dispatch: {E} experts are too many for sorted chunks of {chunk} rows")
     num_chunks = max(1, triton.cdiv(LK, chunk))
     counts = torch.empty(num_chunks, BINS + 1, dtype=torch.int32, device=dev)
     totals = torch.empty(BINS + 1, dtype=torch.int32, device=dev)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     eti = torch.empty(LK, dtype=torch.int32, device=dev)
     tim = torch.empty(LK, dtype=torch.int32, device=dev)
-    pairwise = PAIRWISE_MIN_BINS is not None and BINS >= PAIRWISE_MIN_BINS
-    # The pairwise kernels order global reads and writes with block barriers: one stage,
-    # so that no read of the next step is issued ahead of them.
-    histogram, scatter, extra = ((_chunk_histogram_pairwise, _chunk_scatter_pairwise, {"num_stages": 1}) if pairwise
-                                 else (_chunk_histogram, _chunk_scatter, {}))
-    histogram[(num_chunks,)](ids, counts, LK, E, chunk, BINS=BINS, SUB=SUB, **extra)
+    pairwise = not sorted_ and PAIRWISE_MIN_BINS is not None and BINS >= PAIRWISE_MIN_BINS
+    grid = (num_chunks,)
+    if sorted_:
+        _chunk_histogram_sorted[grid](ids, counts, LK, E, CHUNK=chunk, BINS=BINS, num_warps=8)
+    elif pairwise:
+        # Global reads and writes ordered by block barriers: one stage, so that no read of
+        # the next step is issued ahead of them.
+        _chunk_histogram_pairwise[grid](ids, counts, LK, E, chunk, BINS=BINS, SUB=SUB, num_stages=1)
+    else:
+        _chunk_histogram[grid](ids, counts, LK, E, chunk, BINS=BINS, SUB=SUB)
     cols = 32
     _column_scan[(triton.cdiv(BINS + 1, cols),)](counts, totals, num_chunks, BINS + 1, COLS=cols, ROWS=64)
-    scatter[(num_chunks,)](ids, counts, totals, offsets, eti, tim, LK, E, K, chunk, BINS=BINS, SUB=SUB, **extra)
+    if sorted_:
+        _chunk_scatter_sorted[grid](ids, counts, totals, offsets, eti, tim, LK, E, K, CHUNK=chunk, BINS=BINS,
+                                    num_warps=8)
+    elif pairwise:
+        _chunk_scatter_pairwise[grid](ids, counts, totals, offsets, eti, tim, LK, E, K, chunk, BINS=BINS, SUB=SUB,
+                                      num_stages=1)
+    else:
+        _chunk_scatter[grid](ids, counts, totals, offsets, eti, tim, LK, E, K, chunk, BINS=BINS, SUB=SUB)
     return eti, offsets, tim
