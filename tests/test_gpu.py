@@ -54,16 +54,14 @@ def test_dispatch_bitwise(L, K, E, routing, sentinel_frac, seed):
     check_dispatch_bitwise(L, K, E, device="cuda", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
 
 
-@pytest.mark.parametrize("family", ["one_hot", "pairwise", "sorted"])
+@pytest.mark.parametrize("family", ["one_hot", "sorted"])
 @pytest.mark.parametrize("L,K,E,routing,sentinel_frac", [(65536, 8, 128, "uniform", 0.0), (4096, 8, 256, "skewed", 0.1),
                                                          (50000, 4, 16, "first", 0.3), (1048576, 8, 256, "uniform", 0.0)])
 def test_dispatch_kernel_families_bitwise(L, K, E, routing, sentinel_frac, family, seed, monkeypatch):
-    """Every dispatch kernel family at every E, whatever the default thresholds pick: the
-    one-hot kernels, the pairwise-rank kernels (barriers between global reads and writes)
-    and the sorted-chunk kernels equal the portable dispatch bit for bit."""
+    """Both dispatch kernel families at every E, whatever the default threshold picks: the
+    one-hot kernels and the sorted-chunk kernels equal the portable dispatch bit for bit."""
     from moeblaze_ops.kernels import triton_dispatch
 
-    monkeypatch.setattr(triton_dispatch, "PAIRWISE_MIN_BINS", 1 if family == "pairwise" else None)
     monkeypatch.setattr(triton_dispatch, "SORTED_MIN_BINS", 1 if family == "sorted" else None)
     check_dispatch_bitwise(L, K, E, device="cuda", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
 

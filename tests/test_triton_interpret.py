@@ -177,19 +177,6 @@ def test_column_slabs(layout, seed, monkeypatch):
                    routing="skewed", sentinel_frac=0.2)
 
 
-@pytest.mark.parametrize(
-    "L,K,E,routing,sentinel_frac",
-    [(33, 2, 8, "uniform", 0.0), (200, 8, 64, "skewed", 0.1), (50, 3, 6, "first", 0.4), (3000, 4, 16, "uniform", 0.0)],
-)
-def test_dispatch_pairwise_kernels_bitwise(L, K, E, routing, sentinel_frac, seed, monkeypatch):
-    """The pairwise-rank dispatch kernels (``PAIRWISE_MIN_BINS``): the same three arrays as
-    the portable dispatch, bit for bit."""
-    from moeblaze_ops.kernels import triton_dispatch
-
-    monkeypatch.setattr(triton_dispatch, "PAIRWISE_MIN_BINS", 1)
-    check_dispatch_bitwise(L, K, E, device="cpu", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
-
-
 @pytest.mark.parametrize("chunk", [16, 128])
 @pytest.mark.parametrize(
     "L,K,E,routing,sentinel_frac",

@@ -17,17 +17,17 @@ chunk's counts live in one row of a ``[chunks, BINS + 1]`` table: one column per
 Ranking in flat order is what a stable sort does, so the result equals the portable
 kernel's bit for bit.
 
-How a program ranks its rows picks one of three kernel families for steps 1 and 3:
+How a program ranks its rows picks one of two kernel families for steps 1 and 3:
 
 - one-hot tiles of 64 rows (the default below 128 bins): O(E) work per row;
 - sorted chunks (``SORTED_MIN_BINS``, the default from 128 bins): the chunk is one block
   of ``SORT_CHUNK`` rows whose (column, row) keys are sorted in registers; a row's rank
   is its distance to the start of its run of equal columns, and the last row of each run
   writes the run's length into the table. O(log^2 chunk) work per row, no barrier in the
-  scatter; not a global sort, and the result is the same ranking in flat order;
-- pairwise steps (``PAIRWISE_MIN_BINS``, off): each 64-row step ranks its rows among
-  themselves (all pairs) and keeps the chunk's running counts in its table row in global
-  memory (the last row of each expert in the step advances it, behind block barriers).
+  scatter; not a global sort, and the result is the same ranking in flat order.
+
+(Pairwise ranking of 64-row steps with running counts in global memory was measured
+and removed: slower than the sorted chunks at every size, docs/perf-notes.md.)
 """
 
 from __future__ import annotations
@@ -39,17 +39,9 @@ import triton
 import triton.language as tl
 
 SUB = 64  # rows ranked per step inside a program
-#: Use the pairwise-rank kernels when the bins (E rounded up to a power of two) are at
-#: least this many and the sorted-chunk kernels are not chosen; None: never. H200,
-#: (L, K, E) = (1M, 8, 256): 2.29 -> 1.93 ms against the one-hot kernels, but the sorted
-#: ones take 0.60-0.68 ms there, so off by default (docs/perf-notes.md). Environment
-#: variable ``MOEBLAZE_PAIRWISE_MIN_BINS`` sets it.
-PAIRWISE_MIN_BINS = int(os.environ.get("MOEBLAZE_PAIRWISE_MIN_BINS", "0")) or None
-
-
 #: Use the sorted-chunk kernels when the bins are at least this many; None: never.
 #: ``SORT_CHUNK`` rows per chunk. H200, kernels of (L, K, E) = (65536, 8, 128),
-#: (262144, 4, 16), (1M, 8, 256): one-hot 0.138 / 0.083 ms, pairwise 1.93 ms at E = 256;
+#: (262144, 4, 16), (1M, 8, 256): one-hot 0.138 / 0.083 / 2.29 ms;
 #: sorted chunks of 1024 rows 0.055 / 0.093 / 0.680 ms (512: 0.072 / 0.081 / 0.601; 256
 #: and 2048 slower, 4096 slower than one-hot). Environment variables
 #: ``MOEBLAZE_SORTED_MIN_BINS`` (0: never) and ``MOEBLAZE_SORT_CHUNK`` set them.
@@ -111,14 +103,20 @@ def _expert_starts(totals_ptr, offsets_ptr, E, chunk, BINS: tl.constexpr):
 
 
 @triton.jit
+def _chunk_firsts(starts_ptr, totals_ptr, offsets_ptr, E, chunk, BINS: tl.constexpr):
+    """Where this chunk's first row of each expert goes (``[BINS]``), and its first
+    sentinel row: the chunk's scanned table row plus each column's start."""
+    expert_start, real_rows = _expert_starts(totals_ptr, offsets_ptr, E, chunk, BINS)
+    row = starts_ptr + chunk * (BINS + 1)
+    return tl.load(row + tl.arange(0, BINS)) + expert_start, tl.load(row + BINS) + real_rows
+
+
+@triton.jit
 def _chunk_scatter(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_ptr, LK, E, K, CHUNK,
                    BINS: tl.constexpr, SUB: tl.constexpr):
     chunk = tl.program_id(0)
     bins = tl.arange(0, BINS)
-    expert_start, real_rows = _expert_starts(totals_ptr, offsets_ptr, E, chunk, BINS)
-    row = starts_ptr + chunk * (BINS + 1)
-    carry = tl.load(row + bins) + expert_start
-    sentinel_carry = tl.load(row + BINS) + real_rows
+    carry, sentinel_carry = _chunk_firsts(starts_ptr, totals_ptr, offsets_ptr, E, chunk, BINS)
     for s in range(0, CHUNK, SUB):
         rows = chunk * CHUNK + s + tl.arange(0, SUB)
         key = _keys(ids_ptr, rows, LK, E)
@@ -132,57 +130,6 @@ def _chunk_scatter(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_pt
         valid = rows < LK
         tl.store(tim_ptr + rows, pos, mask=valid)
         tl.store(eti_ptr + pos, (rows // K).to(tl.int32), mask=valid)
-
-
-@triton.jit
-def _pairwise_step(ids_ptr, rows, LK, E, BINS: tl.constexpr, SUB: tl.constexpr):
-    """A step's rows for the pairwise kernels: their table column (the expert, or BINS for
-    sentinels), how many earlier rows of the step share it, and whether the row is the
-    step's last of its column (the one that advances the column's running count); rows
-    past LK are not valid."""
-    key = _keys(ids_ptr, rows, LK, E)
-    i = tl.arange(0, SUB)
-    same = key[:, None] == key[None, :]
-    earlier = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
-    later = tl.sum((same & (i[None, :] > i[:, None])).to(tl.int32), axis=1)
-    return tl.where(key == SENTINEL, BINS, key), earlier, later == 0, rows < LK
-
-
-@triton.jit
-def _chunk_histogram_pairwise(ids_ptr, counts_ptr, LK, E, CHUNK, BINS: tl.constexpr, SUB: tl.constexpr):
-    chunk = tl.program_id(0)
-    row = counts_ptr + chunk * (BINS + 1)
-    tl.store(row + tl.arange(0, BINS), tl.zeros((BINS,), dtype=tl.int32))
-    tl.store(row + BINS, 0)
-    tl.debug_barrier()
-    for s in range(0, CHUNK, SUB):
-        col, rank, last, valid = _pairwise_step(ids_ptr, chunk * CHUNK + s + tl.arange(0, SUB), LK, E, BINS, SUB)
-        writer = valid & last
-        count = tl.load(row + col, mask=writer, other=0)
-        tl.store(row + col, count + rank + 1, mask=writer)
-        tl.debug_barrier()  # this step's counts are written before the next step reads them
-
-
-@triton.jit
-def _chunk_scatter_pairwise(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_ptr, LK, E, K, CHUNK,
-                            BINS: tl.constexpr, SUB: tl.constexpr):
-    chunk = tl.program_id(0)
-    bins = tl.arange(0, BINS)
-    expert_start, real_rows = _expert_starts(totals_ptr, offsets_ptr, E, chunk, BINS)
-    # The chunk's row of the table becomes its running next position per column.
-    row = starts_ptr + chunk * (BINS + 1)
-    tl.store(row + bins, tl.load(row + bins) + expert_start)
-    tl.store(row + BINS, tl.load(row + BINS) + real_rows)
-    tl.debug_barrier()
-    for s in range(0, CHUNK, SUB):
-        rows = chunk * CHUNK + s + tl.arange(0, SUB)
-        col, rank, last, valid = _pairwise_step(ids_ptr, rows, LK, E, BINS, SUB)
-        pos = tl.load(row + col, mask=valid, other=0) + rank
-        tl.debug_barrier()  # every row has read its base before any is advanced
-        tl.store(row + col, pos + 1, mask=valid & last)
-        tl.store(tim_ptr + rows, pos, mask=valid)
-        tl.store(eti_ptr + pos, (rows // K).to(tl.int32), mask=valid)
-        tl.debug_barrier()
 
 
 @triton.jit
@@ -225,10 +172,7 @@ def _chunk_histogram_sorted(ids_ptr, counts_ptr, LK, E, CHUNK: tl.constexpr, BIN
 def _chunk_scatter_sorted(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_ptr, LK, E, K,
                           CHUNK: tl.constexpr, BINS: tl.constexpr):
     chunk = tl.program_id(0)
-    expert_start, real_rows = _expert_starts(totals_ptr, offsets_ptr, E, chunk, BINS)
-    row = starts_ptr + chunk * (BINS + 1)
-    first = tl.load(row + tl.arange(0, BINS)) + expert_start  # where each expert's rows of the chunk go
-    sentinel_first = tl.load(row + BINS) + real_rows
+    first, sentinel_first = _chunk_firsts(starts_ptr, totals_ptr, offsets_ptr, E, chunk, BINS)
     col, rows, rank, _ = _sorted_runs(ids_ptr, chunk, LK, E, CHUNK, BINS)
     pos = tl.where(col == BINS, sentinel_first, tl.gather(first, tl.minimum(col, BINS - 1), 0)) + rank
     valid = col <= BINS
@@ -293,14 +237,9 @@ def dispatch(topk_ids: torch.Tensor, num_experts: int):
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     eti = torch.empty(LK, dtype=torch.int32, device=dev)
     tim = torch.empty(LK, dtype=torch.int32, device=dev)
-    pairwise = not sorted_ and PAIRWISE_MIN_BINS is not None and BINS >= PAIRWISE_MIN_BINS
     grid = (num_chunks,)
     if sorted_:
         _chunk_histogram_sorted[grid](ids, counts, LK, E, CHUNK=chunk, BINS=BINS, num_warps=8)
-    elif pairwise:
-        # Global reads and writes ordered by block barriers: one stage, so that no read of
-        # the next step is issued ahead of them.
-        _chunk_histogram_pairwise[grid](ids, counts, LK, E, chunk, BINS=BINS, SUB=SUB, num_stages=1)
     else:
         _chunk_histogram[grid](ids, counts, LK, E, chunk, BINS=BINS, SUB=SUB)
     cols = 32
@@ -308,9 +247,6 @@ def dispatch(topk_ids: torch.Tensor, num_experts: int):
     if sorted_:
         _chunk_scatter_sorted[grid](ids, counts, totals, offsets, eti, tim, LK, E, K, CHUNK=chunk, BINS=BINS,
                                     num_warps=8)
-    elif pairwise:
-        _chunk_scatter_pairwise[grid](ids, counts, totals, offsets, eti, tim, LK, E, K, chunk, BINS=BINS, SUB=SUB,
-                                      num_stages=1)
     else:
         _chunk_scatter[grid](ids, counts, totals, offsets, eti, tim, LK, E, K, chunk, BINS=BINS, SUB=SUB)
     return eti, offsets, tim
