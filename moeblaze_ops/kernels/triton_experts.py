@@ -203,7 +203,6 @@ def _down_kernel(
     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, H_TMA: tl.constexpr,
     FAST_ACT: tl.constexpr, GROUPS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    W_TMA: tl.constexpr = False, W_KMAJOR: tl.constexpr = False,
 ):
     total = _num_tiles(offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS)
     for tile in range(tl.program_id(0), total, tl.num_programs(0)):
@@ -217,7 +216,8 @@ def _down_kernel(
                 g, u = _load_act_operand(h_src, row0, rmask, stride_hm, k0, I, ACT, INTERLEAVED, H_TMA,
                                          BLOCK_M, BLOCK_K)
                 ks = k0 + tl.arange(0, BLOCK_K)
-                b = _weight_tile(w_ptr, e, k0, n0, stride_we, stride_wk, stride_wn, I, N, W_TMA, W_KMAJOR,
+                # Plain loads, never TMA (W_TMA has no "down": docs/perf-notes.md).
+                b = _weight_tile(w_ptr, e, k0, n0, stride_we, stride_wk, stride_wn, I, N, False, False,
                                  BLOCK_K, BLOCK_N)
                 a = tl.where((ks < I)[None, :], _activate(g, u, alpha, limit, ACT, FAST_ACT), 0.0)
                 acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
@@ -396,7 +396,7 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         b = b_down[:, c0:c1] if b_down is not None else None
         swe, swk, swn = _weight_strides(w, transposed)
         _launch_gemm(
-            _down_kernel, h.device, h.dtype, tiles, c1 - c0, W_TMA=False, W_KMAJOR=swk == 1,
+            _down_kernel, h.device, h.dtype, tiles, c1 - c0,
             h_src=h_src, w_ptr=w, b_ptr=b if b is not None else w, offsets_ptr=expert_offsets,
             y_ptr=y, LK=LK, E=E, N=c1 - c0, I=I, alpha=float(alpha), limit=float(limit),
             stride_hm=h.stride(0), stride_we=swe, stride_wk=swk, stride_wn=swn,
