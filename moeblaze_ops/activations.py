@@ -11,6 +11,7 @@ to float32 first.
 
 from __future__ import annotations
 
+import enum
 import math
 
 import torch
@@ -18,6 +19,10 @@ import torch
 __all__ = [
     "ACTIVATIONS",
     "GATED_ACTIVATIONS",
+    "ActivationCode",
+    "CLAMPED_SWIGLU_ALPHA",
+    "CLAMPED_SWIGLU_LIMIT",
+    "activation_code",
     "is_gated",
     "activation_forward",
     "activation_backward",
@@ -28,6 +33,27 @@ GATED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
 #: Every activation name the ops accept. ``clamped_swiglu`` is GPT-OSS's gate:
 #: ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(g, limit)``.
 ACTIVATIONS = GATED_ACTIVATIONS + ("silu", "gelu", "relu")
+#: GPT-OSS's ``alpha`` and ``limit``, the defaults of every ``alpha``/``limit`` argument
+#: (only ``clamped_swiglu`` reads them).
+CLAMPED_SWIGLU_ALPHA = 1.702
+CLAMPED_SWIGLU_LIMIT = 7.0
+
+
+class ActivationCode(enum.IntEnum):
+    """The activations as the Triton kernels take them (a constexpr argument). The gated
+    ones come first: a code is gated exactly when it is below ``SILU``."""
+
+    SWIGLU = 0
+    GEGLU = 1
+    CLAMPED_SWIGLU = 2
+    SILU = 3
+    GELU = 4
+    RELU = 5
+
+
+def activation_code(activation: str) -> ActivationCode:
+    """The kernel code of an activation name."""
+    return ActivationCode[activation.upper()]
 
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)

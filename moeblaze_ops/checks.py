@@ -1,10 +1,11 @@
 """Argument validation shared by the ops' fake functions, their kernels and the front door.
 
 Shape, dtype and device checks run in the fake functions too, so a bad call fails while
-``torch.compile`` traces it, with the same message as in eager mode. Checks that read
-tensor data (negative or duplicate expert ids) run only in the real kernels: on CPU they
-raise at once; on CUDA one Triton pass over the ids writes two flags that
-``torch._assert_async`` reads on the device: no sort, no host sync.
+``torch.compile`` traces it, with the same message as in eager mode. Nothing here
+launches a kernel. Checks that read tensor data (negative or duplicate expert ids) are
+the dispatch kernels' own: the portable backend raises at once (``check_topk_id_values``);
+the Triton backend writes two flags on the device that ``torch._assert_async`` reads: no
+sort, no host sync.
 
 Every error is a ``ValueError`` whose message names the op and the argument.
 """
@@ -16,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from .activations import ACTIVATIONS, is_gated
+from .layouts import linear_dims
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 ID_DTYPES = (torch.int32, torch.int64)
@@ -95,26 +97,25 @@ def check_dispatch(topk_ids, num_experts) -> None:
         fail("dispatch", "num_experts", f"must be a positive int, got {num_experts!r}")
 
 
+def id_value_messages(op: str) -> tuple[str, str]:
+    """The messages of the two data errors of ``topk_ids``: a negative id, a real expert id
+    repeated in one token's row (sentinels >= E may repeat)."""
+    return (f"moeblaze.{op}: argument 'topk_ids' has a negative expert id",
+            f"moeblaze.{op}: argument 'topk_ids' has an expert id repeated in one token's row")
+
+
 def check_topk_id_values(op: str, topk_ids: torch.Tensor, num_experts: int) -> None:
-    """Data checks: no negative id, no id repeated in a token's row (sentinels >= E may repeat)."""
+    """The data checks of ``topk_ids``, on the host (the portable backend; the Triton
+    backend makes them on the device without a sync)."""
     if topk_ids.numel() == 0:
         return
-    neg_msg = f"moeblaze.{op}: argument 'topk_ids' has a negative expert id"
-    dup_msg = f"moeblaze.{op}: argument 'topk_ids' has an expert id repeated in one token's row"
-    if topk_ids.device.type != "cpu":
-        # One Triton pass writes both flags; the asserts read them on the device.
-        from .kernels.triton_dispatch import invalid_id_flags
-
-        flags = invalid_id_flags(topk_ids, num_experts)
-        torch._assert_async(flags[0] == 0, neg_msg)
-        torch._assert_async(flags[1] == 0, dup_msg)
-        return
+    negative, repeated = id_value_messages(op)
     if (topk_ids < 0).any():
-        raise ValueError(neg_msg)
+        raise ValueError(negative)
     if topk_ids.shape[1] > 1:  # a single choice per token cannot repeat
         ids = topk_ids.sort(dim=1).values
         if ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] < num_experts)).any():
-            raise ValueError(dup_msg)
+            raise ValueError(repeated)
 
 
 # --------------------------------------------------------------------------- experts
@@ -133,12 +134,8 @@ def check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_in
     check_tensor(op, "w_gate_up", w_gate_up, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
     _check_weight_dtype(op, "w_gate_up", w_gate_up, "x", x)
     d = x.shape[1]
-    if transposed:
-        E, wd, N = w_gate_up.shape
-        layout = "[E, d, N]"
-    else:
-        E, N, wd = w_gate_up.shape
-        layout = "[E, N, d]"
+    E, N, wd = linear_dims(w_gate_up, transposed)
+    layout = "[E, d, N]" if transposed else "[E, N, d]"
     if wd != d:
         fail(op, "w_gate_up", f"must have layout {layout} with d={d} (x.shape[1]), got {tuple(w_gate_up.shape)}")
     if b_gate_up is not None:
@@ -163,12 +160,8 @@ def check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_ind
     I = N // 2 if is_gated(activation) else N
     check_tensor(op, "w_down", w_down, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
     _check_weight_dtype(op, "w_down", w_down, "h", h)
-    if transposed:
-        E, wi, d = w_down.shape
-        layout = "[E, I, d]"
-    else:
-        E, d, wi = w_down.shape
-        layout = "[E, d, I]"
+    E, d, wi = linear_dims(w_down, transposed)
+    layout = "[E, I, d]" if transposed else "[E, d, I]"
     if wi != I:
         fail(op, "w_down", f"must have layout {layout} with I={I} (from h and activation "
              f"{activation!r}), got {tuple(w_down.shape)}")
@@ -212,15 +205,14 @@ def check_moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b
                  shape=(L, K), shape_doc="[L, K] of topk_ids")
     check_tensor(op, "w_gate_up", w_gate_up, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
     check_tensor(op, "w_down", w_down, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
-    E = w_gate_up.shape[0]
-    if w_down.shape[0] != E:
-        fail(op, "w_down", f"must have as many experts as w_gate_up ({E}), got {w_down.shape[0]}")
-    N = w_gate_up.shape[2] if transposed else w_gate_up.shape[1]
+    E, N, d_up = linear_dims(w_gate_up, transposed)
+    E_down, d_down, wi = linear_dims(w_down, transposed)
+    if E_down != E:
+        fail(op, "w_down", f"must have as many experts as w_gate_up ({E}), got {E_down}")
     if is_gated(activation) and N % 2 != 0:
         fail(op, "w_gate_up", f"must have 2I output columns for the gated activation "
              f"{activation!r}, got {N}")
     I = N // 2 if is_gated(activation) else N
-    wi = w_down.shape[1] if transposed else w_down.shape[2]
     if wi != I:
         fail(op, "w_down", f"must have intermediate size I={I} (from w_gate_up and activation "
              f"{activation!r}), got shape {tuple(w_down.shape)}")
@@ -229,11 +221,9 @@ def check_moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b
             check_tensor(op, arg, b, ndim=2, dtypes=FLOAT_DTYPES, device=dev, shape=(E, width),
                          shape_doc="[E, N]" if arg == "b_gate_up" else "[E, d]")
     d = x.shape[1]
-    wd = w_gate_up.shape[1] if transposed else w_gate_up.shape[2]
-    if wd != d:
+    if d_up != d:
         fail(op, "w_gate_up", f"must have hidden size d={d} (x.shape[1]), got shape {tuple(w_gate_up.shape)}")
-    wd = w_down.shape[2] if transposed else w_down.shape[1]
-    if wd != d:
+    if d_down != d:
         fail(op, "w_down", f"must have hidden size d={d} (x.shape[1]), got shape {tuple(w_down.shape)}")
     for arg, t in (("w_gate_up", w_gate_up), ("w_down", w_down), ("b_gate_up", b_gate_up), ("b_down", b_down)):
         if t is not None:

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from .checks import check_moe_experts
 
 
@@ -22,8 +23,8 @@ def moe_experts(
     b_down: Optional[Tensor] = None,
     transposed: bool = False,
     interleaved: bool = False,
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    alpha: float = CLAMPED_SWIGLU_ALPHA,
+    limit: float = CLAMPED_SWIGLU_LIMIT,
     recompute: bool = False,
     overwrite_h: bool = True,
 ) -> Tensor:

@@ -10,7 +10,7 @@ import argparse
 
 import torch
 
-from moeblaze_ops import bench
+from moeblaze_ops.bench import CONFIGS, make_inputs, peers
 
 
 def live_at_peak(trace):
@@ -33,15 +33,15 @@ def where(ev, depth=3):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--config", default="conf3", choices=list(bench.CONFIGS))
+    p.add_argument("--config", default="conf3", choices=list(CONFIGS))
     p.add_argument("--peers", nargs="*", default=["moeblaze", "moeblaze_recompute"])
     p.add_argument("--top", type=int, default=8)
     a = p.parse_args()
-    inputs = bench.make_inputs(*bench.CONFIGS[a.config])
+    inputs = make_inputs(*CONFIGS[a.config])
     for t in (inputs[0], inputs[2], inputs[3], inputs[4]):
         t.requires_grad_(True)
     grad = torch.randn_like(inputs[0])
-    fns = bench.peers(*inputs, train=True)
+    fns = peers(*inputs, train=True)
     for peer in a.peers:
         fns[peer]().backward(grad)  # warm up
         torch.cuda.synchronize()

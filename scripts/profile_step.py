@@ -15,12 +15,12 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from moeblaze_ops import bench
+from moeblaze_ops.bench import CONFIGS, make_inputs, peers
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--configs", nargs="*", default=["qwen3_100m", "olmoe"], choices=list(bench.CONFIGS))
+    p.add_argument("--configs", nargs="*", default=["qwen3_100m", "olmoe"], choices=list(CONFIGS))
     p.add_argument("--peers", nargs="*", default=["moeblaze", "hf_grouped_mm_compiled"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -29,13 +29,13 @@ def main():
     cuda = a.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     for name in a.configs:
-        T, d, I, E, K = bench.CONFIGS[name]
+        T, d, I, E, K = CONFIGS[name]
         torch._dynamo.reset()
-        x, ids, w, w_gate_up, w_down = bench.make_inputs(T, d, I, E, K, device=a.device)
+        x, ids, w, w_gate_up, w_down = make_inputs(T, d, I, E, K, device=a.device)
         for t in (x, w, w_gate_up, w_down):
             t.requires_grad_(True)
         grad = torch.randn_like(x)
-        fns = bench.peers(x, ids, w, w_gate_up, w_down, train=True)
+        fns = peers(x, ids, w, w_gate_up, w_down, train=True)
         for peer in a.peers:
             fn = fns[peer]
 

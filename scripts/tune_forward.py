@@ -15,8 +15,11 @@ import argparse
 import torch
 import triton.testing
 
+from moeblaze_ops import settings
+from moeblaze_ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from moeblaze_ops.bench import CONFIGS, make_inputs
 from moeblaze_ops.kernels import triton_dispatch, triton_experts as te
+from moeblaze_ops.settings import GemmTile
 
 TILES = [
     (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
@@ -36,10 +39,12 @@ def main():
     p.add_argument("--tiles", nargs="*", default=None, help="BM,BN,BK,warps,stages ...")
     p.add_argument("--h-tma", nargs="*", type=int, default=[1], help="down kernel reads h through TMA (1) or not (0)")
     p.add_argument("--fast-act", nargs="*", type=int, default=[1], help="approximate-tanh sigmoid (1) or exact (0)")
-    p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1], help="the up GEMM's weight tiles through TMA (1) or not (0)")
+    p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1],
+                   help="the up GEMM's weight tiles through TMA (1) or not (0)")
     p.add_argument("--activations", nargs="*", default=["swiglu"], help="the down kernel's activation(s)")
     a = p.parse_args()
-    default_w_tma = dict(te.W_TMA)
+    tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
+    base_w_tma = settings.current().weight_tma
     for name in a.configs:
         T, d, I, E, K = CONFIGS[name]
         x, ids, w, wgu, wd = make_inputs(T, d, I, E, K)
@@ -56,31 +61,28 @@ def main():
         jobs = ([("up", None)] if "up" in a.kinds else []) + [("down", act) for act in a.activations
                                                                if "down" in a.kinds]
         for pps in a.programs_per_sm:
-            te.PROGRAMS_PER_SM = pps
-            tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
             for tile, h_tma, fast, w_tma in [(t, v, f, w) for t in tiles for v in a.h_tma for f in a.fast_act
                                              for w in a.w_tma]:
-                te.H_TMA, te.FAST_ACT = bool(h_tma), bool(fast)
-                te.W_TMA = {**default_w_tma, "up": bool(w_tma)}
                 row = []
                 for kind, act in jobs:
-                    te.CONFIG_OVERRIDE = {kind: tile}
+                    changes = dict(tiles={kind: GemmTile(*tile, programs_per_sm=pps)}, h_tma=bool(h_tma),
+                                   fast_activation=bool(fast),
+                                   weight_tma=(base_w_tma | {"up"}) if w_tma else (base_w_tma - {"up"}))
                     try:
-                        if kind == "up":
-                            ms = bench(lambda: te.expert_up(x, wgu, eti, offs, tim, None, False))
-                        else:
-                            ms = bench(lambda: te.expert_down(h, wd, eti, offs, tim, w, None, act, False, False,
-                                                              1.702, 7.0))
+                        with settings.override(**changes):
+                            if kind == "up":
+                                ms = bench(lambda: te.expert_up(x, wgu, eti, offs, tim, None, False))
+                            else:
+                                ms = bench(lambda: te.expert_down(h, wd, eti, offs, tim, w, None, act, False, False,
+                                                                  CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT))
                         label = kind if act is None else f"down {act}"
                         row.append(f"{label} {ms:7.3f} ms {(up_flops if kind == 'up' else down_flops) / ms / 1e9:4.0f}")
                     except Exception as e:  # out of shared memory etc.
                         row.append(f"{kind} failed ({type(e).__name__})")
                 print(f"  pps={pps} tile={tile} h_tma={h_tma} fast_act={fast} w_tma={w_tma}: " + " | ".join(row),
                       flush=True)
-        te.CONFIG_OVERRIDE = {}
         del x, wgu, wd, h, dense_a, dense_h
         torch.cuda.empty_cache()
-    te.W_TMA = default_w_tma
 
 
 if __name__ == "__main__":

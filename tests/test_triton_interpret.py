@@ -7,8 +7,7 @@ import torch
 
 from kernel_cases import check_backward, check_dispatch_bitwise, check_forward, check_frozen_grads
 from conftest import make_layer
-from moeblaze_ops import ACTIVATIONS, moe_experts
-from moeblaze_ops.kernels import force_triton, triton_backward
+from moeblaze_ops import ACTIVATIONS, moe_experts, settings
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
@@ -16,12 +15,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 @pytest.fixture(autouse=True)
 def triton_on_cpu():
-    from moeblaze_ops.kernels import triton_experts
-
-    triton_experts.POISON = True
-    with force_triton(), triton_backward():
+    with settings.override(backend="triton", triton_backward=True, poison=True):
         yield
-    triton_experts.POISON = False
 
 
 @pytest.mark.parametrize(
@@ -70,18 +65,14 @@ def test_backward_routings(L, E, K, routing, sentinel_frac, seed):
                    sentinel_frac=sentinel_frac, bias=True)
 
 
-@pytest.mark.parametrize("tma,swap", [(True, False), (False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("h_tma", [True, False])
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
-def test_backward_whole_steps(layout, tma, swap, seed, monkeypatch):
-    """Experts with several whole 16-row reduction steps plus a ragged last one, with the
-    contiguous operands read through TMA descriptors or plain loads, and the down weight
-    gradient accumulated transposed or not."""
-    from moeblaze_ops.kernels import triton_experts, triton_experts_backward
-
-    monkeypatch.setattr(triton_experts, "H_TMA", tma)
-    monkeypatch.setattr(triton_experts_backward, "WGRAD_DOWN_SWAP", swap)
-    check_backward(45, 16, 8, 2, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout,
-                   bias=True, routing="skewed")
+def test_backward_whole_steps(layout, h_tma, seed):
+    """Experts with several whole 16-row reduction steps plus a ragged last one, with h
+    read through TMA descriptors or plain loads."""
+    with settings.override(h_tma=h_tma):
+        check_backward(45, 16, 8, 2, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout,
+                       bias=True, routing="skewed")
 
 
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
@@ -125,16 +116,11 @@ def test_invalid_id_flags(K, defect, seed):
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
 def test_kernels_with_weight_tma(layout, on, seed):
     """Weight tiles through 3-D TMA descriptors in every GEMM that has the option (up, dH,
-    dX), or in none (``W_TMA``, a per-kind tuning switch): forward and backward against the
-    reference, with tiles running past each expert's weight edges."""
-    from moeblaze_ops.kernels import triton_experts
-
-    before, triton_experts.W_TMA = triton_experts.W_TMA, dict.fromkeys(triton_experts.W_TMA, on)
-    try:
+    dX), or in none (``settings.weight_tma``): forward and backward against the reference,
+    with tiles running past each expert's weight edges."""
+    with settings.override(weight_tma={"up", "dh", "dx"} if on else set()):
         check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
         check_backward(45, 20, 12, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
-    finally:
-        triton_experts.W_TMA = before
 
 
 @pytest.mark.parametrize("mode,most", [({"overwrite_h": False}, 2), ({}, 1), ({"recompute": True}, 1)])
@@ -143,11 +129,11 @@ def test_live_h_sized_buffers(mode, most, seed, monkeypatch):
     one in the default and recompute modes (dH written over h), two with overwrite_h=False."""
     import weakref
 
-    from moeblaze_ops.kernels import triton_experts, triton_experts_backward
+    from moeblaze_ops.kernels import grouped_gemm
 
     L, d, I, E, K = 40, 12, 8, 3, 2  # d != 2I: no other buffer has h's shape
     count = {"live": 0, "most": 0}
-    allocate = triton_experts._empty
+    allocate = grouped_gemm.empty
 
     def tracked(*shape, dtype, device):
         t = allocate(*shape, dtype=dtype, device=device)
@@ -157,38 +143,34 @@ def test_live_h_sized_buffers(mode, most, seed, monkeypatch):
             weakref.finalize(t, lambda: count.__setitem__("live", count["live"] - 1))
         return t
 
-    monkeypatch.setattr(triton_experts, "_empty", tracked)
-    monkeypatch.setattr(triton_experts_backward, "_empty", tracked)
+    monkeypatch.setattr(grouped_gemm, "empty", tracked)  # every Triton kernel allocates through it
     layer = make_layer(L, d, I, E, K, seed=seed, requires_grad=True)
     moe_experts(**layer, **mode).square().sum().backward()
     assert layer["x"].grad is not None and count["most"] == most
 
 
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
-def test_column_slabs(layout, seed, monkeypatch):
-    """The [L*K, d] scratch made in column slabs (``D_SLAB``; d = 20 in slabs of 8, 8, 4):
-    forward and every gradient against the reference."""
-    from moeblaze_ops.kernels import triton_experts
+def test_column_slabs(layout, seed):
+    """The [L*K, d] scratch made in column slabs (``settings.column_slab``; d = 20 in
+    slabs of 8, 8, 4): forward and every gradient against the reference."""
+    from moeblaze_ops.kernels.triton_combine import column_slabs
 
-    monkeypatch.setattr(triton_experts, "D_SLAB", 8)
-    assert triton_experts.column_slabs(20) == [(0, 8), (8, 16), (16, 20)]
-    check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
-    check_backward(45, 20, 12, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True,
-                   routing="skewed", sentinel_frac=0.2)
+    with settings.override(column_slab=8):
+        assert column_slabs(20) == [(0, 8), (8, 16), (16, 20)]
+        check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
+        check_backward(45, 20, 12, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True,
+                       routing="skewed", sentinel_frac=0.2)
 
 
 @pytest.mark.parametrize("chunk", [16, 128])
 @pytest.mark.parametrize(
     "L,K,E,routing,sentinel_frac",
     [(33, 2, 8, "uniform", 0.0), (1, 1, 1, "uniform", 0.0), (200, 8, 64, "skewed", 0.1), (50, 3, 6, "first", 0.4),
-     (40, 2, 6, "no_last", 0.0), (3000, 4, 16, "uniform", 0.0)],
+     (40, 2, 6, "no_last", 0.0), (300, 4, 16, "uniform", 0.0)],
 )
-def test_dispatch_sorted_kernels_bitwise(L, K, E, routing, sentinel_frac, chunk, seed, monkeypatch):
-    """The sorted-chunk dispatch kernels (``SORTED_MIN_BINS``; chunks of 16 rows: many
-    chunks, runs across chunk edges; of 128: padding past the last row): the same three
-    arrays as the portable dispatch, bit for bit."""
-    from moeblaze_ops.kernels import triton_dispatch
-
-    monkeypatch.setattr(triton_dispatch, "SORTED_MIN_BINS", 1)
-    monkeypatch.setattr(triton_dispatch, "SORT_CHUNK", chunk)
-    check_dispatch_bitwise(L, K, E, device="cpu", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
+def test_dispatch_sorted_kernels_bitwise(L, K, E, routing, sentinel_frac, chunk, seed):
+    """The sorted-chunk dispatch kernels (chunks of 16 rows: many chunks, runs across chunk
+    edges; of 128: padding past the last row): the same three arrays as the portable
+    dispatch, bit for bit."""
+    with settings.override(dispatch_sorted_min_bins=1, dispatch_sort_chunk=chunk):
+        check_dispatch_bitwise(L, K, E, device="cpu", routing=routing, sentinel_frac=sentinel_frac, seed=seed)

@@ -1,63 +1,80 @@
-"""Kernels behind the ops, and the choice between them.
+"""The kernels behind the ops, and the one place that picks them per device.
 
-- ``torch_dispatch``, ``torch_experts``: portable vectorised PyTorch: CPU and float64.
-- ``triton_dispatch``, ``triton_experts``: Triton kernels of the forward ops, used for
-  CUDA tensors. Tests can force them on CPU tensors under ``TRITON_INTERPRET=1`` with
-  ``force_triton()`` (or ``MOEBLAZE_FORCE_TRITON=1``).
-- ``triton_experts_backward``: Triton kernels of the backward ops, used wherever the
-  forward's are; ``triton_backward(False)`` (or ``MOEBLAZE_TRITON_BACKWARD=0``) falls back
-  to the PyTorch backward (a debugging aid).
+Two backends implement every op:
+
+- ``TORCH``: portable vectorised PyTorch (``torch_dispatch``, ``torch_experts``): CPU
+  tensors, float64, and anywhere ``settings.backend == "torch"``.
+- ``TRITON``: Triton kernels (``triton_dispatch``, ``triton_experts``,
+  ``triton_experts_backward``, built on the grouped-GEMM core ``grouped_gemm``): CUDA
+  tensors, and CPU tensors under ``TRITON_INTERPRET=1`` when ``settings.backend ==
+  "triton"``. Triton is imported the first time this backend is chosen.
+
+``forward_backend(t)`` and ``backward_backend(t)`` say which one runs for tensors like ``t``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import os
+import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-_switches = {
-    "force": os.environ.get("MOEBLAZE_FORCE_TRITON", "") == "1",
-    "backward": os.environ.get("MOEBLAZE_TRITON_BACKWARD", "1") != "0",
-}
+from .. import settings
+from . import torch_dispatch, torch_experts
 
 
-@contextlib.contextmanager
-def _switched(name, enabled):
-    before, _switches[name] = _switches[name], enabled
-    try:
-        yield
-    finally:
-        _switches[name] = before
+@dataclass(frozen=True)
+class Backend:
+    """The functions of one kernel backend, one per op family (signatures of the ops,
+    see ``moeblaze_ops.ops``)."""
+
+    name: str
+    dispatch: Callable
+    expert_up: Callable
+    expert_down: Callable
+    expert_up_backward: Callable
+    expert_down_backward: Callable
 
 
-def force_triton(enabled: bool = True):
-    """Runs the Triton kernels on any device (CPU tensors need ``TRITON_INTERPRET=1``)."""
-    return _switched("force", enabled)
+TORCH = Backend(
+    name="torch",
+    dispatch=torch_dispatch.dispatch,
+    expert_up=torch_experts.expert_up,
+    expert_down=torch_experts.expert_down,
+    expert_up_backward=torch_experts.expert_up_backward,
+    expert_down_backward=torch_experts.expert_down_backward,
+)
 
 
-def triton_backward(enabled: bool = True):
-    """Whether the backward ops run their Triton kernels where the forward's run (the
-    default; ``MOEBLAZE_TRITON_BACKWARD=0`` turns it off for the process)."""
-    return _switched("backward", enabled)
+@functools.lru_cache(maxsize=None)
+def triton_backend() -> Backend:
+    """The Triton backend (imports Triton on the first call)."""
+    from . import triton_dispatch, triton_experts, triton_experts_backward
+
+    return Backend(
+        name="triton",
+        dispatch=triton_dispatch.dispatch_checked,
+        expert_up=triton_experts.expert_up,
+        expert_down=triton_experts.expert_down,
+        expert_up_backward=triton_experts_backward.expert_up_backward,
+        expert_down_backward=triton_experts_backward.expert_down_backward,
+    )
 
 
-def uses_triton(t: torch.Tensor) -> bool:
-    """Whether the forward ops run their Triton kernels on tensors like ``t``."""
+def _uses_triton(t: torch.Tensor) -> bool:
     if t.dtype == torch.float64:
         return False  # Triton's dot has no float64 path; float64 is for gradcheck on CPU
-    return _switches["force"] or t.device.type == "cuda"
+    backend = settings.current().backend
+    return backend == "triton" or (backend == "auto" and t.device.type == "cuda")
 
 
-def forward_kernels(t: torch.Tensor, family: str):
-    """The kernel module of ``family`` ("dispatch" or "experts") for tensors like ``t``."""
-    prefix = "triton" if uses_triton(t) else "torch"
-    return importlib.import_module(f"{__name__}.{prefix}_{family}")
+def forward_backend(t: torch.Tensor) -> Backend:
+    """The backend of the forward ops (dispatch, expert_up, expert_down) for tensors like ``t``."""
+    return triton_backend() if _uses_triton(t) else TORCH
 
 
-def backward_kernels(t: torch.Tensor):
-    """The kernel module of the backward ops for tensors like ``t``."""
-    if _switches["backward"] and uses_triton(t):
-        return importlib.import_module(f"{__name__}.triton_experts_backward")
-    return importlib.import_module(f"{__name__}.torch_experts")
+def backward_backend(t: torch.Tensor) -> Backend:
+    """The backend of the backward ops for tensors like ``t``: the forward's, unless
+    ``settings.triton_backward`` is off."""
+    return triton_backend() if _uses_triton(t) and settings.current().triton_backward else TORCH

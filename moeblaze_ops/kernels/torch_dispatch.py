@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_topk_id_values
+
 
 def dispatch(topk_ids: torch.Tensor, num_experts: int):
     """Index arrays of a routing; see ``moeblaze_ops.dispatch`` for their meaning."""
+    check_topk_id_values("dispatch", topk_ids, num_experts)
     L, K = topk_ids.shape
     LK = L * K
     device = topk_ids.device

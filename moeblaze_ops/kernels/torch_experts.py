@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..activations import activation_backward, activation_forward
+from ..layouts import expert_matrix, linear_dims
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -27,19 +28,14 @@ def _expert_ranges(expert_offsets: torch.Tensor):
     return [(e, s, t) for e, (s, t) in enumerate(zip(bounds[:-1], bounds[1:])) if t > s]
 
 
-def _up_matrix(w: torch.Tensor, e: int, transposed: bool, acc: torch.dtype) -> torch.Tensor:
-    """Expert e's up weight as [d, N], so that h = x @ W."""
-    return (w[e] if transposed else w[e].t()).to(acc)
-
-
-def _down_matrix(w: torch.Tensor, e: int, transposed: bool, acc: torch.dtype) -> torch.Tensor:
-    """Expert e's down weight as [I, d], so that y = a @ W."""
-    return (w[e] if transposed else w[e].t()).to(acc)
+def _matrix(w: torch.Tensor, e: int, transposed: bool, acc: torch.dtype) -> torch.Tensor:
+    """Expert e's weight as [in, out] in ``acc``, so that y = x @ W."""
+    return expert_matrix(w, e, transposed).to(acc)
 
 
 def _store_weight_grad(grad_w: torch.Tensor, e: int, grad: torch.Tensor, transposed: bool) -> None:
-    """Writes the gradient of ``_up_matrix``/``_down_matrix`` back in the weight's layout."""
-    grad_w[e] = grad if transposed else grad.t()
+    """Writes the [in, out] gradient of ``_matrix`` back in the weight's layout."""
+    expert_matrix(grad_w, e, transposed).copy_(grad)
 
 
 def _gather_rows(x: torch.Tensor, expert_token_indices: torch.Tensor, s: int, t: int, acc) -> torch.Tensor:
@@ -75,10 +71,10 @@ def row_weights(token_index_map: torch.Tensor, topk_weights: torch.Tensor, acc) 
 def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
               b_gate_up, transposed):
     acc = _acc_dtype(x.dtype)
-    N = w_gate_up.shape[2] if transposed else w_gate_up.shape[1]
+    _, N, _ = linear_dims(w_gate_up, transposed)
     h = x.new_zeros(expert_token_indices.shape[0], N)
     for e, s, t in _expert_ranges(expert_offsets):
-        he = _gather_rows(x, expert_token_indices, s, t, acc) @ _up_matrix(w_gate_up, e, transposed, acc)
+        he = _gather_rows(x, expert_token_indices, s, t, acc) @ _matrix(w_gate_up, e, transposed, acc)
         if b_gate_up is not None:
             he += b_gate_up[e].to(acc)
         h[s:t] = he
@@ -88,11 +84,11 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                 b_down, activation, transposed, interleaved, alpha, limit):
     acc = _acc_dtype(h.dtype)
-    d = w_down.shape[2] if transposed else w_down.shape[1]
+    _, d, _ = linear_dims(w_down, transposed)
     y = torch.zeros(h.shape[0], d, dtype=acc, device=h.device)
     for e, s, t in _expert_ranges(expert_offsets):
         a = activation_forward(h[s:t].to(acc), activation, alpha, limit, interleaved)
-        ye = a @ _down_matrix(w_down, e, transposed, acc)
+        ye = a @ _matrix(w_down, e, transposed, acc)
         if b_down is not None:
             ye += b_down[e].to(acc)
         y[s:t] = ye
@@ -117,7 +113,7 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
     row_dot = torch.zeros(h.shape[0], dtype=acc, device=h.device)
     for e, s, t in _expert_ranges(expert_offsets):
         go = _gather_rows(grad_out, expert_token_indices, s, t, acc)
-        W = _down_matrix(w_down, e, transposed, acc)
+        W = _matrix(w_down, e, transposed, acc)
         g = go @ W.t()
         a, grad_h_e = activation_backward(h[s:t].to(acc), g * rw[s:t, None], activation, alpha, limit,
                                           interleaved)
@@ -147,7 +143,7 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
     for e, s, t in _expert_ranges(expert_offsets):
         dh = grad_h[s:t].to(acc)
         if need_input_grad:
-            grad_rows[s:t] = dh @ _up_matrix(w_gate_up, e, transposed, acc).t()
+            grad_rows[s:t] = dh @ _matrix(w_gate_up, e, transposed, acc).t()
         if need_weight_grad:
             _store_weight_grad(grad_w, e, _gather_rows(x, expert_token_indices, s, t, acc).t() @ dh, transposed)
             if has_bias:

@@ -1,17 +1,21 @@
-"""The activations in Triton, for the GEMM prologues (fp32 in, fp32 out).
+"""The activations in Triton, for the GEMM prologues and epilogues (fp32 in, fp32 out).
 
-The same math as ``moeblaze_ops.activations`` (the PyTorch side); ``ACT_CODES`` maps
-the activation names to the constexpr codes the kernels take.
+The same math as ``moeblaze_ops.activations`` (the PyTorch side). Kernels take the
+activation as a constexpr ``ACT``, one of ``moeblaze_ops.activations.ActivationCode``;
+the codes below ``NUM_GATED`` are the gated ones.
 """
 
 import triton
 import triton.language as tl
 
-ACT_CODES = {"swiglu": 0, "geglu": 1, "clamped_swiglu": 2, "silu": 3, "gelu": 4, "relu": 5}
+from ..activations import ActivationCode
 
-
-def is_gated_code(code: int) -> bool:
-    return code < 3
+SWIGLU = tl.constexpr(int(ActivationCode.SWIGLU))
+GEGLU = tl.constexpr(int(ActivationCode.GEGLU))
+SILU = tl.constexpr(int(ActivationCode.SILU))
+GELU = tl.constexpr(int(ActivationCode.GELU))
+#: Codes below this are gated (h holds gate and up columns).
+NUM_GATED = tl.constexpr(int(ActivationCode.SILU))
 
 
 @triton.jit
@@ -22,9 +26,9 @@ def _tanh_approx(x):
 
 @triton.jit
 def _sigmoid(x, FAST: tl.constexpr):
-    # FAST (CUDA, 16-bit outputs): one MUFU tanh instead of an exp and a division. In the
-    # down GEMM's prologue the activation is recomputed for every output tile, and its
-    # special-function work is as long as the tile's MMAs.
+    # FAST (CUDA, 16-bit outputs): one MUFU tanh instead of an exp and a division. The down
+    # GEMM's prologue recomputes the activation for every output tile, so its
+    # special-function work competes with the tile's MMAs.
     if FAST:
         return 0.5 + 0.5 * _tanh_approx(0.5 * x)
     return 1.0 / (1.0 + tl.exp(-x))
@@ -37,10 +41,10 @@ def _gelu(x):
 
 @triton.jit
 def gated(g, u, ACT: tl.constexpr, alpha, limit, FAST: tl.constexpr):
-    """a = act(gate) * up, for the gated codes 0-2."""
-    if ACT == 0:
+    """a = act(gate) * up, for the gated codes."""
+    if ACT == SWIGLU:
         return g * _sigmoid(g, FAST) * u
-    elif ACT == 1:
+    elif ACT == GEGLU:
         return _gelu(g) * u
     else:
         gc = tl.minimum(g, limit)
@@ -50,10 +54,10 @@ def gated(g, u, ACT: tl.constexpr, alpha, limit, FAST: tl.constexpr):
 
 @triton.jit
 def plain(h, ACT: tl.constexpr, FAST: tl.constexpr):
-    """a = act(h), for the non-gated codes 3-5."""
-    if ACT == 3:
+    """a = act(h), for the non-gated codes."""
+    if ACT == SILU:
         return h * _sigmoid(h, FAST)
-    elif ACT == 4:
+    elif ACT == GELU:
         return _gelu(h)
     else:
         return tl.maximum(h, 0.0)
@@ -73,12 +77,12 @@ def _gelu_and_grad(g):
 
 @triton.jit
 def gated_grad(g, u, ACT: tl.constexpr, alpha, limit, FAST: tl.constexpr = False):
-    """(a, da/dgate, da/dup) of the gated codes 0-2; the clamps pass gradient on their
-    closed intervals, as torch.clamp does. FAST: the approximate-tanh sigmoid."""
-    if ACT == 0:
+    """(a, da/dgate, da/dup) of the gated codes; the clamps pass gradient on their closed
+    intervals, as torch.clamp does. FAST: the approximate-tanh sigmoid."""
+    if ACT == SWIGLU:
         f, df = _silu_and_grad(g, FAST)
         return f * u, df * u, f
-    elif ACT == 1:
+    elif ACT == GEGLU:
         f, df = _gelu_and_grad(g)
         return f * u, df * u, f
     else:
@@ -93,10 +97,18 @@ def gated_grad(g, u, ACT: tl.constexpr, alpha, limit, FAST: tl.constexpr = False
 
 @triton.jit
 def plain_grad(h, ACT: tl.constexpr, FAST: tl.constexpr = False):
-    """(a, da/dh) of the non-gated codes 3-5. FAST: the approximate-tanh sigmoid."""
-    if ACT == 3:
+    """(a, da/dh) of the non-gated codes. FAST: the approximate-tanh sigmoid."""
+    if ACT == SILU:
         return _silu_and_grad(h, FAST)
-    elif ACT == 4:
+    elif ACT == GELU:
         return _gelu_and_grad(h)
     else:
         return tl.maximum(h, 0.0), tl.where(h > 0, 1.0, 0.0)
+
+
+@triton.jit
+def activate(g, u, alpha, limit, ACT: tl.constexpr, FAST: tl.constexpr):
+    """The activation of raw h tiles ``(g, u)`` as ``load_h_pair`` returns them, in fp32."""
+    if ACT < NUM_GATED:
+        return gated(g.to(tl.float32), u.to(tl.float32), ACT, alpha, limit, FAST)
+    return plain(g.to(tl.float32), ACT, FAST)

@@ -17,36 +17,30 @@ chunk's counts live in one row of a ``[chunks, BINS + 1]`` table: one column per
 Ranking in flat order is what a stable sort does, so the result equals the portable
 kernel's bit for bit.
 
-How a program ranks its rows picks one of two kernel families for steps 1 and 3:
+How a program ranks its rows picks one of two kernel families for steps 1 and 3
+(``settings.dispatch_sorted_min_bins`` chooses by the number of bins):
 
-- one-hot tiles of 64 rows (the default below 128 bins): O(E) work per row;
-- sorted chunks (``SORTED_MIN_BINS``, the default from 128 bins): the chunk is one block
-  of ``SORT_CHUNK`` rows whose (column, row) keys are sorted in registers; a row's rank
-  is its distance to the start of its run of equal columns, and the last row of each run
-  writes the run's length into the table. O(log^2 chunk) work per row, no barrier in the
-  scatter; not a global sort, and the result is the same ranking in flat order.
+- one-hot tiles of ``SUB`` rows (few bins): O(E) work per row;
+- sorted chunks (many bins): the chunk is one block of ``settings.dispatch_sort_chunk``
+  rows whose (column, row) keys are sorted in registers; a row's rank is its distance to
+  the start of its run of equal columns, and the last row of each run writes the run's
+  length into the table. O(log^2 chunk) work per row, no barrier in the scatter; not a
+  global sort, and the result is the same ranking in flat order.
 
-(Pairwise ranking of 64-row steps with running counts in global memory was measured
-and removed: slower than the sorted chunks at every size, docs/perf-notes.md.)
+``dispatch_checked`` adds the data checks of the ids (``invalid_id_flags``), read by
+``torch._assert_async`` on the device: no host sync.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-SUB = 64  # rows ranked per step inside a program
-#: Use the sorted-chunk kernels when the bins are at least this many; None: never.
-#: ``SORT_CHUNK`` rows per chunk. H200, kernels of (L, K, E) = (65536, 8, 128),
-#: (262144, 4, 16), (1M, 8, 256): one-hot 0.138 / 0.083 / 2.29 ms;
-#: sorted chunks of 1024 rows 0.055 / 0.093 / 0.680 ms (512: 0.072 / 0.081 / 0.601; 256
-#: and 2048 slower, 4096 slower than one-hot). Environment variables
-#: ``MOEBLAZE_SORTED_MIN_BINS`` (0: never) and ``MOEBLAZE_SORT_CHUNK`` set them.
-SORTED_MIN_BINS = int(os.environ.get("MOEBLAZE_SORTED_MIN_BINS", "128")) or None
-SORT_CHUNK = int(os.environ.get("MOEBLAZE_SORT_CHUNK", "1024"))
+from .. import settings
+from ..checks import id_value_messages
+
+SUB = 64  # rows a one-hot step ranks at once
 
 SENTINEL = tl.constexpr(-2)
 
@@ -219,6 +213,7 @@ def _chunk_size(LK: int) -> int:
 
 
 def dispatch(topk_ids: torch.Tensor, num_experts: int):
+    """The index arrays of a routing (``moeblaze_ops.dispatch``), without the id checks."""
     L, K = topk_ids.shape
     LK = L * K
     dev = topk_ids.device
@@ -227,8 +222,9 @@ def dispatch(topk_ids: torch.Tensor, num_experts: int):
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    sorted_ = SORTED_MIN_BINS is not None and BINS >= SORTED_MIN_BINS
-    chunk = min(SORT_CHUNK, max(16, triton.next_power_of_2(LK))) if sorted_ else _chunk_size(LK)
+    config = settings.current()
+    sorted_ = config.dispatch_sorted_min_bins is not None and BINS >= config.dispatch_sorted_min_bins
+    chunk = min(config.dispatch_sort_chunk, max(16, triton.next_power_of_2(LK))) if sorted_ else _chunk_size(LK)
     if sorted_ and (BINS + 2) * chunk > 2**31:
         raise ValueError(f"dispatch: {E} experts are too many for sorted chunks of {chunk} rows")
     num_chunks = max(1, triton.cdiv(LK, chunk))
@@ -250,3 +246,13 @@ def dispatch(topk_ids: torch.Tensor, num_experts: int):
     else:
         _chunk_scatter[grid](ids, counts, totals, offsets, eti, tim, LK, E, K, chunk, BINS=BINS, SUB=SUB)
     return eti, offsets, tim
+
+
+def dispatch_checked(topk_ids: torch.Tensor, num_experts: int):
+    """``dispatch`` with the data checks of the ids made on the device: a bad id fails the
+    next synchronizing call with the op's message."""
+    negative, repeated = id_value_messages("dispatch")
+    flags = invalid_id_flags(topk_ids, num_experts)
+    torch._assert_async(flags[0] == 0, negative)
+    torch._assert_async(flags[1] == 0, repeated)
+    return dispatch(topk_ids, num_experts)

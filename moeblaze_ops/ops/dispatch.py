@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..checks import check_dispatch, check_topk_id_values
-from ..kernels import forward_kernels
+from ..checks import check_dispatch
+from ..kernels import forward_backend
 
 
 @torch.library.custom_op("moeblaze::dispatch", mutates_args=())
@@ -32,8 +32,7 @@ def dispatch(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor
           (the inverse permutation of the grouping).
     """
     check_dispatch(topk_ids, num_experts)
-    check_topk_id_values("dispatch", topk_ids, num_experts)
-    return forward_kernels(topk_ids, "dispatch").dispatch(topk_ids, num_experts)
+    return forward_backend(topk_ids).dispatch(topk_ids, num_experts)
 
 
 @dispatch.register_fake

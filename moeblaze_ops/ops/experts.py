@@ -1,7 +1,7 @@
 """The expert ops: gathered up projection, activation + down projection + combine, and
 their backward ops, with fake functions and autograd formulas.
 
-What backward keeps (DESIGN.md §3): the layer input x, ``h``, the three index arrays and
+What backward keeps: the layer input x, ``h``, the three index arrays and
 ``topk_weights`` (plus the weights and biases, which are parameters). Neither the
 gathered [L*K, d] input, nor the activated [L*K, I] rows, nor the [L*K, d] expert outputs
 are saved: backward recomputes the activation from ``h``.
@@ -14,8 +14,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from ..checks import check_expert_down, check_expert_up, check_grad
-from ..kernels import backward_kernels, forward_kernels
+from ..kernels import backward_backend, forward_backend
 
 # --------------------------------------------------------------------------- expert_up
 
@@ -40,7 +41,7 @@ def expert_up(
     needs it to sum each token's K input-gradient rows.
     """
     check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
-    return forward_kernels(x, "experts").expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
+    return forward_backend(x).expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
                                    b_gate_up, transposed)
 
 
@@ -72,7 +73,7 @@ def expert_up_backward(
     gradients) come back empty and are not computed: frozen experts skip their GEMMs.
     """
     _check_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, transposed)
-    return backward_kernels(x).expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets,
+    return backward_backend(x).expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets,
                                                   token_index_map, has_bias, transposed, need_input_grad,
                                                   need_weight_grad)
 
@@ -127,8 +128,8 @@ def expert_down(
     activation: str = "swiglu",
     transposed: bool = False,
     interleaved: bool = False,
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    alpha: float = CLAMPED_SWIGLU_ALPHA,
+    limit: float = CLAMPED_SWIGLU_LIMIT,
 ) -> Tensor:
     """Activation, down projection and weighted combine: ``out[L, d]`` in h's dtype.
 
@@ -142,13 +143,13 @@ def expert_down(
     """
     check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                       b_down, activation, transposed)
-    return forward_kernels(h, "experts").expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map,
+    return forward_backend(h).expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map,
                                      topk_weights, b_down, activation, transposed, interleaved, alpha, limit)
 
 
 @expert_down.register_fake
 def _(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down=None,
-      activation="swiglu", transposed=False, interleaved=False, alpha=1.702, limit=7.0):
+      activation="swiglu", transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA, limit=CLAMPED_SWIGLU_LIMIT):
     _, d, _ = check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map,
                                 topk_weights, b_down, activation, transposed)
     return h.new_empty(topk_weights.shape[0], d)
@@ -181,7 +182,7 @@ def expert_down_backward(
     """
     _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
                          topk_weights, b_down, activation, transposed)
-    return backward_kernels(h).expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets,
+    return backward_backend(h).expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets,
                                                     token_index_map, topk_weights, b_down, activation, transposed,
                                                     interleaved, alpha, limit, need_weight_grad=need_weight_grad)
 
@@ -236,7 +237,7 @@ def expert_down_backward_(
     if not h.is_contiguous():
         raise ValueError("moeblaze.expert_down_backward_: argument 'h' must be contiguous (it is overwritten "
                          "with its gradient)")
-    _, grad_w, grad_b, grad_tw = backward_kernels(h).expert_down_backward(
+    _, grad_w, grad_b, grad_tw = backward_backend(h).expert_down_backward(
         grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
         activation, transposed, interleaved, alpha, limit, in_place=True, need_weight_grad=need_weight_grad)
     return grad_w, grad_b, grad_tw
@@ -279,11 +280,11 @@ def expert_down_backward_recompute(
     """
     check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed,
                     op="expert_down_backward_recompute")
-    h = forward_kernels(x, "experts").expert_up(x, w_gate_up, expert_token_indices, expert_offsets,
+    h = forward_backend(x).expert_up(x, w_gate_up, expert_token_indices, expert_offsets,
                                                 token_index_map, b_gate_up, transposed)
     _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
                          topk_weights, b_down, activation, transposed)
-    return backward_kernels(h).expert_down_backward(
+    return backward_backend(h).expert_down_backward(
         grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
         activation, transposed, interleaved, alpha, limit, in_place=True, need_weight_grad=need_weight_grad)
 

@@ -1,0 +1,241 @@
+"""The grouped-GEMM core: the pieces every moeblaze GEMM kernel is made of.
+
+A grouped GEMM multiplies the routed rows of each expert by that expert's weight. The
+rows are in expert order, expert e owning rows ``[expert_offsets[e], expert_offsets[e+1])``,
+and the offsets stay on the device: every program reads them (no host ever sees the
+counts). The pieces, as ``@triton.jit`` helpers that kernels (and Inductor templates)
+call in the order loads, MMA, store:
+
+- schedules: ``row_tile`` lays the m-tiles of all experts end to end over one persistent
+  grid of (m-tile, n-tile) output tiles, n fastest so programs running side by side share
+  their A rows and their expert's weights in L2; the rows past ``expert_offsets[E]``
+  (sentinels) form one more group, whose tiles only write zeros. ``expert_tile`` is the
+  weight gradients' schedule: one (expert, p-tile, q-tile) at a time, reducing over the
+  expert's own rows.
+- operand loads: ``load_rows`` (A rows, gathered through an index array or not),
+  ``load_weight_tile`` (an expert's weight as the B operand, plain or through a TMA
+  descriptor), ``load_h_pair`` (the raw gate/up tiles an activation is computed from).
+- ``store_tile``: the epilogue's masked store.
+
+The host side of the same GEMMs is here too: buffer allocation, the persistent grid, the
+TMA descriptors and when they apply.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import settings
+from ..settings import GemmTile
+from .triton_activations import NUM_GATED
+
+# --------------------------------------------------------------------------- schedules
+
+
+@triton.jit
+def group_bounds(offsets_ptr, E, LK, GROUPS: tl.constexpr):
+    """Row range [lo, hi) of each group: the E experts, then group E holding the sentinels."""
+    g = tl.arange(0, GROUPS)
+    lo = tl.load(offsets_ptr + g, mask=g <= E, other=0)
+    hi = tl.load(offsets_ptr + g + 1, mask=g < E, other=0)
+    return g, lo, tl.where(g == E, LK, hi)
+
+
+@triton.jit
+def num_row_tiles(offsets_ptr, E, LK, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """How many (m-tile, n-tile) output tiles ``row_tile`` numbers."""
+    _, lo, hi = group_bounds(offsets_ptr, E, LK, GROUPS)
+    return tl.sum(tl.cdiv(hi - lo, BLOCK_M), axis=0) * tl.cdiv(N, BLOCK_N)
+
+
+@triton.jit
+def row_tile(tile, offsets_ptr, E, LK, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """(group, first row, rows, row mask, columns, column mask) of output tile ``tile``."""
+    g, lo, hi = group_bounds(offsets_ptr, E, LK, GROUPS)
+    m_tiles = tl.cdiv(hi - lo, BLOCK_M)
+    tile_end = tl.cumsum(m_tiles, axis=0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    m = tile // n_tiles
+    grp = tl.sum((tile_end <= m).to(tl.int32), axis=0)
+    first_tile = tl.sum(tl.where(g == grp, tile_end - m_tiles, 0), axis=0)
+    row0 = tl.sum(tl.where(g == grp, lo, 0), axis=0) + (m - first_tile) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = (tile % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return grp, row0, rows, rows < tl.sum(tl.where(g == grp, hi, 0), axis=0), cols, cols < N
+
+
+@triton.jit
+def expert_tile(tile, P, Q, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """(expert, p-tile, q-tile) of weight-gradient tile ``tile``: q fastest, so neighbours
+    share their A rows."""
+    p_tiles = tl.cdiv(P, BLOCK_P)
+    q_tiles = tl.cdiv(Q, BLOCK_Q)
+    return tile // (p_tiles * q_tiles), (tile // q_tiles) % p_tiles, tile % q_tiles
+
+
+# --------------------------------------------------------------------------- operand loads
+
+
+@triton.jit
+def load_rows(a_ptr, row_ids, rmask, k0, K, stride_am, stride_ak, BLOCK_K: tl.constexpr):
+    """A [rows, BLOCK_K] tile of A at columns [k0, k0 + BLOCK_K): rows ``row_ids`` (int64:
+    gathered token rows, or the routed rows themselves); masked rows and columns read 0."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(a_ptr + row_ids[:, None] * stride_am + ks[None, :] * stride_ak,
+                   mask=rmask[:, None] & (ks < K)[None, :], other=0.0)
+
+
+@triton.jit
+def load_weight_tile(w_src, e, k0, n0, stride_we, stride_wk, stride_wn, K, N, W_TMA: tl.constexpr,
+                     W_KMAJOR: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Expert e's weight as the B operand: a [BLOCK_K, BLOCK_N] tile at (k0, n0).
+
+    With W_TMA, ``w_src`` is a 3-D TMA descriptor of the [E, ., .] weight whose block is
+    [1, BLOCK_N, BLOCK_K] when the reduction dimension is the contiguous one (W_KMAJOR),
+    else [1, BLOCK_K, BLOCK_N]: the copy engine fills zeros past the expert's own edges.
+    """
+    # One return, every branch assigning: code after an early return inside a constexpr
+    # `if` is still compiled, and the pointer arithmetic below fails on a descriptor.
+    if W_TMA:
+        if W_KMAJOR:
+            tile = tl.trans(tl.reshape(w_src.load([e, n0, k0]), (BLOCK_N, BLOCK_K)))
+        else:
+            tile = tl.reshape(w_src.load([e, k0, n0]), (BLOCK_K, BLOCK_N))
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        tile = tl.load(w_src + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+                       mask=(ks < K)[:, None] & (cols < N)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def load_h_pair(h_src, row0, rmask, stride_hm, k0, I, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                H_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The raw h tiles behind activation columns [k0, k0 + BLOCK_K) of rows [row0, row0 +
+    BLOCK_M): (gate, up), or (h, h) when activation ``ACT`` is not gated.
+
+    With H_TMA, ``h_src`` is a tensor descriptor of h: an expert's rows are contiguous, so
+    whole tiles come through the copy engine, and the pipeliner can stage them although
+    they feed the activation rather than the dot. Rows past the expert's range and columns
+    past the gate half are read too; they only reach outputs that are masked or activation
+    columns that are zeroed before use.
+    """
+    ks = k0 + tl.arange(0, BLOCK_K)
+    if H_TMA:
+        if ACT < NUM_GATED:
+            if INTERLEAVED:
+                g, u = tl.split(tl.reshape(h_src.load([row0, 2 * k0]), (BLOCK_M, BLOCK_K, 2)))
+            else:
+                g = h_src.load([row0, k0])
+                u = h_src.load([row0, I + k0])
+        else:
+            g = h_src.load([row0, k0])
+            u = g
+    else:
+        h_rows = h_src + (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None] * stride_hm
+        amask = rmask[:, None] & (ks < I)[None, :]
+        if ACT < NUM_GATED:
+            if INTERLEAVED:
+                ks2 = k0 * 2 + tl.arange(0, 2 * BLOCK_K)
+                gu = tl.load(h_rows + ks2[None, :], mask=rmask[:, None] & (ks2 < 2 * I)[None, :], other=0.0)
+                g, u = tl.split(tl.reshape(gu, (BLOCK_M, BLOCK_K, 2)))
+            else:
+                g = tl.load(h_rows + ks[None, :], mask=amask, other=0.0)
+                u = tl.load(h_rows + I + ks[None, :], mask=amask, other=0.0)
+        else:
+            g = tl.load(h_rows + ks[None, :], mask=amask, other=0.0)
+            u = g
+    return g, u
+
+
+# --------------------------------------------------------------------------- epilogue
+
+
+@triton.jit
+def store_tile(out_ptr, rows, cols, stride_om, acc, mask):
+    """Stores an fp32 accumulator tile at (rows, cols) in the output's dtype."""
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def empty(*shape, dtype, device) -> torch.Tensor:
+    """A buffer the kernels fill; NaN-filled first under ``settings.poison``, so an element
+    a kernel forgets to write shows."""
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    if settings.current().poison:
+        t.fill_(float("nan"))
+    return t
+
+
+def precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision: fp32 inputs stay fp32 (no silent tf32)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def fast_sigmoid(t: torch.Tensor, enabled: bool) -> bool:
+    """Whether kernels on tensors like ``t`` use the approximate-tanh sigmoid: where
+    ``enabled``, on CUDA, for 16-bit tensors (its error, 2^-11, is below their rounding)."""
+    return enabled and t.is_cuda and t.dtype != torch.float32
+
+
+def tile_config(kind: str, t: torch.Tensor) -> GemmTile:
+    """The tile of GEMM ``kind`` on tensors like ``t`` (``settings.pick_tile``)."""
+    return settings.pick_tile(kind, t.dtype, t.device)
+
+
+def num_programs(device: torch.device, max_tiles: int, per_sm: int = 1) -> int:
+    """The persistent grid: ``per_sm`` programs per SM, no more than there are tiles."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(per_sm * sms, max_tiles))
+
+
+def launch_row_gemm(kernel, tile: GemmTile, dtype: torch.dtype, device: torch.device, n_cols: int, **kwargs):
+    """Launches a GEMM on the persistent ``row_tile`` schedule over ``n_cols`` output columns
+    (``kwargs`` holds the kernel's arguments, ``LK`` and ``E`` among them)."""
+    LK, E = kwargs["LK"], kwargs["E"]
+    max_tiles = (triton.cdiv(LK, tile.block_m) + E + 1) * triton.cdiv(n_cols, tile.block_n)
+    grid = (num_programs(device, max_tiles, tile.programs_per_sm),)
+    kernel[grid](**kwargs, GROUPS=triton.next_power_of_2(E + 1), PRECISION=precision(dtype),
+                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+                 num_stages=tile.num_stages)
+
+
+def _descriptor(t: torch.Tensor, block):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block)
+
+
+def h_operand(h: torch.Tensor, act: int, interleaved: bool, I: int, block_m: int, block_k: int):
+    """h as a kernel reads its [block_m, block_k] activation tiles (activation code ``act``):
+    ``(source, through_tma)``, a TMA tensor descriptor where ``settings.h_tma`` and TMA
+    allow it, else the tensor."""
+    # TMA needs 16-byte aligned rows and tile starts (the up half starts at column I), and a
+    # box at most 256 elements wide (the interleaved layout reads 2*BK columns at once).
+    width = 2 * block_k if act < NUM_GATED and interleaved else block_k
+    aligned = (h.stride(1) == 1 and (h.stride(0) * h.element_size()) % 16 == 0 and h.data_ptr() % 16 == 0
+               and (I * h.element_size()) % 16 == 0)
+    if not (settings.current().h_tma and aligned and width <= 256):
+        return h, False
+    return _descriptor(h, [block_m, width]), True
+
+
+def weight_operand(w: torch.Tensor, stride_reduction: int, tile: GemmTile, kind: str):
+    """A weight as GEMM ``kind`` reads its [block_k, block_n] B tiles: ``(source, through_tma,
+    reduction_contiguous)``; a 3-D TMA descriptor where ``kind`` is in
+    ``settings.weight_tma`` and TMA allows it, else the tensor."""
+    kmajor = stride_reduction == 1
+    # TMA: the last dimension contiguous, the other strides and the start 16-byte aligned
+    # (column slabs of a weight are such views).
+    aligned = (w.stride(2) == 1 and all(s * w.element_size() % 16 == 0 for s in w.stride()[:2])
+               and w.data_ptr() % 16 == 0 and max(tile.block_k, tile.block_n) <= 256)
+    if not (kind in settings.current().weight_tma and aligned):
+        return w, False, kmajor
+    block = [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n]
+    return _descriptor(w, block), True, kmajor

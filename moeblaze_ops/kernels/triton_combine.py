@@ -1,0 +1,82 @@
+"""The combine: each token's K routed rows summed in a fixed order, made in column slabs.
+
+``out[i] = sum over k = 0..K-1, in that order, of w[i, k] * rows[token_index_map[i*K + k]]``
+in fp32: bitwise deterministic, no atomics. The forward sums the experts' outputs with
+the router weights; the input gradient sums each token's dX rows with unit weights.
+
+The [L*K, d] rows it sums are scratch: ``combine_in_slabs`` makes them one column slab
+at a time (``settings.column_slab`` columns), so the scratch is [L*K, slab] and the GEMM
+work is the same, in d/slab launches.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .. import settings
+from . import grouped_gemm as gg
+
+
+@triton.jit
+def _combine_kernel(
+    rows_ptr, tim_ptr, weights_ptr, offsets_ptr, out_ptr, L, D, E,
+    stride_rm, stride_w0, stride_w1, stride_om,
+    K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr,
+):
+    toks = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tmask = toks < L
+    cmask = cols < D
+    real_rows = tl.load(offsets_ptr + E)
+    acc = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
+    for k in tl.static_range(K):  # fixed order: bitwise deterministic
+        pos = tl.load(tim_ptr + toks.to(tl.int64) * K + k, mask=tmask, other=0)
+        keep = tmask & (pos < real_rows)  # sentinel rows add nothing
+        if WEIGHTED:
+            w = tl.load(weights_ptr + toks * stride_w0 + k * stride_w1, mask=keep, other=0.0).to(tl.float32)
+        else:
+            w = tl.where(keep, 1.0, 0.0)
+        y = tl.load(rows_ptr + pos.to(tl.int64)[:, None] * stride_rm + cols[None, :],
+                    mask=keep[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        acc += w[:, None] * y
+    gg.store_tile(out_ptr, toks, cols, stride_om, acc, tmask[:, None] & cmask[None, :])
+
+
+def combine(rows, token_index_map, topk_weights, expert_offsets, out, E):
+    """out[i] = sum_k w[i, k] * rows[token_index_map[i*K + k]]; unit weights when
+    ``topk_weights`` is None."""
+    L, d = out.shape
+    if L == 0 or d == 0:
+        return out
+    K = token_index_map.shape[0] // L
+    BLOCK_L, BLOCK_D = (32, 128) if rows.is_cuda else (16, 16)
+    grid = (triton.cdiv(L, BLOCK_L), triton.cdiv(d, BLOCK_D))
+    weighted = topk_weights is not None
+    _combine_kernel[grid](
+        rows, token_index_map, topk_weights, expert_offsets, out, L, d, E,
+        rows.stride(0), topk_weights.stride(0) if weighted else 0, topk_weights.stride(1) if weighted else 0,
+        out.stride(0), K=K, BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D, WEIGHTED=weighted,
+    )
+    return out
+
+
+def column_slabs(d: int) -> list[tuple[int, int]]:
+    """The [c0, c1) column ranges the [L*K, d] scratch is made in (``settings.column_slab``)."""
+    slab = settings.current().column_slab
+    step = slab if slab and slab < d else max(d, 1)
+    return [(c0, min(d, c0 + step)) for c0 in range(0, d, step)]
+
+
+def combine_in_slabs(make_rows, LK, dtype, token_index_map, topk_weights, expert_offsets, out, E):
+    """``combine`` of [L*K, d] rows made one column slab at a time: ``make_rows(rows, c0, c1)``
+    writes columns [c0, c1) of every routed row into the [L*K, c1 - c0] view ``rows`` of
+    one scratch buffer, which is then summed into ``out[:, c0:c1]``."""
+    slabs = column_slabs(out.shape[1])
+    scratch = gg.empty(LK, slabs[0][1] - slabs[0][0] if slabs else 0, dtype=dtype, device=out.device)
+    for c0, c1 in slabs:
+        rows = scratch[:, :c1 - c0]
+        if LK > 0:
+            make_rows(rows, c0, c1)
+        combine(rows, token_index_map, topk_weights, expert_offsets, out[:, c0:c1], E)
+    return out

@@ -1,0 +1,219 @@
+"""Kernel settings: every choice that varies a kernel, in one frozen object.
+
+The kernels read ``current()`` when they launch; tests, the benchmark and the tuning
+scripts change it for a block of code with ``override``::
+
+    with moeblaze_ops.settings.override(column_slab=None, poison=True):
+        out = moeblaze_ops.moe_experts(...)
+
+Nothing else changes what a kernel does: no module global is flipped from outside and
+no environment variable is read, except the one escape hatch below.
+
+Escape hatch: ``MOEBLAZE_BACKEND=torch`` runs every op on the portable PyTorch kernels
+(read once, on the first kernel launch of the process, not at import), for ruling the
+Triton kernels out when a result looks wrong.
+
+Tile shapes come from ``TILE_TABLE``, keyed by (GEMM kind, dtype class, architecture),
+each entry a list in order of preference; ``pick_tile`` takes the first one whose
+pipelined operand tiles fit in the device's shared memory (the arithmetic prune of
+Inductor's grouped-mm configs: no launch is tried and caught).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Optional
+
+import torch
+
+__all__ = [
+    "GemmTile",
+    "KernelSettings",
+    "GEMM_KINDS",
+    "TILE_TABLE",
+    "current",
+    "override",
+    "pick_tile",
+]
+
+#: The GEMMs of the layer: the forward up and down projections, the backward's dH
+#: (activation gradient), dX rows, and the two weight gradients.
+GEMM_KINDS = ("up", "down", "dh", "dx", "wgrad_down", "wgrad_up")
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """One launch config of a grouped GEMM.
+
+    For the row-tiled GEMMs (up, down, dh, dx) ``block_m`` tiles the routed rows,
+    ``block_n`` the output columns and ``block_k`` the reduction. For the weight
+    gradients ``block_m`` and ``block_n`` tile the [P, Q] gradient of one expert and
+    ``block_k`` the expert's rows (the reduction).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int = 1
+
+    def smem_bytes(self, element_size: int) -> int:
+        """Shared memory of the pipelined A and B tiles (the prune's estimate)."""
+        return (self.block_m + self.block_n) * self.block_k * self.num_stages * element_size
+
+
+def _tile(*args) -> GemmTile:
+    return GemmTile(*args)
+
+
+#: (kind, dtype class, architecture) -> tiles in order of preference. dtype class is
+#: "16bit" (bf16, fp16) or "fp32"; architecture "sm90" (Hopper) or "any". The sm90
+#: entries are the best of the H200 sweeps (docs/perf-notes.md).
+TILE_TABLE: Mapping[tuple, tuple] = {
+    ("up", "16bit", "sm90"): (_tile(128, 256, 64, 8, 3),),
+    ("down", "16bit", "sm90"): (_tile(128, 256, 64, 8, 3),),
+    ("dh", "16bit", "sm90"): (_tile(128, 128, 64, 8, 4),),
+    ("dx", "16bit", "sm90"): (_tile(128, 256, 64, 8, 4),),
+    ("wgrad_down", "16bit", "sm90"): (_tile(256, 128, 64, 8, 3),),
+    ("wgrad_up", "16bit", "sm90"): (_tile(256, 128, 64, 8, 3),),
+    **{(kind, "16bit", "any"): (_tile(128, 256, 64, 8, 3), _tile(128, 128, 64, 8, 3), _tile(64, 64, 32, 4, 3))
+       for kind in GEMM_KINDS},
+    **{(kind, "fp32", "any"): (_tile(64, 64, 32, 4, 3), _tile(32, 32, 32, 4, 2)) for kind in GEMM_KINDS},
+}
+
+#: Triton's interpreter (CPU tensors): small tiles keep the CPU tests quick.
+INTERPRETER_TILE = GemmTile(16, 16, 16, 4, 1)
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """What the kernels do, beyond their arguments. Change it with ``override``.
+
+    Attributes:
+        backend: "auto" (Triton kernels for CUDA tensors, PyTorch ones otherwise),
+            "triton" (Triton everywhere; CPU tensors then need ``TRITON_INTERPRET=1``)
+            or "torch" (the portable PyTorch kernels everywhere).
+        triton_backward: whether the backward ops use their Triton kernels where the
+            forward's run; False falls back to the PyTorch backward (a debugging aid:
+            it reads the expert offsets to the host).
+        poison: fill every buffer the kernels allocate with NaN first, so an element a
+            kernel forgets to write shows (tests).
+        tiles: per GEMM kind, a ``GemmTile`` used instead of the table's (tuning).
+        h_tma: read h through TMA tensor descriptors where TMA allows it (the down GEMM
+            and the down weight gradient).
+        weight_tma: the GEMM kinds that read weight tiles through TMA descriptors where
+            they can ("up", "dh", "dx" have the option).
+        fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
+            GEMM's prologue and the down weight gradient.
+        dh_fast_activation: the same in the dH epilogue.
+        column_slab: width of the column slabs in which the [L*K, d] scratch (expert
+            outputs before the combine, dX rows before their sum) is made; None: all d
+            columns at once.
+        dispatch_sorted_min_bins: dispatch ranks rows by sorted chunks from this many
+            bins (E rounded up to a power of two); None: always by one-hot tiles.
+        dispatch_sort_chunk: rows per sorted chunk.
+    """
+
+    backend: str = "auto"
+    triton_backward: bool = True
+    poison: bool = False
+    tiles: Mapping[str, GemmTile] = field(default_factory=dict)
+    h_tma: bool = True
+    weight_tma: frozenset = frozenset({"up", "dh", "dx"})
+    fast_activation: bool = True
+    dh_fast_activation: bool = True
+    column_slab: Optional[int] = 512
+    dispatch_sorted_min_bins: Optional[int] = 128
+    dispatch_sort_chunk: int = 1024
+
+    def __post_init__(self):
+        if self.backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"moeblaze settings: backend must be 'auto', 'triton' or 'torch', got {self.backend!r}")
+        unknown = set(self.tiles) - set(GEMM_KINDS)
+        if unknown:
+            raise ValueError(f"moeblaze settings: tiles has unknown GEMM kinds {sorted(unknown)}; known: {GEMM_KINDS}")
+        for kind, tile in self.tiles.items():
+            if not isinstance(tile, GemmTile):
+                object.__setattr__(self, "tiles", {**self.tiles, kind: GemmTile(*tile)})
+        object.__setattr__(self, "weight_tma", frozenset(self.weight_tma))
+        if self.column_slab is not None and self.column_slab < 1:
+            raise ValueError(f"moeblaze settings: column_slab must be positive or None, got {self.column_slab}")
+        if self.dispatch_sort_chunk < 16 or self.dispatch_sort_chunk & (self.dispatch_sort_chunk - 1):
+            raise ValueError("moeblaze settings: dispatch_sort_chunk must be a power of two >= 16, got "
+                             f"{self.dispatch_sort_chunk}")
+
+    def replace(self, **changes) -> "KernelSettings":
+        """A copy with ``changes`` (field names as keywords); unknown names raise."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = set(changes) - names
+        if unknown:
+            raise ValueError(f"moeblaze settings: no setting named {sorted(unknown)}; known: {sorted(names)}")
+        return dataclasses.replace(self, **changes)
+
+
+_local = threading.local()
+_process_default: Optional[KernelSettings] = None
+
+
+def _default() -> KernelSettings:
+    global _process_default
+    if _process_default is None:
+        backend = os.environ.get("MOEBLAZE_BACKEND", "auto") or "auto"
+        _process_default = KernelSettings(backend="torch" if backend == "torch" else "auto")
+    return _process_default
+
+
+def current() -> KernelSettings:
+    """The settings in force on this thread."""
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else _default()
+
+
+@contextlib.contextmanager
+def override(settings: Optional[KernelSettings] = None, **changes) -> Iterator[KernelSettings]:
+    """Runs a block with ``settings`` (or the current ones with ``changes``) in force."""
+    new = (settings or current()).replace(**changes) if changes else (settings or current())
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    stack.append(new)
+    try:
+        yield new
+    finally:
+        stack.pop()
+
+
+def _dtype_class(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "16bit"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_traits(index: int) -> tuple[str, int]:
+    """(architecture key, shared memory a block may opt into) of CUDA device ``index``."""
+    props = torch.cuda.get_device_properties(index)
+    arch = "sm90" if props.major == 9 else "any"
+    return arch, getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+
+
+def pick_tile(kind: str, dtype: torch.dtype, device: torch.device) -> GemmTile:
+    """The tile of GEMM ``kind`` for tensors of ``dtype`` on ``device``: the override in
+    ``current().tiles``, else the first table entry that fits the shared memory."""
+    override_tile = current().tiles.get(kind)
+    if override_tile is not None:
+        return override_tile
+    if device.type != "cuda":
+        return INTERPRETER_TILE
+    arch, limit = _device_traits(device.index if device.index is not None else torch.cuda.current_device())
+    cls = _dtype_class(dtype)
+    candidates = TILE_TABLE.get((kind, cls, arch)) or TILE_TABLE[(kind, cls, "any")]
+    size = dtype.itemsize
+    for tile in candidates:
+        if tile.smem_bytes(size) <= limit:
+            return tile
+    return candidates[-1]
