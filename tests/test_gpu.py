@@ -231,28 +231,20 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                        bias=True, tw_dtype=torch.float32)
 
 
-@pytest.mark.parametrize("h_tma", [True, False])
-@pytest.mark.parametrize("layout", ["concatenated", "interleaved"])
-def test_h_tma(layout, h_tma, seed, triton_bwd):
-    """h through TMA descriptors (down GEMM, down weight gradient) or plain loads
-    (``settings.h_tma``): forward and every gradient match the reference."""
-    with settings.override(h_tma=h_tma):
-        check_forward(777, 512, 384, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
-                      bias=True, tw_dtype=torch.float32)
-        check_backward(777, 256, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
-                       bias=True, tw_dtype=torch.float32)
-
-
-@pytest.mark.parametrize("fast", [True, False], ids=["approx", "exact"])
-@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu", "silu"])
-def test_forward_fast_sigmoid(activation, fast, seed, triton_bwd):
-    """The down GEMM's prologue and the down weight gradient with the approximate-tanh
-    sigmoid (``settings.fast_activation``, the default) and with the exact one."""
-    with settings.override(fast_activation=fast):
-        check_forward(512, 256, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, activation=activation,
-                      bias=True, tw_dtype=torch.float32)
-        check_backward(512, 256, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, activation=activation,
-                       bias=True, tw_dtype=torch.float32)
+@pytest.mark.parametrize("choice", [{"h_tma": True}, {"h_tma": False}, {"fast_activation": True},
+                                    {"fast_activation": False}], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("activation,layout", [("swiglu", "interleaved"), ("clamped_swiglu", "transposed"),
+                                               ("silu", "concatenated")])
+def test_kernel_choices(choice, activation, layout, seed, triton_bwd):
+    """Both sides of the kernel choices without a test of their own: h through TMA
+    descriptors or plain loads (down GEMM, down weight gradient), the approximate-tanh
+    sigmoid or the exact one (down GEMM prologue, down weight gradient): forward and
+    every gradient against the reference."""
+    with settings.override(**choice):
+        check_forward(777, 512, 384, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, activation=activation,
+                      layout=layout, bias=True, tw_dtype=torch.float32)
+        check_backward(777, 256, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, activation=activation,
+                       layout=layout, bias=True, tw_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("slab", [1024, None], ids=["slabs_1024", "no_slabs"])

@@ -67,12 +67,25 @@ def row_tile(tile, offsets_ptr, E, LK, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
-def expert_tile(tile, P, Q, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """(expert, p-tile, q-tile) of weight-gradient tile ``tile``: q fastest, so neighbours
-    share their A rows."""
+def num_expert_tiles(E, P, Q, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """How many (expert, p-tile, q-tile) tiles ``expert_tile`` numbers."""
+    return E * tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q)
+
+
+@triton.jit
+def expert_tile(tile, offsets_ptr, P, Q, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """(expert, its rows [lo, hi), q-tile index, p indices, p mask, q indices, q mask) of
+    weight-gradient tile ``tile``, a [P, Q] block of one expert's gradient whose reduction
+    runs over the expert's rows. q is fastest, so neighbours share their A rows."""
     p_tiles = tl.cdiv(P, BLOCK_P)
     q_tiles = tl.cdiv(Q, BLOCK_Q)
-    return tile // (p_tiles * q_tiles), (tile // q_tiles) % p_tiles, tile % q_tiles
+    e = tile // (p_tiles * q_tiles)
+    q_idx = tile % q_tiles
+    ps = ((tile // q_tiles) % p_tiles) * BLOCK_P + tl.arange(0, BLOCK_P)
+    qs = q_idx * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    lo = tl.load(offsets_ptr + e)
+    hi = tl.load(offsets_ptr + e + 1)
+    return e, lo, hi, q_idx, ps, ps < P, qs, qs < Q
 
 
 # --------------------------------------------------------------------------- operand loads
@@ -152,6 +165,12 @@ def load_h_pair(h_src, row0, rmask, stride_hm, k0, I, ACT: tl.constexpr, INTERLE
 
 
 # --------------------------------------------------------------------------- epilogue
+
+
+@triton.jit
+def add_bias(acc, bias_ptr, e, stride_bias, cols, cmask):
+    """acc + expert e's bias row (a [BLOCK_N] broadcast over the tile's rows), in fp32."""
+    return acc + tl.load(bias_ptr + e * stride_bias + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
 
 
 @triton.jit

@@ -48,7 +48,7 @@ def _gathered_gemm_kernel(
                                         stride_bn, REDUCTION, N, B_TMA, B_KMAJOR, BLOCK_K, BLOCK_N)
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
             if HAS_BIAS:
-                acc += tl.load(bias_ptr + e * stride_bias + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+                acc = gg.add_bias(acc, bias_ptr, e, stride_bias, cols, cmask)
         gg.store_tile(out_ptr, rows, cols, stride_om, acc, rmask[:, None] & cmask[None, :])
 
 
@@ -78,7 +78,7 @@ def _activated_gemm_kernel(
                 a = tl.where((ks < I)[None, :], activate(g, u, alpha, limit, ACT, FAST_ACT), 0.0)
                 acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
             if HAS_BIAS:
-                acc += tl.load(bias_ptr + e * stride_bias + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+                acc = gg.add_bias(acc, bias_ptr, e, stride_bias, cols, cmask)
         gg.store_tile(out_ptr, rows, cols, stride_om, acc, rmask[:, None] & cmask[None, :])
 
 

@@ -146,13 +146,8 @@ def _wgrad_down_kernel(
 ):
     """dW_down[e] = sum over the expert's rows r of grad_out[tok_r]^T (w_r * act(h[r]))
     ([P, Q] = [d, I] per expert), accumulated transposed; dB_down[e] = sum w_r grad_out[tok_r]."""
-    for tile in range(tl.program_id(0), E * tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q), tl.num_programs(0)):
-        e, p_idx, q_idx = gg.expert_tile(tile, P, Q, BLOCK_P, BLOCK_Q)
-        ps = p_idx * BLOCK_P + tl.arange(0, BLOCK_P)
-        qs = q_idx * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        pmask = ps < P
-        lo = tl.load(offsets_ptr + e)
-        hi = tl.load(offsets_ptr + e + 1)
+    for tile in range(tl.program_id(0), gg.num_expert_tiles(E, P, Q, BLOCK_P, BLOCK_Q), tl.num_programs(0)):
+        e, lo, hi, q_idx, ps, pmask, qs, qmask = gg.expert_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q)
         acc = tl.zeros((BLOCK_Q, BLOCK_P), dtype=tl.float32)
         bias_acc = tl.zeros((BIAS_ROWS, BLOCK_P), dtype=tl.float32)
         q0 = q_idx * BLOCK_Q
@@ -168,7 +163,6 @@ def _wgrad_down_kernel(
                                              ps, pmask, q0, Q, alpha, limit, stride_gm, stride_hm, q_idx == 0, ACT,
                                              INTERLEAVED, HAS_BIAS, FAST_ACT, H_TMA, True, PRECISION, BLOCK_R,
                                              BLOCK_Q, BIAS_ROWS)
-        qmask = qs < Q
         tl.store(out_ptr + e.to(tl.int64) * stride_oe + qs[:, None] * stride_oq + ps[None, :] * stride_op,
                  acc.to(out_ptr.dtype.element_ty), mask=qmask[:, None] & pmask[None, :])
         if HAS_BIAS:
@@ -209,13 +203,8 @@ def _wgrad_up_kernel(
 ):
     """dW_gate_up[e] = sum over the expert's rows r of dH[r]^T x[tok_r] ([P, Q] = [N, d]
     per expert); dB_gate_up[e] = sum dH[r]."""
-    for tile in range(tl.program_id(0), E * tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q), tl.num_programs(0)):
-        e, p_idx, q_idx = gg.expert_tile(tile, P, Q, BLOCK_P, BLOCK_Q)
-        ps = p_idx * BLOCK_P + tl.arange(0, BLOCK_P)
-        qs = q_idx * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        pmask = ps < P
-        lo = tl.load(offsets_ptr + e)
-        hi = tl.load(offsets_ptr + e + 1)
+    for tile in range(tl.program_id(0), gg.num_expert_tiles(E, P, Q, BLOCK_P, BLOCK_Q), tl.num_programs(0)):
+        e, lo, hi, q_idx, ps, pmask, qs, qmask = gg.expert_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q)
         acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
         bias_acc = tl.zeros((BLOCK_P, BIAS_COLS), dtype=tl.float32)
         # Every step masked: peeled like the down kernel's, this loop differed run to run
@@ -224,7 +213,6 @@ def _wgrad_up_kernel(
             acc, bias_acc = _wgrad_up_step(acc, bias_acc, dh_ptr, x_ptr, eti_ptr, r0, hi, ps, pmask, q_idx * BLOCK_Q,
                                            Q, stride_dhm, stride_xm, q_idx == 0, HAS_BIAS, PRECISION, BLOCK_R,
                                            BLOCK_Q, BIAS_COLS)
-        qmask = qs < Q
         tl.store(out_ptr + e.to(tl.int64) * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq,
                  acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & qmask[None, :])
         if HAS_BIAS:
