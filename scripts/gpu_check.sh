@@ -61,16 +61,16 @@ if [ "${SWITCHES:-0}" = 1 ]; then
   # defaults measured above; tables go to the log only.
   echo "== switches: memory at the peak (conf3)" | tee -a "$LOG"
   python3 scripts/memory_peak.py --config conf3 2>>"$LOG" | tee -a "$LOG"
-  echo "== switches: DH_FAST_ACT" | tee -a "$LOG"
+  echo "== switches: dh_fast_activation" | tee -a "$LOG"
   python3 scripts/tune_backward.py --kinds dh --dh-fast 0 1 --w-tma 1 --tiles 128,128,64,8,4 2>>"$LOG" | tee -a "$LOG"
   echo "== switches: dispatch without sorted chunks, with sorted chunks of 512" | tee -a "$LOG"
-  for env in MOEBLAZE_SORTED_MIN_BINS=0 MOEBLAZE_SORT_CHUNK=512; do
-    env $env python3 -m moeblaze_ops.bench --configs --out /tmp/switch_dispatch 2>>"$LOG" | tee -a "$LOG"
+  for setting in dispatch_sorted_min_bins=None dispatch_sort_chunk=512; do
+    python3 -m moeblaze_ops.bench --configs --set "$setting" --out /tmp/switch_dispatch 2>>"$LOG" | tee -a "$LOG"
   done
-  echo "== switches: D_SLAB=0, no slabs (forward, train)" | tee -a "$LOG"
-  MOEBLAZE_D_SLAB=0 python3 -m moeblaze_ops.bench --no-dispatch --configs olmoe conf3 conf4 mixtral \
+  echo "== switches: column_slab=None, no slabs (forward, train)" | tee -a "$LOG"
+  python3 -m moeblaze_ops.bench --set column_slab=None --no-dispatch --configs olmoe conf3 conf4 mixtral \
     --skip hf_eager hf_grouped_mm moeblaze_compiled --out /tmp/switch_dslab_fwd 2>>"$LOG" | tee -a "$LOG"
-  MOEBLAZE_D_SLAB=0 python3 -m moeblaze_ops.bench --mode train --no-dispatch --configs olmoe conf3 conf4 mixtral \
+  python3 -m moeblaze_ops.bench --set column_slab=None --mode train --no-dispatch --configs olmoe conf3 conf4 mixtral \
     --skip hf_eager hf_grouped_mm moeblaze_compiled moeblaze_recompute_compiled --out /tmp/switch_dslab_train \
     2>>"$LOG" | tee -a "$LOG"
 fi

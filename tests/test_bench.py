@@ -1,16 +1,56 @@
-"""The benchmark's own smoke run on CPU: its activation-memory measurement is exact."""
+"""The benchmark's own smoke runs on CPU: what it measures, records and writes."""
 
 import json
+import math
 
-from moeblaze_ops.bench import CONFIGS, main
+import pytest
+
+from moeblaze_ops import settings
+from moeblaze_ops.bench import CONFIGS, cli, main, measure
+
+
+def run(tmp_path, *args):
+    """Runs the benchmark on CPU with ``args``; returns (bench.json's dict, bench.md's text)."""
+    main(["--device", "cpu", "--out", str(tmp_path), *args])
+    return json.loads((tmp_path / "bench.json").read_text()), (tmp_path / "bench.md").read_text()
+
+
+def table_rows(markdown, config):
+    """peer -> cells of each markdown table row of ``config``."""
+    rows = [line.strip("|").split("|") for line in markdown.splitlines() if line.startswith(f"| {config} |")]
+    return {cells[1].strip(): [c.strip() for c in cells] for cells in rows}
+
+
+def assert_timed(rows):
+    for r in rows:
+        assert math.isfinite(r["ms"]) and r["ms"] > 0, r
+        assert math.isfinite(r["tflops"]) and r["tflops"] > 0, r
+
+
+def test_forward_smoke_rows_agree_with_hf(tmp_path):
+    result, md = run(tmp_path, "--configs", "smoke", "--skip", "hf_grouped_mm_compiled")
+    rows = {r["peer"]: r for r in result["forward"]}
+    # hf_eager first: the reference the others are compared with
+    assert list(rows) == ["hf_eager", "hf_grouped_mm", "moeblaze", "moeblaze_compiled"]
+    assert all(r["config"] == "smoke" for r in rows.values())
+    assert_timed(rows.values())
+    assert rows["hf_eager"]["rel_diff_vs_first"] == 0
+    for peer in ("hf_grouped_mm", "moeblaze", "moeblaze_compiled"):
+        assert rows[peer]["rel_diff_vs_first"] < 1e-3, peer
+    assert all(math.isnan(r["peak_gb"]) and math.isnan(r["train_fwd_peak_gb"]) for r in rows.values())
+    table = table_rows(md, "smoke")
+    assert set(table) == set(rows)
+    assert table["moeblaze"][2] == f"{rows['moeblaze']['ms']:.3f}"
+    assert "## forward (fp32, SwiGLU, uniform routing)" in md
 
 
 def test_train_smoke_measures_what_backward_keeps(tmp_path):
-    main(["--device", "cpu", "--mode", "train", "--configs", "smoke", "--out", str(tmp_path),
-          "--skip", "hf_eager", "hf_grouped_mm_compiled", "moeblaze_compiled"])
-    result = json.loads((tmp_path / "bench.json").read_text())
+    """Activation memory is exact on CPU; the compiled recompute peer is the one compiled peer here."""
+    result, md = run(tmp_path, "--mode", "train", "--configs", "smoke",
+                     "--skip", "hf_eager", "hf_grouped_mm_compiled", "moeblaze_compiled")
     rows = {r["peer"]: r for r in result["train"]}
     assert set(rows) == {"hf_grouped_mm", "moeblaze", "moeblaze_recompute", "moeblaze_recompute_compiled"}
+    assert_timed(rows.values())
     T, d, I, E, K = CONFIGS["smoke"]
     LK, f32, i32 = T * K, 4, 4
     # h, expert_token_indices, expert_offsets, token_index_map, topk_weights: nothing else.
@@ -21,11 +61,46 @@ def test_train_smoke_measures_what_backward_keeps(tmp_path):
     assert rows["moeblaze_recompute"]["activation_bytes"] == expected - LK * 2 * I * f32
     # ... under torch.compile (Inductor) too: the compiled forward hands backward no h.
     assert rows["moeblaze_recompute_compiled"]["activation_bytes"] == expected - LK * 2 * I * f32
-    assert (tmp_path / "bench.md").read_text().count("| smoke |") == 4
+    table = table_rows(md, "smoke")
+    assert set(table) == set(rows)
+    assert table["moeblaze"][4] == f"{expected / 1e9:.3f}"  # the activation GB column
 
 
-def test_no_forward_rows_writes_tables_without_a_plot(tmp_path):
-    """`--configs` with no names (the dispatch micro-benchmark alone) has no forward rows to
-    plot: the run still writes its files."""
-    main(["--device", "cpu", "--configs", "--no-dispatch", "--out", str(tmp_path)])
-    assert (tmp_path / "bench.md").exists() and not (tmp_path / "forward.png").exists()
+def test_settings_are_in_force_and_recorded(tmp_path, monkeypatch):
+    """--set and --torch-backward change the settings the measurements run under, and the
+    run records them (no configs: nothing is measured)."""
+    seen = []
+    monkeypatch.setattr(cli, "bench_forward", lambda ctx, names: seen.append(settings.current()) or [])
+    result, md = run(tmp_path, "--configs", "--torch-backward", "--set", "column_slab=None",
+                     "--set", "dispatch_sort_chunk=512")
+    assert seen[0].column_slab is None and seen[0].dispatch_sort_chunk == 512 and not seen[0].triton_backward
+    assert settings.current().column_slab is not None  # only for the run
+    assert result["settings"] == {"triton_backward": False, "column_slab": None, "dispatch_sort_chunk": 512}
+    assert result["triton_backward"] is False and result["forward"] == []
+    assert md.splitlines()[0].endswith("settings triton_backward=False, column_slab=None, dispatch_sort_chunk=512")
+    assert table_rows(md, "smoke") == {}
+    assert not (tmp_path / "forward.png").exists()  # no forward rows: nothing to plot
+
+
+def test_a_peer_that_cannot_run_on_cpu_is_left_out_with_a_note(tmp_path, monkeypatch, capsys):
+    def two_peers(x, ids, w, w_gate_up, w_down, train=False):
+        def broken():
+            raise NotImplementedError("no CPU kernel\nsecond line")
+
+        return {"working": lambda: x * 2, "broken": broken}
+
+    monkeypatch.setattr(measure, "peers", two_peers)
+    result, md = run(tmp_path, "--configs", "smoke", "--no-dispatch")
+    assert [r["peer"] for r in result["forward"]] == ["working"]
+    notes = [line for line in capsys.readouterr().err.splitlines() if "broken" in line]
+    assert notes == ["bench: broken left out on cpu: NotImplementedError: no CPU kernel"]
+    assert set(table_rows(md, "smoke")) == {"working"}
+
+
+@pytest.mark.parametrize("item", ["no_such_setting=1", "column_slab", "dispatch_sort_chunk=100"])
+def test_bad_setting_is_a_usage_error(tmp_path, item, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--device", "cpu", "--configs", "--out", str(tmp_path), "--set", item])
+    assert exit_.value.code == 2
+    assert "--set" in capsys.readouterr().err
+    assert not (tmp_path / "bench.json").exists()

@@ -1,0 +1,18 @@
+"""The benchmark of moeblaze against HF transformers' experts backends.
+
+Run it as ``python -m moeblaze_ops.bench`` (``--help`` lists the options). Its parts:
+
+- ``configs``: the layer shapes measured (``CONFIGS``, ``DISPATCH_CASES``) and ``make_inputs``;
+- ``implementations``: the peers compared, each a callable on one config's inputs (``peers``);
+- ``measure``: time, peak and activation memory per peer, and the dispatch micro-benchmark;
+- ``report``: the markdown tables and the forward bar charts;
+- ``cli``: the command line, which runs the measurements under the kernel settings it is given.
+"""
+
+from .cli import main
+from .configs import CONFIGS, DISPATCH_CASES, make_inputs
+from .implementations import peers
+from .measure import BenchContext, activation_bytes, peak_bytes, time_ms
+
+__all__ = ["CONFIGS", "DISPATCH_CASES", "BenchContext", "activation_bytes", "main", "make_inputs", "peak_bytes",
+           "peers", "time_ms"]

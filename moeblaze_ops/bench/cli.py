@@ -1,0 +1,148 @@
+"""``python -m moeblaze_ops.bench``: moeblaze against its peers, side by side, in one run.
+
+Peers: HF transformers' experts backends ``eager`` (a loop over experts), ``grouped_mm``
+and ``grouped_mm`` under ``torch.compile``; moeblaze eager and compiled. Forward mode times
+the experts' forward (bf16, SwiGLU, uniform routing) and measures its peak memory above the
+inputs; train mode times forward + backward and measures the activation memory kept for
+backward (the unique storages autograd saves, parameters and the layer input excluded) and
+the peak memory of one step. A dispatch micro-benchmark compares moeblaze's dispatch with
+the sort + histc + cumsum that ``grouped_mm`` runs. Writes bench.md (tables), bench.json
+and forward.png (bar charts, with matplotlib) under ``--out``.
+
+``--set NAME=VALUE`` (repeatable) runs every measurement with that field of
+``moeblaze_ops.settings.KernelSettings`` changed; VALUE is a Python literal (``None``,
+``512``, ``False``) or else a string. ``--device cpu --configs smoke`` is a quick check of
+the benchmark itself (fp32, no peak memory, no dispatch micro-benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .. import settings
+from .configs import CONFIGS
+from .console import note
+from .measure import BenchContext, bench_dispatch, bench_forward, bench_train
+from .report import dispatch_table, forward_table, plot, title, train_table
+
+__all__ = ["main", "parse_setting"]
+
+_SETTING_NAMES = tuple(f.name for f in dataclasses.fields(settings.KernelSettings))
+
+
+def parse_setting(text):
+    """``NAME=VALUE`` -> (NAME, VALUE), VALUE read as a Python literal or else kept as a string;
+    an argparse type, so a malformed item or an unknown NAME is a usage error."""
+    name, sep, raw = text.partition("=")
+    name = name.strip()
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    if name not in _SETTING_NAMES:
+        raise argparse.ArgumentTypeError(f"no kernel setting named {name!r}; known: {', '.join(_SETTING_NAMES)}")
+    try:
+        value = ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        value = raw.strip()
+    return name, value
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="python -m moeblaze_ops.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["forward", "train"], default="forward",
+                   help="forward: the experts' forward; train: forward + backward, activation and peak memory")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--torch-backward", action="store_true",
+                   help="moeblaze's backward through the PyTorch kernels instead of the Triton ones "
+                        "(the same as --set triton_backward=False)")
+    p.add_argument("--set", dest="settings", metavar="NAME=VALUE", action="append", type=parse_setting, default=[],
+                   help="change a kernel setting for the whole run (repeatable), e.g. --set column_slab=None")
+    p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--skip", nargs="*", default=[], help="peers to leave out, e.g. hf_eager")
+    p.add_argument("--no-dispatch", action="store_true", help="skip the dispatch micro-benchmark")
+    p.add_argument("--out", default="bench_out")
+    return p
+
+
+def _setting_changes(parser, args):
+    """The settings the run changes, in command-line order (--set after --torch-backward),
+    checked against ``KernelSettings``' own validation."""
+    changes = {"triton_backward": False} if args.torch_backward else {}
+    changes.update(args.settings)
+    try:
+        settings.current().replace(**changes)
+    except (ValueError, TypeError) as e:
+        parser.error(f"--set: {e}")
+    return changes
+
+
+def _jsonable(value):
+    """JSON form of a setting value json cannot write itself (sets, tiles)."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    return repr(value)
+
+
+def _versions():
+    """Versions of the peers' libraries that are importable."""
+    found = {}
+    for name in ("transformers", "triton"):
+        try:
+            found[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return found
+
+
+def _measure(args, ctx, changes):
+    """Runs the measurements (under the settings in force) -> (bench.json's dict, bench.md's lines)."""
+    device_name = torch.cuda.get_device_name() if ctx.on_cuda else "CPU"
+    result = dict(device=device_name, torch=torch.__version__, mode=args.mode,
+                  triton_backward=settings.current().triton_backward, settings=changes, **_versions())
+    text = [title(args.mode, device_name, torch.__version__, changes)]
+    if not args.no_dispatch:
+        if ctx.on_cuda:
+            result["dispatch"] = bench_dispatch(ctx)
+            text += ["", "## dispatch", "", dispatch_table(result["dispatch"])]
+            print("\n".join(text[-3:]), flush=True)
+        else:
+            note(f"bench: dispatch micro-benchmark left out on {ctx.device} (it times CUDA kernels)")
+    if args.mode == "forward":
+        result["forward"] = bench_forward(ctx, args.configs)
+        dtype = "bf16" if ctx.on_cuda else "fp32"  # make_inputs' default dtype
+        text += ["", f"## forward ({dtype}, SwiGLU, uniform routing)", "", forward_table(result["forward"])]
+    else:
+        result["train"] = bench_train(ctx, args.configs)
+        text += ["", "## forward + backward (SwiGLU, uniform routing)", "", train_table(result["train"])]
+    return result, text
+
+
+def main(argv=None):
+    """Runs the benchmark with command-line arguments ``argv`` (``sys.argv[1:]`` by default)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA GPU here: --device cpu runs the smoke check")
+    changes = _setting_changes(parser, args)
+    ctx = BenchContext(device=args.device, skip=frozenset(args.skip))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with settings.override(**changes):
+        result, text = _measure(args, ctx, changes)
+    (out / "bench.json").write_text(json.dumps(result, indent=1, default=_jsonable))
+    (out / "bench.md").write_text("\n".join(text) + "\n")
+    if args.mode == "forward" and result["forward"]:  # `--configs` alone: the dispatch rows only
+        if not plot(result["forward"], out / "forward.png"):
+            note("bench: forward.png not written (matplotlib is not importable)")
+    print("\n".join(text), flush=True)
+    print(f"\n({time.time() - t0:.0f} s)")

@@ -1,0 +1,42 @@
+"""The shapes the benchmark measures and the random inputs of one experts layer."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["CONFIGS", "DISPATCH_CASES", "make_inputs"]
+
+#: name -> (T tokens, d hidden, I intermediate, E experts, K chosen per token).
+CONFIGS = {
+    "conf1": (65536, 512, 2048, 4, 1),
+    "conf3": (65536, 1024, 4096, 16, 4),
+    "conf4": (32768, 2048, 8192, 16, 4),
+    "conf7": (8192, 2048, 8192, 8, 4),
+    "olmoe": (32768, 2048, 1024, 64, 8),
+    "qwen3_a3b": (32768, 2048, 768, 128, 8),
+    "mixtral": (16384, 4096, 14336, 8, 2),
+    "deepseek_v3": (8192, 7168, 2048, 256, 8),
+    # one layer of examples/finetune_hf_moe.py --size 100m at 16x512 tokens
+    "qwen3_100m": (8192, 512, 256, 32, 4),
+    "smoke": (512, 64, 128, 8, 2),  # a seconds-long check of the benchmark itself
+}
+
+#: (L rows, K ids per row, E experts) of the dispatch micro-benchmark.
+DISPATCH_CASES = [(65536, 8, 128), (262144, 4, 16), (1048576, 8, 256)]
+
+
+def make_inputs(T, d, I, E, K, dtype=None, device="cuda", seed=0):
+    """Random inputs of a SwiGLU experts layer with uniform routing:
+    ``(x [T, d], topk_ids [T, K], topk_weights [T, K], w_gate_up [E, 2I, d], w_down [E, d, I])``.
+
+    ``dtype`` defaults to bf16 on CUDA and fp32 elsewhere (CPU matmuls in bf16 are slow
+    and would make the smoke check's comparison between peers loose).
+    """
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, d, device=device, dtype=dtype, generator=g)
+    logits = torch.randn(T, E, device=device, generator=g)
+    w, ids = logits.softmax(-1).topk(K, dim=-1)
+    w_gate_up = torch.randn(E, 2 * I, d, device=device, dtype=dtype, generator=g) * d ** -0.5
+    w_down = torch.randn(E, d, I, device=device, dtype=dtype, generator=g) * I ** -0.5
+    return x, ids, w, w_gate_up, w_down

@@ -1,0 +1,98 @@
+"""The experts implementations compared: HF transformers' backends and moeblaze's.
+
+HF's ``eager`` backend (a loop over experts), its ``grouped_mm`` backend eager and under
+``torch.compile``, and ``moeblaze_ops.moe_experts`` eager and compiled; train mode adds
+moeblaze's full-recompute mode. Every peer computes the same SwiGLU experts layer on the
+same weights, so their outputs can be compared with each other.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import moeblaze_ops
+
+from .console import note
+
+__all__ = ["HFExpertsModule", "hf_eager_forward", "peers"]
+
+
+class HFExpertsModule(torch.nn.Module):
+    """The attributes HF's experts backends read from an experts module (Qwen3-MoE-like)."""
+
+    def __init__(self, w_gate_up, w_down):
+        super().__init__()
+        self.num_experts = w_gate_up.shape[0]
+        # Plain tensor attributes, not parameters, so the benchmark's requires_grad switch
+        # on the input tensors reaches them.
+        self.gate_up_proj = w_gate_up
+        self.down_proj = w_down
+        self.act_fn = F.silu
+        self.has_gate, self.has_bias, self.is_transposed, self.is_concatenated = True, False, False, True
+        self.has_post_expert_norm, self._is_expert_parallel = False, False
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+
+def hf_eager_forward(mod, x, ids, w):
+    """HF's eager experts loop (as in its Qwen3-MoE experts): the ``hf_eager`` peer."""
+    out = torch.zeros_like(x)
+    with torch.no_grad():
+        mask = F.one_hot(ids, num_classes=mod.num_experts).permute(2, 1, 0)
+        hit = (mask.sum(dim=(-1, -2)) > 0).nonzero()
+    for e in hit:
+        e = e[0]
+        k, tok = torch.where(mask[e])
+        gate, up = F.linear(x[tok], mod.gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, mod.down_proj[e]) * w[tok, k, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
+
+
+def _bound(fn, x, ids, w):
+    """``fn`` with its inputs bound: a peer is called without arguments."""
+    return lambda: fn(x, ids, w)
+
+
+def _hf_grouped_mm_forward():
+    """transformers' ``grouped_mm`` experts forward, or None (with a note) without transformers."""
+    try:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+    except ImportError as e:
+        note(f"bench: hf_grouped_mm peers left out: {e}")
+        return None
+    return grouped_mm_experts_forward
+
+
+def peers(x, ids, w, w_gate_up, w_down, train=False):
+    """name -> callable running the experts' forward on these inputs.
+
+    The first peer is the reference the forward benchmark compares outputs with. Train
+    mode adds moeblaze's full-recompute mode (same forward, less kept for backward), eager
+    and compiled. Compiled peers compile on their first call.
+    """
+    mod = HFExpertsModule(w_gate_up, w_down)
+
+    def ours(x, ids, w):
+        return moeblaze_ops.moe_experts(x, ids, w, w_gate_up, w_down)
+
+    fns = {"hf_eager": lambda: hf_eager_forward(mod, x, ids, w)}
+    grouped_mm = _hf_grouped_mm_forward()
+    if grouped_mm is not None:
+        def hf_grouped(x, ids, w):
+            return grouped_mm(mod, x, ids, w)
+
+        fns["hf_grouped_mm"] = _bound(hf_grouped, x, ids, w)
+        fns["hf_grouped_mm_compiled"] = _bound(torch.compile(hf_grouped, fullgraph=True), x, ids, w)
+    fns["moeblaze"] = _bound(ours, x, ids, w)
+    fns["moeblaze_compiled"] = _bound(torch.compile(ours, fullgraph=True), x, ids, w)
+    if train:
+        def recompute(x, ids, w):
+            return moeblaze_ops.moe_experts(x, ids, w, w_gate_up, w_down, recompute=True)
+
+        fns["moeblaze_recompute"] = _bound(recompute, x, ids, w)
+        fns["moeblaze_recompute_compiled"] = _bound(torch.compile(recompute, fullgraph=True), x, ids, w)
+    return fns

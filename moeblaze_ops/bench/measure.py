@@ -1,0 +1,197 @@
+"""The measurements: time, peak memory and activation memory of each peer, per config,
+and the dispatch micro-benchmark.
+
+On CUDA a time is ``triton.testing.do_bench``'s median and a peak the most memory one call
+allocates above what was allocated before it. On CPU (the benchmark's smoke check) a time
+is the mean of three ``perf_counter`` calls and a peak is NaN: the allocator keeps no
+statistics there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .configs import CONFIGS, DISPATCH_CASES, make_inputs
+from .console import emit, note, progress
+from .implementations import peers
+
+__all__ = ["BenchContext", "time_ms", "peak_bytes", "activation_bytes", "bench_forward", "bench_train",
+           "bench_dispatch"]
+
+
+@dataclass(frozen=True)
+class BenchContext:
+    """Where the benchmark runs and which peers it leaves out."""
+
+    device: str = "cuda"
+    skip: frozenset = frozenset()
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the measurements use CUDA's timer and allocator statistics."""
+        return self.device == "cuda"
+
+
+def time_ms(fn, device, reps_ms=200):
+    """Milliseconds one call of ``fn`` takes on ``device``."""
+    if device != "cuda":
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        return (time.perf_counter() - t0) / 3 * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=50, rep=reps_ms, return_mode="median")
+
+
+def peak_bytes(fn, device):
+    """Peak memory one call of ``fn`` adds above what is allocated before it (CUDA; NaN elsewhere)."""
+    if device != "cuda":
+        fn()
+        return float("nan")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak
+
+
+def activation_bytes(fn, exclude):
+    """Runs ``fn()`` and returns (its output, the bytes of the unique storages autograd saved
+    for backward, those of ``exclude`` (parameters, the layer input) left out)."""
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(saved.values())
+
+
+def _runnable(ctx, fns, first_call):
+    """(peer, fn, ``first_call(fn)``) for each peer not skipped; the first call warms up
+    (compiles) the peer. On CPU a peer whose first call fails is left out with a one-line
+    note, so the smoke check still measures the others; on CUDA the error stops the run."""
+    for peer, fn in fns.items():
+        if peer in ctx.skip:
+            continue
+        try:
+            first = first_call(fn)
+        except Exception as e:
+            if ctx.on_cuda:
+                raise
+            reason = (str(e).strip().splitlines() or [""])[0]
+            note(f"bench: {peer} left out on {ctx.device}: {type(e).__name__}: {reason}")
+            continue
+        yield peer, fn, first
+
+
+def _no_grad_call(fn):
+    with torch.no_grad():
+        return fn()
+
+
+def _release_cached(ctx):
+    if ctx.on_cuda:
+        torch.cuda.empty_cache()
+
+
+def bench_forward(ctx, names):
+    """Rows of the forward benchmark: per config and peer, its time, TFLOP/s, peak memory
+    without grad and in a training forward, and its output's difference from the first peer's."""
+    rows = []
+    for name in progress(names, "forward"):
+        T, d, I, E, K = CONFIGS[name]
+        torch._dynamo.reset()  # each config compiles its peers afresh: no recompile limit across configs
+        inputs = make_inputs(T, d, I, E, K, device=ctx.device)
+        flops = 6 * T * K * d * I  # forward: 2*LK*d*2I + 2*LK*I*d
+        fns = peers(*inputs)
+        ref = None
+        for peer, fn, out in _runnable(ctx, fns, _no_grad_call):
+            with torch.no_grad():
+                if ref is None:
+                    ref = out.float()
+                err = float((out.float() - ref).norm() / ref.norm())
+                ms = time_ms(fn, ctx.device)
+                mem = peak_bytes(fn, ctx.device)
+            # A training forward: the weights require grad, so each peer also keeps what its
+            # backward needs. Measured once, after a warm-up (compile) call.
+            trainable = [inputs[i] for i in (0, 2, 3, 4)]  # x, topk_weights, w_gate_up, w_down
+            for t in trainable:
+                t.requires_grad_(True)
+            fn()
+            train_mem = peak_bytes(fn, ctx.device)
+            for t in trainable:
+                t.requires_grad_(False)
+            rows.append(emit(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=mem / 1e9,
+                                   train_fwd_peak_gb=train_mem / 1e9, rel_diff_vs_first=err)))
+        del fns, inputs, ref
+        _release_cached(ctx)
+    return rows
+
+
+def bench_train(ctx, names):
+    """Rows of the train benchmark: per config and peer, the time and TFLOP/s of forward +
+    backward, the peak memory of one step and the activation memory kept for backward."""
+    rows = []
+    for name in progress(names, "train"):
+        T, d, I, E, K = CONFIGS[name]
+        torch._dynamo.reset()
+        inputs = make_inputs(T, d, I, E, K, device=ctx.device)
+        x, ids, w, w_gate_up, w_down = inputs
+        for t in (x, w, w_gate_up, w_down):
+            t.requires_grad_(True)
+        flops = 18 * T * K * d * I  # the backward's GEMMs (dX and dW of each) are twice the forward's 6*T*K*d*I
+        grad = torch.randn(T, d, device=ctx.device, dtype=x.dtype,
+                           generator=torch.Generator(ctx.device).manual_seed(1))
+
+        def step(fn):
+            fn().backward(grad)
+
+        for peer, fn, _ in _runnable(ctx, peers(*inputs, train=True), step):
+            ms = time_ms(lambda fn=fn: step(fn), ctx.device)
+            mem = peak_bytes(lambda fn=fn: step(fn), ctx.device)
+            out, act = activation_bytes(fn, exclude=[x, w_gate_up, w_down])
+            del out
+            for t in (x, w, w_gate_up, w_down):
+                t.grad = None
+            rows.append(emit(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=mem / 1e9,
+                                   activation_gb=act / 1e9, activation_bytes=act)))
+        del inputs, x, w, w_gate_up, w_down
+        _release_cached(ctx)
+    return rows
+
+
+def bench_dispatch(ctx):
+    """Rows of the dispatch micro-benchmark (CUDA): the sort + histc + cumsum that HF's
+    ``grouped_mm`` runs, against moeblaze's dispatch kernels alone and its op (with id checks)."""
+    from moeblaze_ops.kernels import triton_dispatch
+
+    rows = []
+    for L, K, E in progress(DISPATCH_CASES, "dispatch"):
+        ids = torch.randn(L, E, device=ctx.device).topk(K, dim=-1).indices
+
+        def sort_histc_cumsum():
+            flat = ids.reshape(-1)
+            sorted_ids, perm = torch.sort(flat)
+            counts = torch.histc(sorted_ids.int(), bins=E, min=0, max=E - 1)
+            return perm, torch.cumsum(counts, 0, dtype=torch.int32)
+
+        base = time_ms(sort_histc_cumsum, ctx.device)
+        kernel = time_ms(lambda: triton_dispatch.dispatch(ids, E), ctx.device)
+        op = time_ms(lambda: torch.ops.moeblaze.dispatch(ids, E), ctx.device)
+        rows.append(dict(L=L, K=K, E=E, sort_histc_cumsum_ms=base, moeblaze_kernels_ms=kernel,
+                         moeblaze_op_ms=op, speedup_kernels=base / kernel, speedup_op=base / op))
+    return rows

@@ -1,0 +1,98 @@
+"""What a run writes: markdown tables of the measured rows and the forward bar charts.
+
+Each table compares every peer of a config with that config's ``hf_grouped_mm_compiled``
+row (HF's fastest backend); a config without that row shows "-" there.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BASE_PEER", "title", "forward_table", "train_table", "dispatch_table", "plot"]
+
+BASE_PEER = "hf_grouped_mm_compiled"
+
+
+def title(mode, device, torch_version, changes):
+    """The markdown title of a run: its mode, device, torch and the settings it changed."""
+    text = f"# moeblaze bench ({mode}) on {device}, torch {torch_version}"
+    if changes:
+        text += ", settings " + ", ".join(f"{k}={v!r}" for k, v in changes.items())
+    return text
+
+
+def _against_base(rows, base_peer=BASE_PEER):
+    """(config, peer, row, the config's base row or None, speed vs base as text), per row."""
+    by = {}
+    for r in rows:
+        by.setdefault(r["config"], {})[r["peer"]] = r
+    for cfg, peers_ in by.items():
+        base = peers_.get(base_peer)
+        for peer, r in peers_.items():
+            yield cfg, peer, r, base, (f"{base['ms'] / r['ms']:.2f}x" if base else "-")
+
+
+def forward_table(rows):
+    """Markdown table of ``bench_forward``'s rows."""
+    lines = ["| config | peer | ms | TFLOP/s | peak GB (no grad) | peak GB (training fwd) | speed vs compiled "
+             "grouped_mm | peak vs compiled grouped_mm (no grad / training fwd) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for cfg, peer, r, base, speed in _against_base(rows):
+        mem = (f"{r['peak_gb'] / base['peak_gb']:.2f}x / {r['train_fwd_peak_gb'] / base['train_fwd_peak_gb']:.2f}x"
+               if base and base["peak_gb"] > 0 else "-")
+        lines.append(f"| {cfg} | {peer} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['peak_gb']:.2f} "
+                     f"| {r['train_fwd_peak_gb']:.2f} | {speed} | {mem} |")
+    return "\n".join(lines)
+
+
+def train_table(rows):
+    """Markdown table of ``bench_train``'s rows."""
+    lines = ["| config | peer | fwd+bwd ms | TFLOP/s | activation GB | peak GB | speed vs compiled grouped_mm "
+             "| activation vs compiled grouped_mm | peak vs compiled grouped_mm |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for cfg, peer, r, base, speed in _against_base(rows):
+        def ratio(k):
+            return f"{r[k] / base[k]:.2f}x" if base and base[k] > 0 else "-"
+
+        lines.append(f"| {cfg} | {peer} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['activation_gb']:.3f} "
+                     f"| {r['peak_gb']:.2f} | {speed} | {ratio('activation_gb')} | {ratio('peak_gb')} |")
+    return "\n".join(lines)
+
+
+def dispatch_table(rows):
+    """Markdown table of ``bench_dispatch``'s rows."""
+    lines = ["| L | K | E | sort+histc+cumsum ms | moeblaze kernels ms | moeblaze op ms (with id checks) "
+             "| speedup (kernels / op) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['L']} | {r['K']} | {r['E']} | {r['sort_histc_cumsum_ms']:.3f} "
+                     f"| {r['moeblaze_kernels_ms']:.3f} | {r['moeblaze_op_ms']:.3f} "
+                     f"| {r['speedup_kernels']:.1f}x / {r['speedup_op']:.1f}x |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    """Bar charts of the forward rows' TFLOP/s and peak memory per config and peer, saved
+    to ``path``; False (nothing written) where matplotlib is not importable."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cfgs = list(dict.fromkeys(r["config"] for r in rows))
+    peers_ = list(dict.fromkeys(r["peer"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+    width = 0.8 / len(peers_)
+    for i, p in enumerate(peers_):
+        vals = {r["config"]: r for r in rows if r["peer"] == p}
+        xs = [j + i * width for j in range(len(cfgs))]
+        axes[0].bar(xs, [vals[c]["tflops"] if c in vals else 0 for c in cfgs], width, label=p)
+        axes[1].bar(xs, [vals[c]["peak_gb"] if c in vals else 0 for c in cfgs], width, label=p)
+    for ax, name in zip(axes, ["forward TFLOP/s", "forward peak memory (GB)"]):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cfgs))], cfgs, rotation=30)
+        ax.set_title(name)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
