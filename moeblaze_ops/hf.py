@@ -2,8 +2,10 @@
 
 transformers v5 dispatches the experts of every model decorated with
 ``@use_experts_implementation`` through ``transformers.integrations.moe.ExpertsInterface``.
-Importing this module adds ``"moeblaze"`` there (``register()``, idempotent); so does
-importing ``moeblaze_ops`` after transformers. Then any of
+Importing this module adds ``"moeblaze"`` there (``register()``, idempotent). So does
+``import moeblaze_ops``, whatever the import order: at once if transformers has loaded
+``transformers.integrations.moe`` already, else through an import hook right after it
+does (``import moeblaze_ops`` itself never imports transformers). Then any of
 
     AutoModelForCausalLM.from_pretrained(name, experts_implementation="moeblaze")
     AutoModelForCausalLM.from_config(config, experts_implementation="moeblaze")
@@ -24,6 +26,7 @@ transformers implementation).
 
 from __future__ import annotations
 
+from .activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from .functional import moe_experts
 
 BACKEND = "moeblaze"
@@ -55,12 +58,12 @@ def _activation(module):
         if hidden_act not in _PLAIN:
             raise NotImplementedError(f"moeblaze experts backend: {name} uses hidden_act={hidden_act!r}; "
                                       f"supported without a gate: {sorted(_PLAIN)}")
-        return _PLAIN[hidden_act], 1.702, 7.0
+        return _PLAIN[hidden_act], CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
     if type(module)._apply_gate is _default_apply_gate:
         if hidden_act not in _GATED:
             raise NotImplementedError(f"moeblaze experts backend: {name} uses hidden_act={hidden_act!r}; "
                                       f"supported gated activations: {sorted(_GATED)}")
-        return _GATED[hidden_act], 1.702, 7.0
+        return _GATED[hidden_act], CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
     if name in _CUSTOM_GATES:
         return _CUSTOM_GATES[name], float(module.alpha), float(module.limit)
     raise NotImplementedError(f"moeblaze experts backend: {name} has its own _apply_gate, which moeblaze does "

@@ -1,5 +1,12 @@
+"""pytest setup: Triton's interpreter on CPU machines, the per-test ``seed`` fixture, and the
+shared helpers (from ``moeblaze_ops.testing``) under the names the test files import.
+
+Seeds are fixed: each test's seed is a stable hash of its node id and a base seed, 0 by
+default. ``MOEBLAZE_TEST_SEED=<int>`` picks another base; ``MOEBLAZE_TEST_SEED=random``
+draws one per run. A failing test's report names its seed and the base that reproduces it.
+"""
+
 import os
-import random
 
 import pytest
 import torch
@@ -10,71 +17,43 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import moeblaze_ops  # noqa: E402,F401  (registers the ops)
-from moeblaze_ops import is_gated  # noqa: E402
+from moeblaze_ops.testing import (  # noqa: E402,F401  (re-exported: tests import them from conftest)
+    SEED_ENV,
+    base_seed,
+    make_layer,
+    make_topk_ids,
+    rel_err,
+    seed_for,
+)
 
 
-def fresh_seed():
-    """A new seed each call (fresh inputs every check); failures print it to reproduce."""
-    return int(os.environ.get("MOEBLAZE_TEST_SEED", random.SystemRandom().randrange(2**31)))
+def pytest_configure(config):
+    # Pin a random base in the environment, so that the processes this run starts
+    # (pytest-xdist workers, subprocess tests) derive their seeds from the same base.
+    config.moeblaze_seed_setting = os.environ.get(SEED_ENV)
+    if (config.moeblaze_seed_setting or "").strip() == "random":
+        os.environ[SEED_ENV] = str(base_seed())
 
 
-def make_topk_ids(L, K, E, routing="uniform", *, sentinel_frac=0.0, generator=None, dtype=torch.int64):
-    """[L, K] distinct expert ids per row. routings: uniform, skewed (Zipf-like), first (experts 0..K-1),
-    no_last (expert E-1 never chosen). A fraction of entries becomes sentinel ids (>= E)."""
-    g = generator
-    if routing == "first":
-        ids = torch.arange(K).expand(L, K).clone()
-    else:
-        E_eff = E - 1 if routing == "no_last" else E
-        assert K <= E_eff
-        if routing == "skewed":
-            logits = -1.2 * torch.log(torch.arange(1, E_eff + 1, dtype=torch.float64))
-            u = torch.rand(L, E_eff, generator=g, dtype=torch.float64).clamp_min(1e-12)
-            scores = logits - torch.log(-torch.log(u))  # Gumbel top-k: sampling without replacement
-        else:
-            scores = torch.rand(L, E_eff, generator=g)
-        ids = scores.topk(K, dim=1).indices
-    if sentinel_frac > 0:
-        mask = torch.rand(L, K, generator=g) < sentinel_frac
-        ids = torch.where(mask, torch.full_like(ids, E) + torch.randint(0, 3, ids.shape, generator=g), ids)
-    return ids.to(dtype)
-
-
-def make_layer(L, d, I, E, K, *, dtype=torch.float32, activation="swiglu", transposed=False, interleaved=False,
-               bias=False,
-               routing="uniform", sentinel_frac=0.0, seed=None, requires_grad=False, tw_dtype=None):
-    """Random inputs of an experts layer, as a dict of moe_experts keyword arguments."""
-    g = torch.Generator().manual_seed(fresh_seed() if seed is None else seed)
-    N = 2 * I if is_gated(activation) else I
-
-    def rnd(*shape, scale=1.0):
-        t = (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
-        return t.requires_grad_(requires_grad)
-
-    w_gate_up = rnd(E, d, N, scale=d ** -0.5) if transposed else rnd(E, N, d, scale=d ** -0.5)
-    w_down = rnd(E, I, d, scale=I ** -0.5) if transposed else rnd(E, d, I, scale=I ** -0.5)
-    tw = torch.rand(L, K, generator=g, dtype=torch.float64).softmax(-1).to(tw_dtype or dtype)
-    return dict(
-        x=rnd(L, d),
-        topk_ids=make_topk_ids(L, K, E, routing, sentinel_frac=sentinel_frac, generator=g),
-        topk_weights=tw.requires_grad_(requires_grad),
-        w_gate_up=w_gate_up,
-        w_down=w_down,
-        activation=activation,
-        b_gate_up=rnd(E, N, scale=0.1) if bias else None,
-        b_down=rnd(E, d, scale=0.1) if bias else None,
-        transposed=transposed,
-        interleaved=interleaved,
-    )
-
-
-def rel_err(out, ref):
-    ref = ref.detach().double()
-    denom = ref.norm()
-    err = (out.detach().double() - ref.detach()).norm()
-    return float(err / denom) if denom > 0 else float(err)
+def pytest_report_header(config):
+    setting = getattr(config, "moeblaze_seed_setting", None)
+    return f"moeblaze test seeds: base {base_seed()} ({SEED_ENV} {'unset' if setting is None else repr(setting)})"
 
 
 @pytest.fixture
-def seed():
-    return fresh_seed()
+def seed(request):
+    """This test's seed: fixed per test node id (see the module docstring)."""
+    return seed_for(request.node.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Attaches the seed to a failing test's report, with the command that reruns it."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append((
+            "moeblaze seed",
+            f"test seed {seed_for(item.nodeid)}, base {base_seed()}: rerun with "
+            f"{SEED_ENV}={base_seed()} python -m pytest '{item.nodeid}'",
+        ))

@@ -1,13 +1,17 @@
-"""Shared kernel checks, run by the interpreter tests (CPU) and the GPU tests."""
+"""Shared kernel checks, run by the interpreter tests (CPU) and the GPU tests.
+
+``layout`` is a name in ``moeblaze_ops.testing.LAYOUTS``: "concatenated", "transposed",
+"interleaved" or "transposed_interleaved" (the weight layout and the gate/up column order
+are independent arguments).
+"""
 
 import contextlib
 
 import torch
 
-from conftest import make_layer, rel_err
 from moeblaze_ops import moe_experts
 from moeblaze_ops.kernels import torch_dispatch
-from reference import reference_moe, router_grad_scale
+from moeblaze_ops.testing import make_layer, make_topk_ids, reference_moe, rel_err, router_grad_scale
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 
@@ -15,8 +19,7 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 def check_forward(L, d, I, E, K, *, dtype, device, seed, activation="swiglu", layout="concatenated",
                   bias=False, routing="uniform", sentinel_frac=0.0, tw_dtype=None):
     """Triton forward vs the float64 reference; outputs poisoned; two runs bitwise equal."""
-    tr = layout != "concatenated"
-    layer = make_layer(L, d, I, E, K, dtype=dtype, activation=activation, transposed=tr, interleaved=tr,
+    layer = make_layer(L, d, I, E, K, dtype=dtype, activation=activation, layout=layout,
                        bias=bias, routing=routing, sentinel_frac=sentinel_frac, seed=seed, tw_dtype=tw_dtype)
     on_dev = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in layer.items()}
     out = moe_experts(**on_dev, limit=1.5 if dtype == torch.float32 else 7.0)
@@ -32,8 +35,6 @@ def check_forward(L, d, I, E, K, *, dtype, device, seed, activation="swiglu", la
 
 
 def check_dispatch_bitwise(L, K, E, *, device, routing="uniform", sentinel_frac=0.0, seed=0):
-    from conftest import make_topk_ids
-
     ids = make_topk_ids(L, K, E, routing, sentinel_frac=sentinel_frac, generator=torch.Generator().manual_seed(seed))
     got = torch.ops.moeblaze.dispatch(ids.to(device), E)
     want = torch_dispatch.dispatch(ids, E)
@@ -48,8 +49,7 @@ def check_backward(L, d, I, E, K, *, dtype, device, seed, activation="swiglu", l
                    bias=False, routing="uniform", sentinel_frac=0.0, tw_dtype=None, recompute=False):
     """Every gradient of the layer vs the float64 reference; two runs bitwise equal.
     ``recompute`` runs moe_experts(..., recompute=True) (h recomputed, dH written over it)."""
-    tr = layout != "concatenated"
-    layer = make_layer(L, d, I, E, K, dtype=dtype, activation=activation, transposed=tr, interleaved=tr,
+    layer = make_layer(L, d, I, E, K, dtype=dtype, activation=activation, layout=layout,
                        bias=bias, routing=routing, sentinel_frac=sentinel_frac, seed=seed, tw_dtype=tw_dtype)
     limit = 1.5 if dtype == torch.float32 else 7.0
     names = [k for k in GRAD_ARGS if layer[k] is not None]

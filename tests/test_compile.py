@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-from conftest import make_layer, rel_err
 from moeblaze_ops import moe_experts
+from moeblaze_ops.testing import make_layer, rel_err
 
 GRAD_ARGS = ("x", "topk_weights", "w_gate_up", "w_down")
 

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import make_topk_ids
+from moeblaze_ops.testing import make_topk_ids
 
 
 def argsort_dispatch(topk_ids, E):
@@ -65,8 +65,10 @@ def check_dispatch(topk_ids, E):
         (256, 8, 256, "uniform", 0.0),
     ],
 )
-def test_dispatch_matches_stable_argsort(L, K, E, routing, sentinel_frac, dtype):
-    check_dispatch(make_topk_ids(L, K, E, routing, sentinel_frac=sentinel_frac, dtype=dtype), E)
+def test_dispatch_matches_stable_argsort(L, K, E, routing, sentinel_frac, dtype, seed):
+    ids = make_topk_ids(L, K, E, routing, sentinel_frac=sentinel_frac, dtype=dtype,
+                        generator=torch.Generator().manual_seed(seed))
+    check_dispatch(ids, E)
 
 
 def test_dispatch_empty():

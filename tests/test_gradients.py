@@ -3,16 +3,16 @@
 import pytest
 import torch
 
-from conftest import make_layer, rel_err
-from moeblaze_ops import ACTIVATIONS, moe_experts
-from reference import reference_moe
+from moeblaze_ops import ACTIVATIONS, is_gated, moe_experts
+from moeblaze_ops.testing import LAYOUTS, make_layer, reference_moe, rel_err
 
-LAYOUTS = {
-    # name: (transposed, interleaved)
-    "concatenated": (False, False),
-    "transposed_interleaved": (True, True),
-}
 GRAD_ARGS = ("x", "topk_weights", "w_gate_up", "w_down", "b_gate_up", "b_down")
+
+# Every (activation, layout) pair that differs: ``interleaved`` orders the gate and up
+# columns, so activations without a gate run the same with and without it.
+ACTIVATION_LAYOUTS = [pytest.param(activation, layout, id=f"{activation}-{layout}")
+                      for activation in ACTIVATIONS for layout, (_, interleaved) in LAYOUTS.items()
+                      if is_gated(activation) or not interleaved]
 
 
 def _grad_inputs(layer):
@@ -20,11 +20,9 @@ def _grad_inputs(layer):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("activation,layout", ACTIVATION_LAYOUTS)
 def test_gradcheck(activation, layout, bias, seed):
-    tr, il = LAYOUTS[layout]
-    layer = make_layer(5, 4, 3, 3, 2, dtype=torch.float64, activation=activation, transposed=tr, interleaved=il,
+    layer = make_layer(5, 4, 3, 3, 2, dtype=torch.float64, activation=activation, layout=layout,
                        bias=bias, seed=seed, requires_grad=True)
     names = _grad_inputs(layer)
 
@@ -64,16 +62,61 @@ def _parity(layer, seed, tol, **kw):
 
 
 @pytest.mark.parametrize("dtype", list(TOL))
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("activation,layout", ACTIVATION_LAYOUTS)
 def test_parity_with_reference(dtype, activation, layout, seed):
-    tr, il = LAYOUTS[layout]
-    layer = make_layer(64, 32, 24, 8, 2, dtype=dtype, activation=activation, transposed=tr, interleaved=il,
-                       bias=tr, seed=seed, requires_grad=True)
+    """Output and every gradient vs the float64 reference, in each weight layout (biases
+    with the transposed ones: GPT-OSS's transposed, interleaved experts have them)."""
+    layer = make_layer(64, 32, 24, 8, 2, dtype=dtype, activation=activation, layout=layout,
+                       bias=LAYOUTS[layout][0], seed=seed, requires_grad=True)
     # A clamp limit inside the range of h exercises the clamps; in half precision h is rounded
     # to the storage dtype, so values near the limit may fall on the other side of the clamp
     # than in the float64 reference: the low-precision runs keep the limit out of range.
     _parity(layer, seed, TOL[dtype], limit=1.5 if dtype in (torch.float32, torch.float64) else 7.0)
+
+
+def _to_layout(layer, layout):
+    """``layer`` (concatenated, gated) with its weights rearranged into ``layout``: the same
+    layer, stored differently."""
+    transposed, interleaved = LAYOUTS[layout]
+
+    def interleave(w, dim):  # [gate | up] halves -> gate and up columns alternating
+        gate, up = w.chunk(2, dim=dim)
+        return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
+
+    w_gate_up, b_gate_up = layer["w_gate_up"], layer["b_gate_up"]
+    if interleaved:
+        w_gate_up, b_gate_up = interleave(w_gate_up, 1), interleave(b_gate_up, 1)
+    w_down = layer["w_down"]
+    if transposed:
+        w_gate_up, w_down = w_gate_up.transpose(1, 2).contiguous(), w_down.transpose(1, 2).contiguous()
+    return {**layer, "w_gate_up": w_gate_up, "b_gate_up": b_gate_up, "w_down": w_down,
+            "transposed": transposed, "interleaved": interleaved}
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "concatenated"])
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+def test_layouts_store_the_same_layer(activation, layout, seed):
+    """``transposed`` and ``interleaved`` change only how the weights are stored: the same
+    weights rearranged into each layout give the concatenated layout's output and
+    gradients (rearranged back), whatever the other flag."""
+    base = make_layer(24, 8, 6, 4, 2, dtype=torch.float64, activation=activation, bias=True, seed=seed)
+    names = _grad_inputs(base)
+
+    def run(layer):
+        inputs = {k: (v.clone().requires_grad_(True) if k in names else v) for k, v in layer.items()}
+        out = moe_experts(**inputs, limit=1.0)
+        return out, dict(zip(names, torch.autograd.grad(out, [inputs[k] for k in names], torch.ones_like(out))))
+
+    want, want_grads = run(base)
+    got, got_grads = run(_to_layout(base, layout))
+    built = make_layer(2, 8, 6, 4, 2, activation=activation, layout=layout)  # make_layer's own layout
+    assert built["w_gate_up"].shape == got_grads["w_gate_up"].shape
+    assert built["w_down"].shape == got_grads["w_down"].shape
+    assert rel_err(got, want) <= 1e-12, f"seed={seed}"
+    # The gradient of a rearranged weight is the rearranged gradient.
+    rearranged = _to_layout({**base, **want_grads}, layout)
+    for name in names:
+        assert rel_err(got_grads[name], rearranged[name]) <= 1e-12, f"grad {name} seed={seed}"
 
 
 @pytest.mark.parametrize(

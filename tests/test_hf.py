@@ -1,11 +1,20 @@
-"""The transformers experts backend on tiny models built from configs (no downloads)."""
+"""The transformers experts backend on tiny models built from configs (no downloads), and
+its registration whatever the order in which moeblaze_ops and transformers are imported."""
+
+import importlib
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+import moeblaze_ops  # noqa: E402
 import moeblaze_ops.hf  # noqa: E402  (registers experts_implementation="moeblaze")
-from conftest import rel_err  # noqa: E402
+from moeblaze_ops.testing import rel_err  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from moeblaze_ops.hf import FAMILIES, model_config  # noqa: E402
@@ -13,8 +22,8 @@ from moeblaze_ops.hf import FAMILIES, model_config  # noqa: E402
 LAYERS, VOCAB = 2, 96
 
 
-def tiny_model(family, seed, **extra):
-    config = model_config(family, hidden_size=32, num_layers=LAYERS, num_experts=4, top_k=2,
+def tiny_model(family, seed, num_layers=LAYERS, **extra):
+    config = model_config(family, hidden_size=32, num_layers=num_layers, num_experts=4, top_k=2,
                           expert_intermediate_size=24, vocab_size=VOCAB, max_positions=64, **extra)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -83,7 +92,10 @@ def test_recompute_backend_matches_eager(family, seed):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_compiled_train_step(family, seed):
-    model = tiny_model(family, seed, output_router_logits=router_logits_flag(family))
+    """torch.compile(fullgraph=True) of a whole train step: no graph break in any family,
+    the eager loss and gradients. One decoder layer: the layers are alike, and compile time
+    grows with their number."""
+    model = tiny_model(family, seed, num_layers=1, output_router_logits=router_logits_flag(family))
     model.set_experts_implementation("moeblaze")
     if family == "phimoe":
         model.eval()  # its training-mode router samples, and compiled code draws other random numbers
@@ -142,3 +154,141 @@ def test_llama4_is_a_clear_error():
     model = AutoModelForCausalLM.from_config(config, experts_implementation="moeblaze")
     with pytest.raises(NotImplementedError, match="Llama4TextExperts"):
         moeblaze_ops.hf.check_model(model)
+
+
+def _run_fresh_python(code, timeout=300):
+    """Runs ``code`` in a new interpreter (nothing imported yet); returns its stdout."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_import_does_not_import_transformers():
+    """``import moeblaze_ops`` stays cheap: it leaves transformers unimported (it only
+    installs the hook that registers the backends once transformers loads)."""
+    out = _run_fresh_python("""
+        import json, sys
+        import moeblaze_ops
+        print(json.dumps({
+            "transformers": sorted(m for m in sys.modules if m.split(".")[0] == "transformers"),
+            "hf": "moeblaze_ops.hf" in sys.modules,
+            "hook": any(getattr(f, "name", None) == "transformers.integrations.moe" for f in sys.meta_path),
+        }))
+    """)
+    assert json.loads(out.splitlines()[-1]) == {"transformers": [], "hf": False, "hook": True}
+
+
+def test_backend_registered_when_moeblaze_ops_is_imported_first(seed):
+    """``import moeblaze_ops`` then ``import transformers``, and nothing imports
+    moeblaze_ops.hf: experts_implementation="moeblaze" is accepted and runs the experts
+    (the eager backend's logits), and the import hook is gone once it has fired."""
+    out = _run_fresh_python(f"""
+        import json, sys
+        import moeblaze_ops
+        import transformers
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model("qwen3_moe", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=4, head_dim=8, vocab_size={VOCAB}, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=24, intermediate_size=48)
+        torch.manual_seed({seed})
+        model = AutoModelForCausalLM.from_config(config, experts_implementation="moeblaze")
+        implementation = model.config._experts_implementation
+        with torch.no_grad():  # from_config leaves some weights at zero: give every one a value
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        ids = torch.randint(0, {VOCAB}, (2, 9))
+        calls = []
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class CountMoeblazeCalls(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                calls.append(str(func.overloadpacket))
+                return func(*args, **(kwargs or {{}}))
+
+        with torch.no_grad():
+            with CountMoeblazeCalls():
+                got = model(ids).logits
+            model.set_experts_implementation("eager")
+            want = model(ids).logits
+        from moeblaze_ops.testing import rel_err
+        print(json.dumps({{
+            "implementation": implementation,
+            "expert_down_calls": calls.count("moeblaze.expert_down"),
+            "rel_err": rel_err(got, want),
+            "hook_left": any(getattr(f, "name", None) == "transformers.integrations.moe" for f in sys.meta_path),
+        }}))
+    """)
+    result = json.loads(out.splitlines()[-1])
+    assert result["implementation"] == "moeblaze"
+    assert result["expert_down_calls"] == 1, result  # the one MoE layer ran through moeblaze
+    assert result["rel_err"] <= 1e-5, f"{result} seed={seed}"
+    assert not result["hook_left"]
+
+
+@pytest.fixture
+def probe_module(tmp_path, monkeypatch):
+    """The name of a fresh importable module (``VALUE = 1``); unloaded afterwards, and any
+    hook left on it removed."""
+    name = f"moeblaze_hook_probe_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    yield name
+    sys.modules.pop(name, None)
+    sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "name", None) != name]
+
+
+def _hooks_on(name):
+    return [f for f in sys.meta_path if isinstance(f, moeblaze_ops._PostImportHook) and f.name == name]
+
+
+def test_post_import_hook_fires_once_after_the_import(probe_module):
+    seen = []
+    callback = seen.append
+    moeblaze_ops._when_imported(probe_module, callback)
+    moeblaze_ops._when_imported(probe_module, callback)  # idempotent: one hook
+    (hook,) = _hooks_on(probe_module)
+    assert seen == []
+    module = importlib.import_module(probe_module)
+    assert seen == [module] and module.VALUE == 1  # after the module ran
+    assert _hooks_on(probe_module) == []  # removed once done
+    assert "exec_module" not in vars(module.__spec__.loader)  # the loader restored
+    hook._fire(module)  # a second firing (another thread's) does nothing
+    importlib.reload(module)
+    assert seen == [module]
+
+
+def test_post_import_hook_runs_at_once_for_an_imported_module(probe_module):
+    module = importlib.import_module(probe_module)
+    seen = []
+    moeblaze_ops._when_imported(probe_module, seen.append)
+    assert seen == [module] and _hooks_on(probe_module) == []
+
+
+def test_post_import_hook_survives_a_failed_import(probe_module, tmp_path):
+    """A module whose import raises does not fire the hook, which waits for the next try;
+    a callback that raises warns instead of breaking the import."""
+    path = tmp_path / f"{probe_module}.py"
+    path.write_text("raise ImportError('not yet')\n")
+    seen = []
+
+    def callback(module):
+        seen.append(module)
+        raise RuntimeError("registration failed")
+
+    moeblaze_ops._when_imported(probe_module, callback)
+    with pytest.raises(ImportError, match="not yet"):
+        importlib.import_module(probe_module)
+    assert seen == [] and len(_hooks_on(probe_module)) == 1
+    path.write_text("VALUE = 2\n")
+    importlib.invalidate_caches()
+    sys.modules.pop(probe_module, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(probe_module)
+    assert module.VALUE == 2 and seen == [module]
+    assert any("registration failed" in str(w.message) for w in caught)
+    assert _hooks_on(probe_module) == []

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from conftest import make_layer
-from moeblaze_ops import ACTIVATIONS
+from moeblaze_ops import ACTIVATIONS, is_gated
+from moeblaze_ops.testing import LAYOUTS, make_layer
 
 TEST_UTILS = (
     "test_schema",
@@ -69,14 +69,64 @@ def test_opcheck_shapes(op, case, seed):
     torch.library.opcheck(getattr(torch.ops.moeblaze, op).default, args, test_utils=TEST_UTILS)
 
 
-@pytest.mark.parametrize("op", OPS[1:])
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
+# The up ops take neither the activation (only N, 2I or I) nor ``interleaved``.
+UP_OPS = ("expert_up", "expert_up_backward")
+# The checks of the ops' registration (schema: mutations and aliasing of the real kernel;
+# autograd registration; fake function vs kernel on real inputs), quick to run.
+REGISTRATION_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor")
+# The AOTAutograd traces (about 90% of opcheck's time) depend only on the shapes the fake
+# function gives; the activation changes them only through N (2I if gated, else I).
+AOT_UTILS = ("test_aot_dispatch_static", "test_aot_dispatch_dynamic")
+
+
+def _variants(distinct_shapes=False):
+    """(op, activation, layout) for every op and every distinct set of arguments it gets:
+    an op that does not read a flag is not run once per value of it. ``distinct_shapes``:
+    one activation per set of shapes, taking the gated and the plain activations in turn
+    so that each appears."""
+    seen, variants, taken = set(), [], {}
+    for op in OPS[1:]:
+        for activation in ACTIVATIONS:
+            for layout, (transposed, interleaved) in LAYOUTS.items():
+                gated = is_gated(activation)
+                if op in UP_OPS or distinct_shapes:
+                    key = (op, gated, transposed, interleaved and gated and op not in UP_OPS)
+                else:  # interleaved orders gate and up columns: nothing to order without a gate
+                    key = (op, activation, transposed, interleaved and gated)
+                if key in seen:
+                    continue
+                seen.add(key)
+                if distinct_shapes:
+                    taken[gated] = taken.get(gated, -1) + 1
+                    same_kind = [a for a in ACTIVATIONS if is_gated(a) == gated]
+                    activation_used = same_kind[taken[gated] % len(same_kind)]
+                else:
+                    activation_used = activation
+                variants.append(pytest.param(op, activation_used, layout, id=f"{op}-{activation_used}-{layout}"))
+    return variants
+
+
+def _variant_layer(activation, layout, seed):
+    transposed = LAYOUTS[layout][0]  # biases with the transposed layouts, as GPT-OSS has
+    return make_layer(6, 8, 4, 3, 2, activation=activation, layout=layout, bias=transposed, seed=seed,
+                      requires_grad=True)
+
+
+@pytest.mark.parametrize("op,activation,layout", _variants())
 def test_opcheck_variants(op, activation, layout, seed):
-    tr = layout != "concatenated"
-    layer = make_layer(6, 8, 4, 3, 2, activation=activation, transposed=tr, interleaved=tr, bias=tr,
-                       seed=seed, requires_grad=True)
-    torch.library.opcheck(getattr(torch.ops.moeblaze, op).default, op_args(layer)[op], test_utils=TEST_UTILS)
+    """Every activation and layout: the schema matches what the kernel does (no undeclared
+    mutation or alias), and the fake function the kernel's outputs."""
+    layer = _variant_layer(activation, layout, seed)
+    torch.library.opcheck(getattr(torch.ops.moeblaze, op).default, op_args(layer)[op],
+                          test_utils=REGISTRATION_UTILS)
+
+
+@pytest.mark.parametrize("op,activation,layout", _variants(distinct_shapes=True))
+def test_opcheck_variants_traced(op, activation, layout, seed):
+    """Every layout and both activation kinds, traced by AOTAutograd with static and
+    dynamic shapes."""
+    layer = _variant_layer(activation, layout, seed)
+    torch.library.opcheck(getattr(torch.ops.moeblaze, op).default, op_args(layer)[op], test_utils=AOT_UTILS)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

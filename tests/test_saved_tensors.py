@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from conftest import make_layer
 from moeblaze_ops import moe_experts
+from moeblaze_ops.testing import make_layer
 
 
 def _saved_during(fn):
