@@ -59,18 +59,23 @@ def _dh_kernel(
         hg, hu = gg.load_h_pair(h_ptr, row0, real, stride_hm, n_idx * BLOCK_N, I, ACT, INTERLEAVED, False,
                                 BLOCK_M, BLOCK_N)
         w = tl.load(rw_ptr + rows, mask=real, other=0.0)[:, None]
+        out_rows = dh_ptr + rows.to(tl.int64)[:, None] * stride_dhm
         smask = rmask[:, None] & cmask[None, :]
         if ACT < acts.NUM_GATED:
             a, da_dg, da_du = acts.gated_grad(hg.to(tl.float32), hu.to(tl.float32), ACT, alpha, limit, FAST_ACT)
+            # Both halves converted before either store: storing the first while the second
+            # is still fp32 measured slower (docs/perf-notes.md).
+            dg = (g * w * da_dg).to(dh_ptr.dtype.element_ty)
+            du = (g * w * da_du).to(dh_ptr.dtype.element_ty)
             if INTERLEAVED:
-                gg.store_tile(dh_ptr, rows, 2 * cols, stride_dhm, g * w * da_dg, smask)
-                gg.store_tile(dh_ptr, rows, 2 * cols + 1, stride_dhm, g * w * da_du, smask)
+                tl.store(out_rows + 2 * cols[None, :], dg, mask=smask)
+                tl.store(out_rows + 2 * cols[None, :] + 1, du, mask=smask)
             else:
-                gg.store_tile(dh_ptr, rows, cols, stride_dhm, g * w * da_dg, smask)
-                gg.store_tile(dh_ptr, rows, I + cols, stride_dhm, g * w * da_du, smask)
+                tl.store(out_rows + cols[None, :], dg, mask=smask)
+                tl.store(out_rows + I + cols[None, :], du, mask=smask)
         else:
             a, da = acts.plain_grad(hg.to(tl.float32), ACT, FAST_ACT)
-            gg.store_tile(dh_ptr, rows, cols, stride_dhm, g * w * da, smask)
+            tl.store(out_rows + cols[None, :], (g * w * da).to(dh_ptr.dtype.element_ty), mask=smask)
         a = tl.where(smask, a, 0.0)
         tl.store(part_ptr + rows.to(tl.int64) * n_parts + n_idx, tl.sum(g * a, axis=1), mask=rmask)
         if HAS_BIAS:
