@@ -242,14 +242,14 @@ def probe_module(tmp_path, monkeypatch):
 
 
 def _hooks_on(name):
-    return [f for f in sys.meta_path if isinstance(f, moeblaze_ops._PostImportHook) and f.name == name]
+    return [f for f in sys.meta_path if isinstance(f, moeblaze_ops.import_hooks.PostImportHook) and f.name == name]
 
 
 def test_post_import_hook_fires_once_after_the_import(probe_module):
     seen = []
     callback = seen.append
-    moeblaze_ops._when_imported(probe_module, callback)
-    moeblaze_ops._when_imported(probe_module, callback)  # idempotent: one hook
+    moeblaze_ops.import_hooks.when_imported(probe_module, callback)
+    moeblaze_ops.import_hooks.when_imported(probe_module, callback)  # idempotent: one hook
     (hook,) = _hooks_on(probe_module)
     assert seen == []
     module = importlib.import_module(probe_module)
@@ -264,7 +264,7 @@ def test_post_import_hook_fires_once_after_the_import(probe_module):
 def test_post_import_hook_runs_at_once_for_an_imported_module(probe_module):
     module = importlib.import_module(probe_module)
     seen = []
-    moeblaze_ops._when_imported(probe_module, seen.append)
+    moeblaze_ops.import_hooks.when_imported(probe_module, seen.append)
     assert seen == [module] and _hooks_on(probe_module) == []
 
 
@@ -279,7 +279,7 @@ def test_post_import_hook_survives_a_failed_import(probe_module, tmp_path):
         seen.append(module)
         raise RuntimeError("registration failed")
 
-    moeblaze_ops._when_imported(probe_module, callback)
+    moeblaze_ops.import_hooks.when_imported(probe_module, callback)
     with pytest.raises(ImportError, match="not yet"):
         importlib.import_module(probe_module)
     assert seen == [] and len(_hooks_on(probe_module)) == 1

@@ -30,43 +30,46 @@ def _against_base(rows, base_peer=BASE_PEER):
             yield cfg, peer, r, base, (f"{base['ms'] / r['ms']:.2f}x" if base else "-")
 
 
+def _markdown(header, body):
+    """A markdown table: ``header`` cells, then one row of cells per item of ``body``."""
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    return "\n".join(lines)
+
+
+def _ratio(r, base, key):
+    return f"{r[key] / base[key]:.2f}x" if base and base[key] > 0 else "-"
+
+
 def forward_table(rows):
     """Markdown table of ``bench_forward``'s rows."""
-    lines = ["| config | peer | ms | TFLOP/s | peak GB (no grad) | peak GB (training fwd) | speed vs compiled "
-             "grouped_mm | peak vs compiled grouped_mm (no grad / training fwd) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for cfg, peer, r, base, speed in _against_base(rows):
-        mem = (f"{r['peak_gb'] / base['peak_gb']:.2f}x / {r['train_fwd_peak_gb'] / base['train_fwd_peak_gb']:.2f}x"
-               if base and base["peak_gb"] > 0 else "-")
-        lines.append(f"| {cfg} | {peer} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['peak_gb']:.2f} "
-                     f"| {r['train_fwd_peak_gb']:.2f} | {speed} | {mem} |")
-    return "\n".join(lines)
+    header = ["config", "peer", "ms", "TFLOP/s", "peak GB (no grad)", "peak GB (training fwd)",
+              "speed vs compiled grouped_mm", "peak vs compiled grouped_mm (no grad / training fwd)"]
+    return _markdown(header, (
+        [cfg, peer, f"{r['ms']:.3f}", f"{r['tflops']:.0f}", f"{r['peak_gb']:.2f}", f"{r['train_fwd_peak_gb']:.2f}",
+         speed, f"{_ratio(r, base, 'peak_gb')} / {_ratio(r, base, 'train_fwd_peak_gb')}" if base and base["peak_gb"] > 0
+         else "-"]
+        for cfg, peer, r, base, speed in _against_base(rows)))
 
 
 def train_table(rows):
     """Markdown table of ``bench_train``'s rows."""
-    lines = ["| config | peer | fwd+bwd ms | TFLOP/s | activation GB | peak GB | speed vs compiled grouped_mm "
-             "| activation vs compiled grouped_mm | peak vs compiled grouped_mm |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for cfg, peer, r, base, speed in _against_base(rows):
-        def ratio(k):
-            return f"{r[k] / base[k]:.2f}x" if base and base[k] > 0 else "-"
-
-        lines.append(f"| {cfg} | {peer} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['activation_gb']:.3f} "
-                     f"| {r['peak_gb']:.2f} | {speed} | {ratio('activation_gb')} | {ratio('peak_gb')} |")
-    return "\n".join(lines)
+    header = ["config", "peer", "fwd+bwd ms", "TFLOP/s", "activation GB", "peak GB", "speed vs compiled grouped_mm",
+              "activation vs compiled grouped_mm", "peak vs compiled grouped_mm"]
+    return _markdown(header, (
+        [cfg, peer, f"{r['ms']:.3f}", f"{r['tflops']:.0f}", f"{r['activation_gb']:.3f}", f"{r['peak_gb']:.2f}", speed,
+         _ratio(r, base, "activation_gb"), _ratio(r, base, "peak_gb")]
+        for cfg, peer, r, base, speed in _against_base(rows)))
 
 
 def dispatch_table(rows):
     """Markdown table of ``bench_dispatch``'s rows."""
-    lines = ["| L | K | E | sort+histc+cumsum ms | moeblaze kernels ms | moeblaze op ms (with id checks) "
-             "| speedup (kernels / op) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        lines.append(f"| {r['L']} | {r['K']} | {r['E']} | {r['sort_histc_cumsum_ms']:.3f} "
-                     f"| {r['moeblaze_kernels_ms']:.3f} | {r['moeblaze_op_ms']:.3f} "
-                     f"| {r['speedup_kernels']:.1f}x / {r['speedup_op']:.1f}x |")
-    return "\n".join(lines)
+    header = ["L", "K", "E", "sort+histc+cumsum ms", "moeblaze kernels ms", "moeblaze op ms (with id checks)",
+              "speedup (kernels / op)"]
+    return _markdown(header, (
+        [str(r["L"]), str(r["K"]), str(r["E"]), f"{r['sort_histc_cumsum_ms']:.3f}", f"{r['moeblaze_kernels_ms']:.3f}",
+         f"{r['moeblaze_op_ms']:.3f}", f"{r['speedup_kernels']:.1f}x / {r['speedup_op']:.1f}x"]
+        for r in rows))
 
 
 def plot(rows, path):
