@@ -21,6 +21,11 @@ from .layouts import linear_dims
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 ID_DTYPES = (torch.int32, torch.int64)
+#: The index arrays are int32: at most this many routed (token, k) rows.
+MAX_ROUTED_ROWS = 2**31 - 1
+#: Dispatch keeps a count table of E columns per chunk of rows; beyond this many experts it
+#: would not fit (and no MoE model comes near).
+MAX_EXPERTS = 2**16
 
 
 def fail(op: str, arg: str, message: str) -> None:
@@ -62,7 +67,9 @@ def check_activation(op: str, activation: str) -> None:
 
 
 def check_index_arrays(op, expert_token_indices, expert_offsets, token_index_map, num_experts, device):
-    """The three arrays of ``dispatch``: int32, 1-D, contiguous, consistent sizes."""
+    """The three arrays of ``dispatch``: int32, 1-D, contiguous, consistent sizes. (Their
+    values are checked by the kernels: ``check_index_values`` on the host, a device-side
+    assert on CUDA.)"""
     for arg, t in (
         ("expert_token_indices", expert_token_indices),
         ("expert_offsets", expert_offsets),
@@ -88,6 +95,33 @@ def check_routed_rows(op, num_tokens, num_rows):
         fail(op, "token_index_map", f"must have L*K entries for L={num_tokens} tokens, got {num_rows}")
 
 
+def index_values_message(op: str) -> str:
+    """What a device-side check of the index arrays' values says when it fails."""
+    return (f"moeblaze.{op}: the index arrays are not a dispatch result (expert_offsets must start at 0, never "
+            "decrease and end at most at L*K; expert_token_indices must hold token ids in [0, L); "
+            "token_index_map rows in [0, L*K)); build them with moeblaze.dispatch")
+
+
+def check_index_values(op, expert_token_indices, expert_offsets, token_index_map, num_tokens):
+    """The values of the index arrays, on the host (the portable backend; the Triton backend
+    checks them on the device): offsets from 0, non-decreasing, within the rows; token ids
+    below ``num_tokens`` (L); ``token_index_map`` a permutation of the rows."""
+    rows = token_index_map.shape[0]
+    if expert_offsets[0] != 0 or (expert_offsets[1:] < expert_offsets[:-1]).any() or expert_offsets[-1] > rows:
+        fail(op, "expert_offsets", f"must start at 0, never decrease and end at most at L*K = {rows} (build it "
+             f"with moeblaze.dispatch), got {expert_offsets.tolist() if expert_offsets.numel() <= 16 else 'others'}")
+    if rows == 0:
+        return
+    if expert_token_indices.min() < 0 or expert_token_indices.max() >= num_tokens:
+        fail(op, "expert_token_indices", f"must hold token ids in [0, L = {num_tokens}) (build it with "
+             "moeblaze.dispatch; topk_weights must be [L, K]), got ids in "
+             f"[{int(expert_token_indices.min())}, {int(expert_token_indices.max())}]")
+    if (token_index_map.min() < 0 or token_index_map.max() >= rows
+            or not torch.bincount(token_index_map.long(), minlength=rows).eq(1).all()):
+        fail(op, "token_index_map", f"must be a permutation of the {rows} routed rows (build it with "
+             "moeblaze.dispatch)")
+
+
 # --------------------------------------------------------------------------- dispatch
 
 
@@ -95,6 +129,16 @@ def check_dispatch(topk_ids, num_experts) -> None:
     check_tensor("dispatch", "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, shape_doc="[L, K]")
     if not isinstance(num_experts, (int, torch.SymInt)) or num_experts < 1:
         fail("dispatch", "num_experts", f"must be a positive int, got {num_experts!r}")
+    if num_experts > MAX_EXPERTS:
+        fail("dispatch", "num_experts", f"must be at most {MAX_EXPERTS}, got {num_experts}")
+    check_routed_row_count("dispatch", "topk_ids", topk_ids.shape[0] * topk_ids.shape[1])
+
+
+def check_routed_row_count(op, arg, num_rows):
+    """The routed rows must fit the int32 index arrays."""
+    if num_rows > MAX_ROUTED_ROWS:
+        fail(op, arg, f"routes {num_rows} (token, k) rows; the int32 index arrays hold at most {MAX_ROUTED_ROWS}: "
+             "split the tokens into smaller calls")
 
 
 def id_value_messages(op: str) -> tuple[str, str]:
@@ -195,11 +239,13 @@ def check_moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b
     """Cross-argument checks of ``moe_experts``, named as the caller named them."""
     op = "moe_experts"
     check_activation(op, activation)
-    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="[L, d]")
-    dev = x.device
+    dev = _layer_device(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate_up=w_gate_up, w_down=w_down,
+                        b_gate_up=b_gate_up, b_down=b_down)
+    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES, device=dev, shape_doc="[L, d]")
     L = x.shape[0]
     check_tensor(op, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=dev,
                  shape=(L, None), shape_doc="[L, K] with L of x")
+    check_routed_row_count(op, "topk_ids", topk_ids.shape[0] * topk_ids.shape[1])
     K = topk_ids.shape[1]
     check_tensor(op, "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=dev,
                  shape=(L, K), shape_doc="[L, K] of topk_ids")
@@ -207,6 +253,8 @@ def check_moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b
     check_tensor(op, "w_down", w_down, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
     E, N, d_up = linear_dims(w_gate_up, transposed)
     E_down, d_down, wi = linear_dims(w_down, transposed)
+    if not 1 <= E <= MAX_EXPERTS:
+        fail(op, "w_gate_up", f"must hold between 1 and {MAX_EXPERTS} experts (dimension 0), got {E}")
     if E_down != E:
         fail(op, "w_down", f"must have as many experts as w_gate_up ({E}), got {E_down}")
     if is_gated(activation) and N % 2 != 0:
@@ -229,3 +277,12 @@ def check_moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b
         if t is not None:
             _check_weight_dtype(op, arg, t, "x", x)
     return E, N, d
+
+
+def _layer_device(**tensors):
+    """The device most of the layer's tensors are on (x's on a tie), so that a check names
+    the one tensor elsewhere rather than everything else."""
+    devices = [t.device for t in tensors.values() if isinstance(t, torch.Tensor)]
+    x = tensors["x"]
+    first = x.device if isinstance(x, torch.Tensor) else (devices[0] if devices else None)
+    return max(dict.fromkeys(devices), key=lambda d: (devices.count(d), d == first), default=None)

@@ -54,10 +54,21 @@ def moe_experts(
             backward). By default backward keeps h as well.
         overwrite_h: in eager autograd, let backward write dH over the h it kept rather
             than into a second [L*K, N] tensor (the same memory saving for the default
-            mode). A second backward through the same graph (``retain_graph=True``) then
-            raises; pass False for that. Compiled graphs always keep the two apart:
-            Inductor would copy h before writing over it.
+            mode). A second backward through the same graph (``retain_graph=True``)
+            still works: it recomputes h (one more GEMM). Compiled graphs and
+            ``torch.func`` transforms keep the two apart (Inductor would copy h before
+            writing over it).
+
+    Not supported, with a clear error: ``torch.func`` transforms (``grad``, ``vmap``,
+    ``jacrev``, ...; torch's custom-op autograd does not run under them: use
+    ``torch.autograd.grad`` or ``.backward()``, and put a batch in the leading dimensions
+    of ``x``) and gradients of gradients (double backward).
     """
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            "moeblaze.moe_experts does not support torch.func transforms (grad, vmap, jacrev, ...): torch runs "
+            "the autograd of custom ops only outside them. Use torch.autograd.grad or .backward() for gradients, "
+            "and the leading dimensions of x ([..., d]) for a batch.")
     for arg, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if not isinstance(t, Tensor) or t.dim() == 0:
             raise ValueError(f"moeblaze.moe_experts: argument '{arg}' must be a Tensor with at least one dimension")
@@ -79,26 +90,36 @@ def moe_experts(
         out = _RecomputedExperts.apply(x2, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args)
     else:
         h = ops.expert_up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
-        if overwrite_h and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            out = _OverwritingDown.apply(h, w_down, b_down, tw, eti, offsets, tim, args)
+        if overwrite_h and _plain_eager_autograd():
+            out = _OverwritingDown.apply(h, w_down, b_down, tw, eti, offsets, tim, args,
+                                         (x2, w_gate_up, b_gate_up, transposed))
         else:
             out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
     return out.reshape(*lead, d)
+
+
+def _plain_eager_autograd() -> bool:
+    """Whether autograd records this call outside torch.compile: where writing dH over h
+    pays (Inductor would copy h before a declared in-place write)."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 class _RecomputedExperts(torch.autograd.Function):
     """expert_up + expert_down whose backward recomputes h instead of keeping it."""
 
     @staticmethod
-    def forward(ctx, x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args):
+    def forward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args):
         activation, transposed, interleaved, alpha, limit = args
         ops = torch.ops.moeblaze
         h = ops.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
-        out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, activation, transposed, interleaved,
-                              alpha, limit)
+        return ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, activation, transposed, interleaved,
+                               alpha, limit)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args = inputs
         ctx.save_for_backward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim)
         ctx.args = args
-        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -122,28 +143,42 @@ class _RecomputedExperts(torch.autograd.Function):
 
 
 class _OverwritingDown(torch.autograd.Function):
-    """expert_down whose backward writes dH over the h it kept (eager ``moe_experts``,
-    where h is its own): the gradient for h is h itself, afterwards."""
+    """expert_down whose backward writes dH over the h it kept (plain eager autograd, where
+    h is the layer's own): the gradient for h is h itself, afterwards.
+
+    A second backward through the same graph (``retain_graph=True``) finds h overwritten
+    and recomputes it from ``up`` (the up projection's inputs, which its own autograd node
+    keeps anyway): one more GEMM for the rare second pass, nothing more kept for the first.
+    """
 
     @staticmethod
-    def forward(ctx, h, w_down, b_down, tw, eti, offsets, tim, args):
+    def forward(ctx, h, w_down, b_down, tw, eti, offsets, tim, args, up):
         ctx.save_for_backward(h, w_down, b_down, tw, eti, offsets, tim)
         ctx.args = args
+        ctx.up = up
         ctx.overwritten = False
         return torch.ops.moeblaze.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
 
     @staticmethod
     def backward(ctx, grad_out):
-        # retain_graph reuses this ctx; h's version counter would also catch it, less clearly.
-        if ctx.overwritten:
-            raise RuntimeError("moeblaze.moe_experts: a second backward through this layer needs h, which the "
-                               "first backward overwrote with its gradient; call moe_experts(..., "
-                               "overwrite_h=False) to backward more than once")
-        ctx.overwritten = True
         h, w_down, b_down, tw, eti, offsets, tim = ctx.saved_tensors
+        ops = torch.ops.moeblaze
+        if ctx.overwritten:  # a second backward: the saved h holds the first one's dH
+            x, w_gate_up, b_gate_up, transposed = ctx.up
+            with torch.no_grad():
+                h = ops.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+        ctx.overwritten = True
         need = ctx.needs_input_grad  # h, w_down, b_down, tw, ...
         has_b = b_down is not None
-        grad_w, grad_b, grad_tw = torch.ops.moeblaze.expert_down_backward_(
-            grad_out, h, w_down, eti, offsets, tim, tw, b_down, *ctx.args, need[1] or (has_b and need[2]))
+        if torch.is_grad_enabled():  # create_graph: the functional op, whose autograd says double backward is unsupported
+            grad_h, grad_w, grad_b, grad_tw = ops.expert_down_backward(
+                grad_out, h, w_down, eti, offsets, tim, tw, b_down, *ctx.args, need[1] or (has_b and need[2]))
+            return (grad_h if need[0] else None, grad_w if need[1] else None, grad_b if has_b and need[2] else None,
+                    grad_tw if need[3] else None, None, None, None, None, None)
+        # The write over h is deliberate and this Function tracks it (``overwritten``), so
+        # h keeps its version: a second backward may unpack it, and then recomputes it.
+        with torch.autograd._unsafe_preserve_version_counter(h):
+            grad_w, grad_b, grad_tw = ops.expert_down_backward_(
+                grad_out, h, w_down, eti, offsets, tim, tw, b_down, *ctx.args, need[1] or (has_b and need[2]))
         return (h if need[0] else None, grad_w if need[1] else None, grad_b if has_b and need[2] else None,
-                grad_tw if need[3] else None, None, None, None, None)
+                grad_tw if need[3] else None, None, None, None, None, None)

@@ -7,7 +7,11 @@ Two backends implement every op:
 - ``TRITON``: Triton kernels (``triton_dispatch``, ``triton_experts``,
   ``triton_experts_backward``, built on the grouped-GEMM core ``grouped_gemm``): CUDA
   tensors, and CPU tensors under ``TRITON_INTERPRET=1`` when ``settings.backend ==
-  "triton"``. Triton is imported the first time this backend is chosen.
+  "triton"``. Triton is imported the first time this backend is chosen, never before:
+  ``import moeblaze_ops`` and the CPU path run without Triton installed (it is a
+  dependency only on Linux x86_64 and aarch64, where it publishes wheels). Choosing
+  this backend without it raises ``TritonUnavailableError`` (an ``ImportError``) naming
+  the fixes.
 
 ``forward_backend(t)`` and ``backward_backend(t)`` say which one runs for tensors like ``t``.
 """
@@ -20,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from .. import settings
+from .. import checks, settings
 from . import torch_dispatch, torch_experts
 
 
@@ -35,6 +39,9 @@ class Backend:
     expert_down: Callable
     expert_up_backward: Callable
     expert_down_backward: Callable
+    #: ``(op, expert_token_indices, expert_offsets, token_index_map, num_tokens)``: checks the
+    #: index arrays' values (on the host for the portable backend, on the device for Triton).
+    check_index_values: Callable
 
 
 TORCH = Backend(
@@ -44,12 +51,35 @@ TORCH = Backend(
     expert_down=torch_experts.expert_down,
     expert_up_backward=torch_experts.expert_up_backward,
     expert_down_backward=torch_experts.expert_down_backward,
+    check_index_values=checks.check_index_values,
 )
+
+
+class TritonUnavailableError(ImportError):
+    """The Triton backend was chosen but Triton cannot be imported."""
+
+
+def _import_triton() -> None:
+    """Imports Triton, or raises ``TritonUnavailableError`` saying how to go on without it."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        backend = settings.current().backend
+        why = ("settings.backend is 'triton'" if backend == "triton"
+               else "CUDA tensors run the Triton kernels under settings.backend 'auto'")
+        raise TritonUnavailableError(
+            f"moeblaze_ops: the Triton backend was chosen ({why}), but triton cannot be imported "
+            f"({type(error).__name__}: {error}). Install it with `pip install triton` (wheels exist for "
+            "Linux x86_64 and aarch64), or run the portable PyTorch kernels: set MOEBLAZE_BACKEND=torch "
+            "before the first op runs, or wrap the calls in moeblaze_ops.settings.override(backend=\"torch\")."
+        ) from error
 
 
 @functools.lru_cache(maxsize=None)
 def triton_backend() -> Backend:
-    """The Triton backend (imports Triton on the first call)."""
+    """The Triton backend (imports Triton on the first call; raises ``TritonUnavailableError``,
+    an ``ImportError``, when it is not installed)."""
+    _import_triton()  # a clear error first, not a ModuleNotFoundError from inside a kernel module
     from . import triton_dispatch, triton_experts, triton_experts_backward
 
     return Backend(
@@ -59,6 +89,7 @@ def triton_backend() -> Backend:
         expert_down=triton_experts.expert_down,
         expert_up_backward=triton_experts_backward.expert_up_backward,
         expert_down_backward=triton_experts_backward.expert_down_backward,
+        check_index_values=triton_dispatch.assert_index_arrays,
     )
 
 

@@ -43,11 +43,12 @@ def _gather_rows(x: torch.Tensor, expert_token_indices: torch.Tensor, s: int, t:
 
 
 def combine(rows: torch.Tensor, token_index_map: torch.Tensor, num_tokens: int,
-            topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+            topk_weights: Optional[torch.Tensor] = None, num_real_rows: Optional[int] = None) -> torch.Tensor:
     """out[i] = sum over k = 0..K-1, in that order, of w[i, k] * rows[token_index_map[i*K+k]].
 
-    ``rows`` is in expert order; rows of sentinels are zero, so they add nothing.
-    Without ``topk_weights`` every weight is 1 (the input-gradient reduction).
+    ``rows`` is in expert order; rows at or past ``num_real_rows`` (sentinels) add nothing,
+    whatever their weight (an inf or NaN router weight there too). Without
+    ``topk_weights`` every weight is 1 (the input-gradient reduction).
     """
     out = rows.new_zeros(num_tokens, rows.shape[1])
     if num_tokens == 0 or token_index_map.numel() == 0:
@@ -56,7 +57,10 @@ def combine(rows: torch.Tensor, token_index_map: torch.Tensor, num_tokens: int,
     for k in range(index.shape[1]):
         picked = rows.index_select(0, index[:, k])
         if topk_weights is not None:
-            picked = picked * topk_weights[:, k, None].to(rows.dtype)
+            w = topk_weights[:, k, None].to(rows.dtype)
+            if num_real_rows is not None:
+                w = torch.where(index[:, k, None] < num_real_rows, w, 0.0)
+            picked = picked * w
         out += picked
     return out
 
@@ -92,7 +96,8 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         if b_down is not None:
             ye += b_down[e].to(acc)
         y[s:t] = ye
-    return combine(y, token_index_map, topk_weights.shape[0], topk_weights).to(h.dtype)
+    return combine(y, token_index_map, topk_weights.shape[0], topk_weights,
+                   num_real_rows=int(expert_offsets[-1])).to(h.dtype)
 
 
 def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,

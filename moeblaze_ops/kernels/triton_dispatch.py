@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .. import settings
-from ..checks import id_value_messages
+from ..checks import id_value_messages, index_values_message
 
 SUB = 64  # rows a one-hot step ranks at once
 
@@ -205,6 +205,39 @@ def invalid_id_flags(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     flags = torch.empty(blocks, 2, dtype=torch.int32, device=topk_ids.device)
     _check_ids[(blocks,)](ids, flags, L, num_experts, K=K, BLOCK_T=BLOCK_T)
     return flags.amax(dim=0)
+
+
+@triton.jit
+def _check_index_arrays(eti_ptr, offsets_ptr, tim_ptr, ok_ptr, LK, E, L, BLOCK: tl.constexpr):
+    """Each program writes 1 to its own flag when its slice of the arrays is valid: its
+    rows' token ids in [0, L) and row numbers in [0, LK), its pairs of neighbouring offsets
+    non-decreasing; program 0 also checks offsets[0] == 0 and offsets[E] <= LK."""
+    pid = tl.program_id(0)
+    j = pid * BLOCK + tl.arange(0, BLOCK)
+    inside = j < LK
+    tok = tl.load(eti_ptr + j, mask=inside, other=0)
+    row = tl.load(tim_ptr + j, mask=inside, other=0)
+    bad = inside & ((tok < 0) | (tok >= L) | (row < 0) | (row >= LK))
+    pair = j < E
+    lo = tl.load(offsets_ptr + j, mask=pair, other=0)
+    hi = tl.load(offsets_ptr + j + 1, mask=pair, other=0)
+    bad = bad | (pair & (hi < lo))
+    if pid == 0:
+        bad = bad | ((j == 0) & ((tl.load(offsets_ptr) != 0) | (tl.load(offsets_ptr + E) > LK)))
+    tl.store(ok_ptr + pid, 1 - tl.max(bad.to(tl.int32), axis=0))
+
+
+def assert_index_arrays(op, expert_token_indices, expert_offsets, token_index_map, num_tokens):
+    """Checks the values of the index arrays on the device (``torch._assert_async``: no host
+    sync; a failure surfaces at the next synchronizing call, with ``index_values_message``)."""
+    LK = token_index_map.shape[0]
+    E = expert_offsets.shape[0] - 1
+    BLOCK = 1024
+    programs = max(1, triton.cdiv(max(LK, E), BLOCK))
+    ok = torch.empty(programs, dtype=torch.int32, device=token_index_map.device)
+    _check_index_arrays[(programs,)](expert_token_indices, expert_offsets, token_index_map, ok, LK, E, num_tokens,
+                                     BLOCK=BLOCK)
+    torch._assert_async(ok.amin(), index_values_message(op))
 
 
 def _chunk_size(LK: int) -> int:

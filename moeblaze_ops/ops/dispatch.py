@@ -6,9 +6,11 @@ import torch
 from torch import Tensor
 
 from ..checks import check_dispatch
+from . import document
 from ..kernels import forward_backend
 
 
+@document
 @torch.library.custom_op("moeblaze::dispatch", mutates_args=())
 def dispatch(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """Groups the routed rows by expert without copying any token.

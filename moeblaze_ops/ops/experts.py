@@ -16,11 +16,13 @@ from torch import Tensor
 
 from ..activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from ..checks import check_expert_down, check_expert_up, check_grad
+from . import document
 from ..kernels import backward_backend, forward_backend
 
 # --------------------------------------------------------------------------- expert_up
 
 
+@document
 @torch.library.custom_op("moeblaze::expert_up", mutates_args=())
 def expert_up(
     x: Tensor,
@@ -41,7 +43,9 @@ def expert_up(
     needs it to sum each token's K input-gradient rows.
     """
     check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
-    return forward_backend(x).expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
+    backend = forward_backend(x)
+    backend.check_index_values("expert_up", expert_token_indices, expert_offsets, token_index_map, x.shape[0])
+    return backend.expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
                                    b_gate_up, transposed)
 
 
@@ -52,6 +56,7 @@ def _(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gat
     return x.new_empty(expert_token_indices.shape[0], N)
 
 
+@document
 @torch.library.custom_op("moeblaze::expert_up_backward", mutates_args=())
 def expert_up_backward(
     grad_h: Tensor,
@@ -73,7 +78,10 @@ def expert_up_backward(
     gradients) come back empty and are not computed: frozen experts skip their GEMMs.
     """
     _check_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, transposed)
-    return backward_backend(x).expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets,
+    backend = backward_backend(x)
+    backend.check_index_values("expert_up_backward", expert_token_indices, expert_offsets, token_index_map,
+                               x.shape[0])
+    return backend.expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets,
                                                   token_index_map, has_bias, transposed, need_input_grad,
                                                   need_weight_grad)
 
@@ -116,6 +124,7 @@ torch.library.register_autograd("moeblaze::expert_up", _expert_up_backward, setu
 # --------------------------------------------------------------------------- expert_down
 
 
+@document
 @torch.library.custom_op("moeblaze::expert_down", mutates_args=())
 def expert_down(
     h: Tensor,
@@ -143,7 +152,10 @@ def expert_down(
     """
     check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                       b_down, activation, transposed)
-    return forward_backend(h).expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map,
+    backend = forward_backend(h)
+    backend.check_index_values("expert_down", expert_token_indices, expert_offsets, token_index_map,
+                               topk_weights.shape[0])
+    return backend.expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map,
                                      topk_weights, b_down, activation, transposed, interleaved, alpha, limit)
 
 
@@ -155,6 +167,7 @@ def _(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_wei
     return h.new_empty(topk_weights.shape[0], d)
 
 
+@document
 @torch.library.custom_op("moeblaze::expert_down_backward", mutates_args=())
 def expert_down_backward(
     grad_out: Tensor,
@@ -182,7 +195,10 @@ def expert_down_backward(
     """
     _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
                          topk_weights, b_down, activation, transposed)
-    return backward_backend(h).expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets,
+    backend = backward_backend(h)
+    backend.check_index_values("expert_down_backward", expert_token_indices, expert_offsets, token_index_map,
+                               topk_weights.shape[0])
+    return backend.expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets,
                                                     token_index_map, topk_weights, b_down, activation, transposed,
                                                     interleaved, alpha, limit, need_weight_grad=need_weight_grad)
 
@@ -209,6 +225,7 @@ def _(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map
     return _down_grads_like(h, w_down, b_down, topk_weights, need_weight_grad)
 
 
+@document
 @torch.library.custom_op("moeblaze::expert_down_backward_", mutates_args=("h",))
 def expert_down_backward_(
     grad_out: Tensor,
@@ -229,15 +246,17 @@ def expert_down_backward_(
     """``expert_down_backward`` that writes grad_h over ``h`` (contiguous) instead of into
     a new [L*K, N] tensor: returns ``(grad_w_down, grad_b_down, grad_topk_weights)`` and
     leaves the gradient in ``h``. The weight gradients read h before it is overwritten.
-    ``moe_experts`` uses it in eager backward, where h is its own; a second backward
-    through the same graph then finds h changed and raises.
+    ``moe_experts`` uses it in eager backward, where h is its own.
     """
     _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
                          topk_weights, b_down, activation, transposed)
     if not h.is_contiguous():
         raise ValueError("moeblaze.expert_down_backward_: argument 'h' must be contiguous (it is overwritten "
                          "with its gradient)")
-    _, grad_w, grad_b, grad_tw = backward_backend(h).expert_down_backward(
+    backend = backward_backend(h)
+    backend.check_index_values("expert_down_backward_", expert_token_indices, expert_offsets, token_index_map,
+                               topk_weights.shape[0])
+    _, grad_w, grad_b, grad_tw = backend.expert_down_backward(
         grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
         activation, transposed, interleaved, alpha, limit, in_place=True, need_weight_grad=need_weight_grad)
     return grad_w, grad_b, grad_tw
@@ -251,6 +270,7 @@ def _(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map
     return _down_grads_like(h, w_down, b_down, topk_weights, need_weight_grad)[1:]
 
 
+@document
 @torch.library.custom_op("moeblaze::expert_down_backward_recompute", mutates_args=())
 def expert_down_backward_recompute(
     grad_out: Tensor,
@@ -280,8 +300,13 @@ def expert_down_backward_recompute(
     """
     check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed,
                     op="expert_down_backward_recompute")
-    h = forward_backend(x).expert_up(x, w_gate_up, expert_token_indices, expert_offsets,
-                                                token_index_map, b_gate_up, transposed)
+    if topk_weights.dim() == 2 and topk_weights.shape[0] != x.shape[0]:
+        raise ValueError(f"moeblaze.expert_down_backward_recompute: argument 'topk_weights' must be [L, K] with "
+                         f"L = {x.shape[0]} (x.shape[0]), got {tuple(topk_weights.shape)}")
+    backward_backend(x).check_index_values("expert_down_backward_recompute", expert_token_indices, expert_offsets,
+                                           token_index_map, x.shape[0])
+    h = forward_backend(x).expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
+                                     b_gate_up, transposed)
     _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
                          topk_weights, b_down, activation, transposed)
     return backward_backend(h).expert_down_backward(
@@ -318,3 +343,25 @@ def _expert_down_backward(ctx, grad_out):
 
 torch.library.register_autograd("moeblaze::expert_down", _expert_down_backward,
                                 setup_context=_expert_down_setup_context)
+
+
+# --------------------------------------------------------------------------- double backward
+
+
+def _refuse_double_backward(name):
+    def backward(ctx, *grads):
+        raise NotImplementedError(f"moeblaze.{name}: gradients of gradients (double backward, e.g. gradgradcheck "
+                                  "or create_graph=True followed by another backward) are not supported")
+
+    return backward
+
+
+def _nothing_to_save(ctx, inputs, output):
+    pass
+
+
+# The backward ops are differentiable only in name: a second differentiation says so clearly
+# (without a formula torch would blame a missing registration).
+for _name in ("expert_up_backward", "expert_down_backward", "expert_down_backward_recompute"):
+    torch.library.register_autograd(f"moeblaze::{_name}", _refuse_double_backward(_name),
+                                    setup_context=_nothing_to_save)
