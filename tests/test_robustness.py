@@ -110,6 +110,19 @@ def test_compiled_front_door_error_shows_the_message_first(seed):
     assert str(eager.value) in _exception_lines(compiled.value)[0]
 
 
+@pytest.mark.slow
+def test_compiled_raw_op_error_carries_the_message():
+    """A raw op's bad argument under torch.compile: torch 2.13's Dynamo reports fake-function
+    errors as TorchRuntimeError, with the op's own message in its explanation."""
+    ids = torch.zeros(4, 2, dtype=torch.int64)
+    with pytest.raises(ValueError) as eager:
+        torch.ops.moeblaze.dispatch(ids, 0)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as compiled:
+        torch.compile(lambda t: torch.ops.moeblaze.dispatch(t, 0), fullgraph=True)(ids)
+    assert str(eager.value) in str(compiled.value)
+
+
 # --------------------------------------------------------------------------- raw ops and their index arrays
 
 

@@ -5,6 +5,12 @@ What backward keeps: the layer input x, ``h``, the three index arrays and
 ``topk_weights`` (plus the weights and biases, which are parameters). Neither the
 gathered [L*K, d] input, nor the activated [L*K, I] rows, nor the [L*K, d] expert outputs
 are saved: backward recomputes the activation from ``h``.
+
+The three index arrays every op takes must be a ``dispatch`` result for the routing at
+hand. Each op checks their values (offsets from 0, non-decreasing, within the rows; token
+ids below L; ``token_index_map`` within the rows): on the host for CPU tensors, raising
+``ValueError``; for CUDA tensors with one device-side assert (no host sync), which fails
+the next synchronizing call.
 """
 
 from __future__ import annotations
