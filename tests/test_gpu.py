@@ -270,3 +270,37 @@ def test_dh_fast_sigmoid(activation, fast, seed, triton_bwd):
                        activation=activation,
                        layout="transposed_interleaved" if activation == "clamped_swiglu" else "concatenated",
                        bias=True, tw_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("defect", ["none", "decreasing_offsets", "token_out_of_range"])
+def test_index_arrays_checked_on_the_device(defect, seed):
+    """expert_down fed index arrays that are not a dispatch result fails the device-side
+    check (a device-side assert, so in a fresh process: it poisons the CUDA context);
+    right arrays pass. No host sync either way (sync debug mode is on)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import torch, moeblaze_ops
+        from moeblaze_ops.testing import make_layer
+        layer = {{k: (v.cuda() if torch.is_tensor(v) else v)
+                  for k, v in make_layer(64, 64, 32, 4, 2, dtype=torch.bfloat16, seed={seed}).items()}}
+        eti, offsets, tim = moeblaze_ops.dispatch(layer["topk_ids"], 4)
+        h = torch.ops.moeblaze.expert_up(layer["x"], layer["w_gate_up"], eti, offsets, tim)
+        if "{defect}" == "decreasing_offsets":
+            offsets[2] = offsets[3] + 1
+        elif "{defect}" == "token_out_of_range":
+            eti[5] = 64
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        out = torch.ops.moeblaze.expert_down(h, layer["w_down"], eti, offsets, tim, layer["topk_weights"])
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        print("finite", bool(torch.isfinite(out).all()))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    if defect == "none":
+        assert run.returncode == 0 and "finite True" in run.stdout, run.stderr[-2000:]
+    else:
+        assert run.returncode != 0 and "device-side assert" in run.stderr, run.stderr[-2000:]
