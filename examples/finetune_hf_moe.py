@@ -9,8 +9,10 @@ experts run by moeblaze (or any other experts backend, side by side).
 
 Every backend starts from the same weights and sees the same batches; the script prints
 each one's loss curve, tokens/s and peak memory (CUDA), so they can be compared in one run.
-The synthetic task is next-token prediction on a fixed corpus of random sequences, which
-a small model memorises within a few dozen steps.
+``--device cpu`` (the default) runs moeblaze's portable PyTorch kernels; ``--device cuda``
+(or ``cuda:N``) its Triton kernels on a GPU. The synthetic task is next-token prediction
+on a fixed corpus of random sequences, which a small model memorises within a few dozen
+steps.
 """
 
 import argparse
@@ -82,23 +84,88 @@ def train(args, impl, initial_state):
     return losses, tokens / elapsed, peak
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", default="qwen3_moe", choices=sorted(FAMILIES))
-    p.add_argument("--size", default="tiny", choices=sorted(SIZES))
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=3, help="steps left out of tokens/s")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
-    p.add_argument("--experts-implementation", nargs="+", default=["moeblaze"],
-                   help="one or more of moeblaze, moeblaze_recompute, grouped_mm, batched_mm, eager: each trains "
-                        "from the same start")
-    args = p.parse_args()
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every flag's default."""
+
+
+def experts_backends():
+    """The experts backends this transformers offers: ``eager`` (its per-expert loop)
+    and every key of its ``ExpertsInterface``, which includes moeblaze's two (registered
+    by ``import moeblaze_ops.hf``)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    return ["eager"] + sorted(k for k in ExpertsInterface().keys() if k != "eager")
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _device(text):
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: moeblaze runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this torch sees no CUDA GPU (torch.cuda.is_available() is "
+                                         "False); use --device cpu, or install the CUDA build of torch")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return text
+
+
+def build_parser():
+    backends = experts_backends()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    p.add_argument("--family", default="qwen3_moe", choices=sorted(FAMILIES),
+                   help="MoE model family, built from a small config (no download)")
+    p.add_argument("--size", default="tiny", choices=sorted(SIZES),
+                   help="model size: tiny (0.2M parameters, CPU), small, 100m (about 100M parameters, GPU)")
+    p.add_argument("--device", default="cpu", type=_device,
+                   help="where to train: cpu (moeblaze's portable PyTorch kernels), cuda or cuda:N (its Triton "
+                        "kernels; also reports each backend's peak GPU memory)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the model's weights and activations")
+    p.add_argument("--steps", type=_positive_int, default=60, help="training steps per backend (at least 1)")
+    p.add_argument("--warmup", type=_non_negative_int, default=3,
+                   help="first steps left out of tokens/s (compilation, allocator warm-up); less than --steps")
+    p.add_argument("--batch", type=_positive_int, default=8, help="sequences per step")
+    p.add_argument("--seq", type=_positive_int, default=64, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the synthetic batches")
+    p.add_argument("--compile", action="store_true", help="train torch.compile(model, fullgraph=True)")
+    p.add_argument("--experts-implementation", nargs="+", default=["moeblaze"], choices=backends,
+                   metavar="IMPL",
+                   help=f"one or more experts backends, each trained from the same start: {', '.join(backends)} "
+                        "(deepgemm and sonicmoe need a CUDA GPU and their kernels installed)")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.warmup >= args.steps:
+        p.error(f"--warmup ({args.warmup}) must be less than --steps ({args.steps}): tokens/s is measured over "
+                "the steps after the warm-up")
+    return args
+
+
+def main(argv=None):
+    """Runs the example with command-line arguments ``argv`` (default: ``sys.argv[1:]``);
+    returns ``{backend: (losses, tokens/s, peak GB or nan on CPU)}``."""
+    args = parse_args(argv)
 
     torch.manual_seed(args.seed)
     config = model_config(args.family, max_positions=max(512, args.seq), **SIZES[args.size])
@@ -111,10 +178,11 @@ def main():
     print("step  " + "  ".join(f"{impl:>12}" for impl in results))
     for step in range(0, args.steps, every):
         print(f"{step:4d}  " + "  ".join(f"{r[0][step]:12.4f}" for r in results.values()))
-    print(f"last  " + "  ".join(f"{r[0][-1]:12.4f}" for r in results.values()))
+    print("last  " + "  ".join(f"{r[0][-1]:12.4f}" for r in results.values()))
     for impl, (losses, tps, peak) in results.items():
         print(f"{impl}: final loss {losses[-1]:.4f}, {tps:,.0f} tokens/s, peak memory "
               f"{'n/a (CPU)' if peak != peak else f'{peak:.2f} GB'}")
+    return results
 
 
 if __name__ == "__main__":

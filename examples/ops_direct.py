@@ -1,6 +1,7 @@
 """Calls the moeblaze ops directly: dispatch, expert_up, expert_down, and their backward.
 
-    python examples/ops_direct.py [--tokens 4096] [--experts 8] [--topk 2] [--device cpu]
+    python examples/ops_direct.py                      # 4096 tokens, 8 experts, top-2, on CPU
+    python examples/ops_direct.py --device cuda --dtype bfloat16
 
 Builds a random SwiGLU experts layer, runs forward and backward through
 ``torch.ops.moeblaze.*``, and prints the shapes and the relative error of the output and
@@ -31,17 +32,46 @@ def rel(a, b):
     return f"{float((a - b).norm() / b.norm()):.2e}"
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=512)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args()
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every flag's default."""
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    p.add_argument("--tokens", type=_positive_int, default=4096, help="tokens L routed through the layer")
+    p.add_argument("--hidden", type=_positive_int, default=256, help="model dimension d")
+    p.add_argument("--intermediate", type=_positive_int, default=512, help="expert intermediate size I")
+    p.add_argument("--experts", type=_positive_int, default=8, help="number of experts E")
+    p.add_argument("--topk", type=_positive_int, default=2, help="experts per token K (at most --experts)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (the portable PyTorch kernels) or cuda / cuda:N (the Triton kernels)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of x and the expert weights (the reference runs in float64)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random layer and routing")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.topk > a.experts:
+        p.error(f"--topk ({a.topk}) must be at most --experts ({a.experts})")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: this torch sees no CUDA GPU; use --device cpu")
+    return a
+
+
+def main(argv=None):
+    """Runs the example with command-line arguments ``argv`` (default: ``sys.argv[1:]``);
+    returns ``{"out": rel_err, "grad x": rel_err, ...}`` against the float64 loop."""
+    a = parse_args(argv)
     torch.manual_seed(a.seed)
     dtype, dev = getattr(torch, a.dtype), torch.device(a.device)
     L, d, I, E, K = a.tokens, a.hidden, a.intermediate, a.experts, a.topk
@@ -70,10 +100,9 @@ def main():
     ref = loop_over_experts(ref_leaves["x"], topk_ids, ref_leaves["topk_weights"], ref_leaves["w_gate_up"],
                             ref_leaves["w_down"])
     ref.backward(grad_out.double())
-    print(f"relative error vs float64 loop: out {rel(out, ref)}", end="")
-    for k in leaves:
-        print(f", grad {k} {rel(leaves[k].grad, ref_leaves[k].grad)}", end="")
-    print()
+    errors = {"out": rel(out, ref), **{f"grad {k}": rel(leaves[k].grad, ref_leaves[k].grad) for k in leaves}}
+    print("relative error vs float64 loop: " + ", ".join(f"{k} {v}" for k, v in errors.items()))
+    return {k: float(v) for k, v in errors.items()}
 
 
 if __name__ == "__main__":
