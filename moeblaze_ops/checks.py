@@ -96,10 +96,10 @@ def check_routed_rows(op, num_tokens, num_rows):
 
 
 def index_values_message(op: str) -> str:
-    """What a device-side check of the index arrays' values says when it fails."""
-    return (f"moeblaze.{op}: the index arrays are not a dispatch result (expert_offsets must start at 0, never "
-            "decrease and end at most at L*K; expert_token_indices must hold token ids in [0, L); "
-            "token_index_map rows in [0, L*K)); build them with moeblaze.dispatch")
+    """What a device-side check of the index arrays' values says when it fails (CUDA's
+    device assert takes at most 254 characters)."""
+    return (f"moeblaze.{op}: index arrays not from dispatch (expert_offsets must start at 0, never decrease, "
+            "end <= L*K; expert_token_indices in [0, L); token_index_map in [0, L*K))")
 
 
 def check_index_values(op, expert_token_indices, expert_offsets, token_index_map, num_tokens):

@@ -170,7 +170,8 @@ class _OverwritingDown(torch.autograd.Function):
         ctx.overwritten = True
         need = ctx.needs_input_grad  # h, w_down, b_down, tw, ...
         has_b = b_down is not None
-        if torch.is_grad_enabled():  # create_graph: the functional op, whose autograd says double backward is unsupported
+        # create_graph: the functional op, whose autograd says that double backward is unsupported.
+        if torch.is_grad_enabled():
             grad_h, grad_w, grad_b, grad_tw = ops.expert_down_backward(
                 grad_out, h, w_down, eti, offsets, tim, tw, b_down, *ctx.args, need[1] or (has_b and need[2]))
             return (grad_h if need[0] else None, grad_w if need[1] else None, grad_b if has_b and need[2] else None,

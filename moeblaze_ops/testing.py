@@ -194,7 +194,8 @@ def reference_activation(h, activation, interleaved=False, alpha=CLAMPED_SWIGLU_
 
 
 def reference_moe(x, topk_ids, topk_weights, w_gate_up, w_down, activation="swiglu", *, b_gate_up=None,
-                  b_down=None, transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA, limit=CLAMPED_SWIGLU_LIMIT):
+                  b_down=None, transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA,
+                  limit=CLAMPED_SWIGLU_LIMIT):
     """``out[i] = sum_k topk_weights[i, k] * expert_{topk_ids[i, k]}(x[i])``; ids >= E contribute nothing.
 
     The sort-and-permute dropless MoE: flatten the (token, k) assignments, stable-argsort
@@ -210,7 +211,8 @@ def reference_moe(x, topk_ids, topk_weights, w_gate_up, w_down, activation="swig
 
 
 def router_grad_scale(grad_out, x, topk_ids, topk_weights, w_gate_up, w_down, activation="swiglu", *,
-                      b_gate_up=None, b_down=None, transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA, limit=CLAMPED_SWIGLU_LIMIT):
+                      b_gate_up=None, b_down=None, transposed=False, interleaved=False,
+                      alpha=CLAMPED_SWIGLU_ALPHA, limit=CLAMPED_SWIGLU_LIMIT):
     """The root-sum-square of the terms of the router gradient's dot products,
     ``sqrt(sum over (i, k) and c of (grad_out[i, c] * y_ik[c])^2)``: the scale of its
     rounding error. (The gradient's own norm equals it on average over random data, but

@@ -195,8 +195,16 @@ def test_index_arrays_checked_by_the_triton_backend(defect, seed):
             assert rel_err(run(), reference_moe(**{k: (v.double() if torch.is_tensor(v) and v.is_floating_point()
                                                        else v) for k, v in layer.items()})) < 1e-5
         else:
-            with pytest.raises(RuntimeError, match="moeblaze.expert_down: the index arrays are not a dispatch"):
+            with pytest.raises(RuntimeError, match="moeblaze.expert_down: index arrays not from dispatch"):
                 run()
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_device_check_messages_fit_a_cuda_assert(op):
+    """CUDA's torch._assert_async refuses messages of 255 characters or more."""
+    from moeblaze_ops.checks import id_value_messages, index_values_message
+
+    assert all(len(m) < 255 for m in (index_values_message(op), *id_value_messages(op)))
 
 
 # --------------------------------------------------------------------------- sentinels

@@ -42,6 +42,10 @@ class Backend:
     #: ``(op, expert_token_indices, expert_offsets, token_index_map, num_tokens)``: checks the
     #: index arrays' values (on the host for the portable backend, on the device for Triton).
     check_index_values: Callable
+    #: The same for the backward ops. The Triton backend checks nothing there: its backward
+    #: ops get the arrays autograd saved from a forward that checked them, and each device
+    #: check costs a launch on the host-bound small layers.
+    check_backward_index_values: Callable
 
 
 TORCH = Backend(
@@ -52,6 +56,7 @@ TORCH = Backend(
     expert_up_backward=torch_experts.expert_up_backward,
     expert_down_backward=torch_experts.expert_down_backward,
     check_index_values=checks.check_index_values,
+    check_backward_index_values=checks.check_index_values,
 )
 
 
@@ -75,6 +80,10 @@ def _import_triton() -> None:
         ) from error
 
 
+def _trusted(op, expert_token_indices, expert_offsets, token_index_map, num_tokens) -> None:
+    """No check (see ``Backend.check_backward_index_values``)."""
+
+
 @functools.lru_cache(maxsize=None)
 def triton_backend() -> Backend:
     """The Triton backend (imports Triton on the first call; raises ``TritonUnavailableError``,
@@ -90,6 +99,7 @@ def triton_backend() -> Backend:
         expert_up_backward=triton_experts_backward.expert_up_backward,
         expert_down_backward=triton_experts_backward.expert_down_backward,
         check_index_values=triton_dispatch.assert_index_arrays,
+        check_backward_index_values=_trusted,
     )
 
 

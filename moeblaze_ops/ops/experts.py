@@ -7,10 +7,11 @@ gathered [L*K, d] input, nor the activated [L*K, I] rows, nor the [L*K, d] exper
 are saved: backward recomputes the activation from ``h``.
 
 The three index arrays every op takes must be a ``dispatch`` result for the routing at
-hand. Each op checks their values (offsets from 0, non-decreasing, within the rows; token
+hand. The ops check their values (offsets from 0, non-decreasing, within the rows; token
 ids below L; ``token_index_map`` within the rows): on the host for CPU tensors, raising
-``ValueError``; for CUDA tensors with one device-side assert (no host sync), which fails
-the next synchronizing call.
+``ValueError``, in every op; for CUDA tensors with one device-side assert (no host sync)
+that fails the next synchronizing call, in the forward ops (the backward ops get what
+autograd saved from a checked forward).
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def expert_up_backward(
     """
     _check_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, transposed)
     backend = backward_backend(x)
-    backend.check_index_values("expert_up_backward", expert_token_indices, expert_offsets, token_index_map,
-                               x.shape[0])
+    backend.check_backward_index_values("expert_up_backward", expert_token_indices, expert_offsets,
+                                        token_index_map, x.shape[0])
     return backend.expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets,
                                                   token_index_map, has_bias, transposed, need_input_grad,
                                                   need_weight_grad)
@@ -202,8 +203,8 @@ def expert_down_backward(
     _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
                          topk_weights, b_down, activation, transposed)
     backend = backward_backend(h)
-    backend.check_index_values("expert_down_backward", expert_token_indices, expert_offsets, token_index_map,
-                               topk_weights.shape[0])
+    backend.check_backward_index_values("expert_down_backward", expert_token_indices, expert_offsets,
+                                        token_index_map, topk_weights.shape[0])
     return backend.expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets,
                                                     token_index_map, topk_weights, b_down, activation, transposed,
                                                     interleaved, alpha, limit, need_weight_grad=need_weight_grad)
@@ -260,8 +261,8 @@ def expert_down_backward_(
         raise ValueError("moeblaze.expert_down_backward_: argument 'h' must be contiguous (it is overwritten "
                          "with its gradient)")
     backend = backward_backend(h)
-    backend.check_index_values("expert_down_backward_", expert_token_indices, expert_offsets, token_index_map,
-                               topk_weights.shape[0])
+    backend.check_backward_index_values("expert_down_backward_", expert_token_indices, expert_offsets,
+                                        token_index_map, topk_weights.shape[0])
     _, grad_w, grad_b, grad_tw = backend.expert_down_backward(
         grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
         activation, transposed, interleaved, alpha, limit, in_place=True, need_weight_grad=need_weight_grad)
@@ -309,8 +310,8 @@ def expert_down_backward_recompute(
     if topk_weights.dim() == 2 and topk_weights.shape[0] != x.shape[0]:
         raise ValueError(f"moeblaze.expert_down_backward_recompute: argument 'topk_weights' must be [L, K] with "
                          f"L = {x.shape[0]} (x.shape[0]), got {tuple(topk_weights.shape)}")
-    backward_backend(x).check_index_values("expert_down_backward_recompute", expert_token_indices, expert_offsets,
-                                           token_index_map, x.shape[0])
+    backward_backend(x).check_backward_index_values("expert_down_backward_recompute", expert_token_indices,
+                                                    expert_offsets, token_index_map, x.shape[0])
     h = forward_backend(x).expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
                                      b_gate_up, transposed)
     _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
