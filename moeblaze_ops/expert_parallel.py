@@ -1,0 +1,156 @@
+"""Expert parallelism over ``torch.distributed``: the experts layer with each rank holding
+E/N of the experts ("all_to_all" mode: NCCL across nodes, gloo on CPU).
+
+Rank r holds the experts ``[r * E_local, (r + 1) * E_local)``. For the tokens of this rank:
+
+1. ``dispatch`` groups the routed rows by global expert, which is also destination-rank
+   order: the rows for rank r are one contiguous range, no sort.
+2. The per-rank row counts are exchanged on the device (an all-to-all of N integers), then
+   read to the host once: the layer's only host sync, as late as possible (the split sizes
+   of the token all-to-all are host integers in torch.distributed).
+3. The routed token rows, and each row's local expert, go to their ranks (all-to-all).
+4. Each rank runs ``moe_experts`` on what it received, one row per "token" (K = 1, weight
+   1), grouping the rows by local expert with its own index arrays: the received rows,
+   rank-major, are gathered inside the up GEMM, never reordered by a copy.
+5. The expert outputs go back (the reverse all-to-all), in the order they were sent.
+6. Each token's K rows are combined with the router weights in the order k = 0..K-1: the
+   result is bitwise deterministic. Sentinel ids (>= E) contribute nothing.
+
+Every step is differentiable (the all-to-alls' gradients are the reverse all-to-alls; the
+row gather and the combine have deterministic backward passes of their own), so
+``out.backward()`` gives the input, router and local expert-weight gradients.
+
+Not yet here: compiled graphs (the split sizes become data-dependent sizes there), the
+sync-free "symm" mode over CUDA symmetric memory, and an HF ``ep_implementation``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import _functional_collectives as funcol
+
+from .activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
+from .checks import fail
+from .functional import moe_experts
+from .kernels.torch_experts import combine, row_weights
+
+__all__ = ["moe_experts_ep"]
+
+
+def moe_experts_ep(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    activation: str = "swiglu",
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    b_gate_up: Optional[Tensor] = None,
+    b_down: Optional[Tensor] = None,
+    transposed: bool = False,
+    interleaved: bool = False,
+    alpha: float = CLAMPED_SWIGLU_ALPHA,
+    limit: float = CLAMPED_SWIGLU_LIMIT,
+) -> Tensor:
+    """``moe_experts`` with the experts spread over the ranks of ``group`` (default: the world).
+
+    ``x [L, d]``, ``topk_ids [L, K]`` (global expert ids in ``[0, E)``, ``E = E_local * N``;
+    ids ``>= E`` are sentinels) and ``topk_weights [L, K]`` are this rank's tokens (L may
+    differ between ranks, and be 0). ``w_gate_up``, ``w_down`` (and the biases) hold this
+    rank's ``E_local`` experts, the same count on every rank, in ``moe_experts``'s layouts.
+    Returns ``[L, d]``, differentiable in ``x``, ``topk_weights`` and the local weights.
+    One host sync per call (the split sizes of the token all-to-all).
+    """
+    group = group or dist.group.WORLD
+    world = dist.get_world_size(group)
+    op = "moe_experts_ep"
+    if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        fail(op, "topk_ids", f"and topk_weights must be [L, K] for x [L, d] = {tuple(x.shape)}, got "
+             f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    L, K = topk_ids.shape
+    local_experts = w_gate_up.shape[0]
+    E = local_experts * world
+
+    eti, offsets, tim = torch.ops.moeblaze.dispatch(topk_ids, E)
+    # Rows for rank r: [offsets[r * E_local], offsets[(r + 1) * E_local]).
+    bounds = offsets[::local_experts].to(torch.int64)
+    send_counts = bounds[1:] - bounds[:-1]
+    recv_counts = funcol.all_to_all_single(send_counts, None, None, group)
+    sizes = torch.cat([send_counts, recv_counts]).tolist()  # the layer's one host sync
+    send_sizes, recv_sizes = sizes[:world], sizes[world:]
+    sent = sum(send_sizes)
+
+    send_rows = _GatherRows.apply(x, eti, tim, sent)
+    # Each sent row's expert, local to its destination rank.
+    rows = torch.arange(sent, device=x.device, dtype=torch.int32)
+    expert = torch.searchsorted(offsets[1:], rows, right=True)
+    send_expert = (expert % local_experts).to(torch.int32)
+    recv_x = funcol.all_to_all_single_autograd(send_rows, recv_sizes, send_sizes, group)
+    recv_expert = funcol.all_to_all_single(send_expert, recv_sizes, send_sizes, group)
+
+    # The received rows, one per "token", through this rank's experts (K = 1, weight 1).
+    ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=x.device)
+    recv_y = moe_experts(recv_x, recv_expert[:, None], ones, w_gate_up, w_down, activation, b_gate_up=b_gate_up,
+                         b_down=b_down, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit)
+
+    back = funcol.all_to_all_single_autograd(recv_y, send_sizes, recv_sizes, group)
+    return _CombineRows.apply(back, eti, tim, topk_weights, L)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x[expert_token_indices[:sent]]``: the routed rows to send. Backward sums each
+    token's rows in the order k = 0..K-1 (deterministic, no scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, x, eti, tim, sent):
+        ctx.save_for_backward(tim)
+        ctx.num_tokens = x.shape[0]
+        return x.index_select(0, eti[:sent].long())
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (tim,) = ctx.saved_tensors
+        acc = torch.float64 if grad_rows.dtype == torch.float64 else torch.float32
+        rows = grad_rows.new_zeros(tim.shape[0], grad_rows.shape[1], dtype=acc)  # sentinel rows: no gradient
+        rows[:grad_rows.shape[0]] = grad_rows
+        return combine(rows, tim, ctx.num_tokens).to(grad_rows.dtype), None, None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """out[i] = sum over k = 0..K-1 of w[i, k] * rows[tim[i*K+k]], rows past ``rows.shape[0]``
+    (sentinels) adding nothing, in fp32 for 16-bit rows."""
+
+    @staticmethod
+    def forward(ctx, rows, eti, tim, topk_weights, num_tokens):
+        ctx.save_for_backward(rows, eti, tim, topk_weights)
+        ctx.num_tokens = num_tokens
+        acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+        padded = rows.new_zeros(tim.shape[0], rows.shape[1], dtype=acc)
+        padded[:rows.shape[0]] = rows
+        return combine(padded, tim, num_tokens, topk_weights, num_real_rows=rows.shape[0]).to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, eti, tim, topk_weights = ctx.saved_tensors
+        acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+        sent = rows.shape[0]
+        grad_rows = grad_tw = None
+        if ctx.needs_input_grad[0]:
+            # Each sent row belongs to one (token, k): its gradient is that token's, weighted.
+            weight = row_weights(tim, topk_weights, acc)[:sent, None]
+            grad_rows = (grad_out.to(acc).index_select(0, eti[:sent].long()) * weight).to(rows.dtype)
+        if ctx.needs_input_grad[3]:
+            # <g[i], rows[tim[i*K+k]]> for the real rows; sentinels get 0.
+            L, K = topk_weights.shape
+            pos = tim.long().view(L, K)
+            real = pos < sent
+            picked = rows.to(acc).index_select(0, torch.where(real, pos, 0).flatten()) if sent else \
+                rows.new_zeros(L * K, rows.shape[1], dtype=acc)
+            dots = (picked.view(L, K, rows.shape[1]) * grad_out.to(acc)[:, None, :]).sum(-1)
+            grad_tw = torch.where(real, dots, 0.0).to(topk_weights.dtype)
+        return grad_rows, None, None, grad_tw, None

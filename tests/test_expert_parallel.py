@@ -1,0 +1,103 @@
+"""Expert parallelism, "all_to_all" mode, on gloo with two processes (CPU): outputs and every
+gradient equal one process holding all experts, for several routings."""
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moeblaze_ops.testing import make_layer, rel_err
+
+WORLD = 2
+GRADS = ("x", "topk_weights", "w_gate_up", "w_down", "b_gate_up", "b_down")
+# name: (tokens per rank, routing, sentinel fraction, dtype)
+CASES = {
+    "random": ((24, 17), "uniform", 0.0, torch.float32),
+    "skewed_bias_sentinels": ((20, 31), "skewed", 0.2, torch.float32),
+    "all_to_rank0": ((16, 16), "first", 0.0, torch.float32),
+    "empty_rank": ((0, 23), "uniform", 0.0, torch.float32),
+    "bf16": ((32, 12), "uniform", 0.0, torch.bfloat16),
+}
+E, K, D, I = 8, 2, 16, 8
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inputs(name, seed):
+    """Every rank's tokens (the same on every rank: each builds all of them) and the full weights."""
+    tokens, routing, sentinel_frac, dtype = CASES[name]
+    full = make_layer(sum(tokens), D, I, E, K, dtype=dtype, routing=routing, sentinel_frac=sentinel_frac, seed=seed,
+                      bias=name.startswith("skewed"), tw_dtype=torch.float32)
+    return tokens, full
+
+
+def _run_case(name, rank, seed):
+    from moeblaze_ops import moe_experts
+    from moeblaze_ops.expert_parallel import moe_experts_ep
+
+    tokens, full = _inputs(name, seed)
+    lo, hi = sum(tokens[:rank]), sum(tokens[:rank + 1])
+    shard = slice(rank * E // WORLD, (rank + 1) * E // WORLD)
+    names = [k for k in GRADS if full[k] is not None]
+    grad_out = torch.randn(sum(tokens), D, generator=torch.Generator().manual_seed(seed + 1)).to(full["x"].dtype)
+
+    # One process with every expert and every rank's tokens: the reference.
+    ref_in = {k: (v.detach().clone().requires_grad_(k in names) if k in names else v) for k, v in full.items()}
+    ref_out = moe_experts(**ref_in)
+    ref_grads = dict(zip(names, torch.autograd.grad(ref_out, [ref_in[k] for k in names], grad_out)))
+
+    def ep_run():
+        mine = {k: v.detach().clone().requires_grad_(True) for k, v in
+                (("x", full["x"][lo:hi]), ("topk_weights", full["topk_weights"][lo:hi]),
+                 ("w_gate_up", full["w_gate_up"][shard]), ("w_down", full["w_down"][shard]),
+                 ("b_gate_up", None if full["b_gate_up"] is None else full["b_gate_up"][shard]),
+                 ("b_down", None if full["b_down"] is None else full["b_down"][shard])) if v is not None}
+        out = moe_experts_ep(mine["x"], full["topk_ids"][lo:hi], mine["topk_weights"], mine["w_gate_up"],
+                             mine["w_down"], b_gate_up=mine.get("b_gate_up"), b_down=mine.get("b_down"))
+        grads = torch.autograd.grad(out, [mine[k] for k in names], grad_out[lo:hi])
+        return out, dict(zip(names, grads))
+
+    out, grads = ep_run()
+    out2, grads2 = ep_run()
+    tol = 2e-2 if full["x"].dtype == torch.bfloat16 else 1e-5
+    problems = []
+    if not torch.equal(out, out2) or any(not torch.equal(grads[k], grads2[k]) for k in names):
+        problems.append("two runs differ")
+    if hi > lo and rel_err(out, ref_out[lo:hi]) > tol:
+        problems.append(f"out rel err {rel_err(out, ref_out[lo:hi])}")
+    for k in names:
+        want = ref_grads[k][lo:hi] if k in ("x", "topk_weights") else ref_grads[k][shard]
+        if want.numel() and rel_err(grads[k], want) > tol:
+            problems.append(f"grad {k} rel err {rel_err(grads[k], want)}")
+    return problems
+
+
+def _worker(rank, port, names, seed, errors):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        for name in names:
+            for problem in _run_case(name, rank, seed):
+                errors.put(f"rank {rank} {name}: {problem}")
+    except Exception:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_to_all_matches_one_process_with_every_expert(seed):
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(_free_port(), list(CASES), seed, errors), nprocs=WORLD, start_method="spawn")
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert not found, "\n".join(found) + f"\nseed={seed}"
