@@ -52,6 +52,8 @@ __version__ = "0.1.0"
 #: The transformers module that defines ``ExpertsInterface``; the HF backends are
 #: registered once it has been executed.
 _HF_EXPERTS_MODULE = "transformers.integrations.moe"
+#: transformers' expert-parallel module (5.19 and later), where EP implementations register.
+_HF_EXPERT_PARALLEL_MODULE = "transformers.distributed.expert_parallel"
 
 
 def _register_hf_backends(_module=None):
@@ -61,4 +63,12 @@ def _register_hf_backends(_module=None):
     hf.register()  # idempotent; also covers a reload of transformers' module
 
 
+def _register_hf_expert_parallel(_module=None):
+    """Registers ``DistributedConfig(ep_implementation="moeblaze")`` (transformers >= 5.19)."""
+    from . import hf_expert_parallel
+
+    hf_expert_parallel.register()
+
+
 when_imported(_HF_EXPERTS_MODULE, _register_hf_backends)
+when_imported(_HF_EXPERT_PARALLEL_MODULE, _register_hf_expert_parallel)

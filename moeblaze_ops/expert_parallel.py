@@ -20,13 +20,14 @@ Every step is differentiable (the all-to-alls' gradients are the reverse all-to-
 row gather and the combine have deterministic backward passes of their own), so
 ``out.backward()`` gives the input, router and local expert-weight gradients.
 
-Not yet here: compiled graphs (the split sizes become data-dependent sizes there), the
-sync-free "symm" mode over CUDA symmetric memory, and an HF ``ep_implementation``.
+transformers models reach it through ``DistributedConfig(ep_implementation="moeblaze")``
+(``moeblaze_ops.hf_expert_parallel``). Not yet here: compiled graphs (the split sizes
+become data-dependent sizes there) and the sync-free "symm" mode over CUDA symmetric memory.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,60 @@ from .checks import fail
 from .functional import moe_experts
 from .kernels.torch_experts import combine, row_weights
 
-__all__ = ["moe_experts_ep"]
+__all__ = ["moe_experts_ep", "dispatch_to_experts", "combine_from_experts", "Exchange"]
+
+
+class Exchange(NamedTuple):
+    """What ``combine_from_experts`` needs to bring one layer's expert outputs home."""
+
+    expert_token_indices: Tensor  # [L*K] int32, this rank's routed rows by global expert
+    token_index_map: Tensor  # [L*K] int32
+    topk_weights: Tensor  # [L, K]
+    send_sizes: list  # rows sent to each rank
+    recv_sizes: list  # rows received from each rank
+    group: dist.ProcessGroup
+
+
+def dispatch_to_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, num_local_experts: int,
+                        group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor, Tensor, Exchange]:
+    """Sends this rank's routed rows to the ranks of their experts.
+
+    Returns ``(rows, local_expert, exchange)``: the rows this rank's experts must run
+    (``[R, d]``, grouped by source rank, then by expert), each row's local expert id
+    (``[R]`` int32), and the state ``combine_from_experts`` takes. One host sync (the split
+    sizes). Differentiable in ``x``.
+    """
+    group = group or dist.group.WORLD
+    world = dist.get_world_size(group)
+    op = "moe_experts_ep"
+    if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        fail(op, "topk_ids", f"and topk_weights must be [L, K] for x [L, d] = {tuple(x.shape)}, got "
+             f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    eti, offsets, tim = torch.ops.moeblaze.dispatch(topk_ids, num_local_experts * world)
+    # Rows for rank r: [offsets[r * E_local], offsets[(r + 1) * E_local]).
+    bounds = offsets[::num_local_experts].to(torch.int64)
+    send_counts = bounds[1:] - bounds[:-1]
+    recv_counts = funcol.all_to_all_single(send_counts, None, None, group)
+    sizes = torch.cat([send_counts, recv_counts]).tolist()  # the layer's one host sync
+    send_sizes, recv_sizes = sizes[:world], sizes[world:]
+    sent = sum(send_sizes)
+
+    send_rows = _GatherRows.apply(x, eti, tim, sent)
+    # Each sent row's expert, local to its destination rank.
+    expert = torch.searchsorted(offsets[1:], torch.arange(sent, device=x.device, dtype=torch.int32), right=True)
+    send_expert = (expert % num_local_experts).to(torch.int32)
+    rows = funcol.all_to_all_single_autograd(send_rows, recv_sizes, send_sizes, group)
+    local_expert = funcol.all_to_all_single(send_expert, recv_sizes, send_sizes, group)
+    return rows, local_expert, Exchange(eti, tim, topk_weights, send_sizes, recv_sizes, group)
+
+
+def combine_from_experts(expert_rows: Tensor, exchange: Exchange) -> Tensor:
+    """Brings the experts' outputs (``[R, d]``, in the order ``dispatch_to_experts`` delivered
+    the rows) back to their ranks and combines each token's K rows with its router weights,
+    in the order k = 0..K-1. Differentiable in ``expert_rows`` and the router weights."""
+    back = funcol.all_to_all_single_autograd(expert_rows, exchange.send_sizes, exchange.recv_sizes, exchange.group)
+    return _CombineRows.apply(back, exchange.expert_token_indices, exchange.token_index_map, exchange.topk_weights,
+                              exchange.topk_weights.shape[0])
 
 
 def moe_experts_ep(
@@ -66,40 +120,12 @@ def moe_experts_ep(
     Returns ``[L, d]``, differentiable in ``x``, ``topk_weights`` and the local weights.
     One host sync per call (the split sizes of the token all-to-all).
     """
-    group = group or dist.group.WORLD
-    world = dist.get_world_size(group)
-    op = "moe_experts_ep"
-    if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
-        fail(op, "topk_ids", f"and topk_weights must be [L, K] for x [L, d] = {tuple(x.shape)}, got "
-             f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
-    L, K = topk_ids.shape
-    local_experts = w_gate_up.shape[0]
-    E = local_experts * world
-
-    eti, offsets, tim = torch.ops.moeblaze.dispatch(topk_ids, E)
-    # Rows for rank r: [offsets[r * E_local], offsets[(r + 1) * E_local]).
-    bounds = offsets[::local_experts].to(torch.int64)
-    send_counts = bounds[1:] - bounds[:-1]
-    recv_counts = funcol.all_to_all_single(send_counts, None, None, group)
-    sizes = torch.cat([send_counts, recv_counts]).tolist()  # the layer's one host sync
-    send_sizes, recv_sizes = sizes[:world], sizes[world:]
-    sent = sum(send_sizes)
-
-    send_rows = _GatherRows.apply(x, eti, tim, sent)
-    # Each sent row's expert, local to its destination rank.
-    rows = torch.arange(sent, device=x.device, dtype=torch.int32)
-    expert = torch.searchsorted(offsets[1:], rows, right=True)
-    send_expert = (expert % local_experts).to(torch.int32)
-    recv_x = funcol.all_to_all_single_autograd(send_rows, recv_sizes, send_sizes, group)
-    recv_expert = funcol.all_to_all_single(send_expert, recv_sizes, send_sizes, group)
-
+    rows, local_expert, exchange = dispatch_to_experts(x, topk_ids, topk_weights, w_gate_up.shape[0], group)
     # The received rows, one per "token", through this rank's experts (K = 1, weight 1).
-    ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=x.device)
-    recv_y = moe_experts(recv_x, recv_expert[:, None], ones, w_gate_up, w_down, activation, b_gate_up=b_gate_up,
-                         b_down=b_down, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit)
-
-    back = funcol.all_to_all_single_autograd(recv_y, send_sizes, recv_sizes, group)
-    return _CombineRows.apply(back, eti, tim, topk_weights, L)
+    ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=x.device)
+    expert_rows = moe_experts(rows, local_expert[:, None], ones, w_gate_up, w_down, activation, b_gate_up=b_gate_up,
+                              b_down=b_down, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit)
+    return combine_from_experts(expert_rows, exchange)
 
 
 class _GatherRows(torch.autograd.Function):
