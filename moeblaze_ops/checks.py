@@ -16,6 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
 from .activations import ACTIVATIONS, is_gated
 from .layouts import linear_dims
 
@@ -26,6 +28,13 @@ MAX_ROUTED_ROWS = 2**31 - 1
 #: Dispatch keeps a count table of E columns per chunk of rows; beyond this many experts it
 #: would not fit (and no MoE model comes near).
 MAX_EXPERTS = 2**16
+
+
+def definitely(condition) -> bool:
+    """Whether a size condition holds for sure. Sizes that only the data decides (the rows
+    expert parallelism receives, under torch.compile) leave a check undecided while
+    tracing: it then passes, rather than failing the trace (the kernels see real sizes)."""
+    return guard_or_false(condition)
 
 
 def fail(op: str, arg: str, message: str) -> None:
@@ -55,7 +64,7 @@ def check_tensor(
         fail(op, arg, f"must be on device {device}, got {t.device}")
     if shape is not None:
         for want, got in zip(shape, t.shape):
-            if want is not None and want != got:
+            if want is not None and definitely(want != got):
                 # Format sizes only here: formatting a symbolic size would specialise it.
                 want_s = "(" + ", ".join("*" if s is None else str(int(s)) for s in shape) + ")"
                 fail(op, arg, f"must have shape {shape_doc} = {want_s}, got {tuple(t.shape)}")
@@ -81,17 +90,17 @@ def check_index_arrays(op, expert_token_indices, expert_offsets, token_index_map
     if expert_offsets.shape[0] != num_experts + 1:
         fail(op, "expert_offsets", f"must have num_experts + 1 = {num_experts + 1} entries, "
              f"got {expert_offsets.shape[0]}")
-    if token_index_map.shape[0] != expert_token_indices.shape[0]:
+    if definitely(token_index_map.shape[0] != expert_token_indices.shape[0]):
         fail(op, "token_index_map", f"must have as many entries as expert_token_indices "
              f"({expert_token_indices.shape[0]}), got {token_index_map.shape[0]}")
 
 
 def check_routed_rows(op, num_tokens, num_rows):
     """``num_rows`` routed rows must be ``num_tokens * K`` for a whole K."""
-    if num_tokens == 0:
-        if num_rows != 0:
+    if definitely(num_tokens == 0):
+        if definitely(num_rows != 0):
             fail(op, "token_index_map", f"must be empty when there are no tokens, got {num_rows} entries")
-    elif num_rows % num_tokens != 0:
+    elif definitely(num_rows % num_tokens != 0):
         fail(op, "token_index_map", f"must have L*K entries for L={num_tokens} tokens, got {num_rows}")
 
 
@@ -136,7 +145,7 @@ def check_dispatch(topk_ids, num_experts) -> None:
 
 def check_routed_row_count(op, arg, num_rows):
     """The routed rows must fit the int32 index arrays."""
-    if num_rows > MAX_ROUTED_ROWS:
+    if definitely(num_rows > MAX_ROUTED_ROWS):
         fail(op, arg, f"routes {num_rows} (token, k) rows; the int32 index arrays hold at most {MAX_ROUTED_ROWS}: "
              "split the tokens into smaller calls")
 
@@ -217,10 +226,10 @@ def check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_ind
         _check_weight_dtype(op, "b_down", b_down, "h", h)
     check_index_arrays(op, expert_token_indices, expert_offsets, token_index_map, E, dev)
     L, K = topk_weights.shape
-    if L * K != token_index_map.shape[0]:
+    if definitely(L * K != token_index_map.shape[0]):
         fail(op, "topk_weights", f"must have shape [L, K] with L*K = {token_index_map.shape[0]} "
              f"routed rows, got {tuple(topk_weights.shape)}")
-    if h.shape[0] != token_index_map.shape[0]:
+    if definitely(h.shape[0] != token_index_map.shape[0]):
         fail(op, "h", f"must have one row per routed row ({token_index_map.shape[0]}), got {h.shape[0]}")
     return E, d, I
 

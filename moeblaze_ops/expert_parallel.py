@@ -21,8 +21,10 @@ row gather and the combine have deterministic backward passes of their own), so
 ``out.backward()`` gives the input, router and local expert-weight gradients.
 
 transformers models reach it through ``DistributedConfig(ep_implementation="moeblaze")``
-(``moeblaze_ops.hf_expert_parallel``). Not yet here: compiled graphs (the split sizes
-become data-dependent sizes there) and the sync-free "symm" mode over CUDA symmetric memory.
+(``moeblaze_ops.hf_expert_parallel``). ``torch.compile(moe_experts_ep, fullgraph=True)``
+works with ``torch._dynamo.config.capture_scalar_outputs = True`` (the split sizes become
+sizes the graph learns at run time), except on a rank with no tokens at all, which
+Inductor fails to lower. Not yet here: the sync-free "symm" mode over CUDA symmetric memory.
 """
 
 from __future__ import annotations
@@ -128,6 +130,22 @@ def moe_experts_ep(
     return combine_from_experts(expert_rows, exchange)
 
 
+def _first_rows(t: Tensor, n) -> Tensor:
+    """``t[:n]``, written as a gather so that under torch.compile, where ``n`` may be a size
+    known only at run time, the result's size is ``n`` itself (a slice would make a new one)."""
+    return t.index_select(0, torch.arange(n, device=t.device))
+
+
+def _padded_rows(rows: Tensor, total, dtype) -> Tensor:
+    """``rows`` followed by zero rows up to ``total`` rows, in ``dtype``."""
+    torch._check(rows.shape[0] <= total)
+    return torch.cat([rows.to(dtype), rows.new_zeros(total - rows.shape[0], rows.shape[1], dtype=dtype)])
+
+
+def _accumulation(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class _GatherRows(torch.autograd.Function):
     """``x[expert_token_indices[:sent]]``: the routed rows to send. Backward sums each
     token's rows in the order k = 0..K-1 (deterministic, no scatter-add)."""
@@ -136,14 +154,12 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx, x, eti, tim, sent):
         ctx.save_for_backward(tim)
         ctx.num_tokens = x.shape[0]
-        return x.index_select(0, eti[:sent].long())
+        return x.index_select(0, _first_rows(eti, sent).long())
 
     @staticmethod
     def backward(ctx, grad_rows):
         (tim,) = ctx.saved_tensors
-        acc = torch.float64 if grad_rows.dtype == torch.float64 else torch.float32
-        rows = grad_rows.new_zeros(tim.shape[0], grad_rows.shape[1], dtype=acc)  # sentinel rows: no gradient
-        rows[:grad_rows.shape[0]] = grad_rows
+        rows = _padded_rows(grad_rows, tim.shape[0], _accumulation(grad_rows.dtype))  # sentinels: no gradient
         return combine(rows, tim, ctx.num_tokens).to(grad_rows.dtype), None, None, None
 
 
@@ -154,29 +170,27 @@ class _CombineRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, eti, tim, topk_weights, num_tokens):
         ctx.save_for_backward(rows, eti, tim, topk_weights)
-        ctx.num_tokens = num_tokens
-        acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
-        padded = rows.new_zeros(tim.shape[0], rows.shape[1], dtype=acc)
-        padded[:rows.shape[0]] = rows
+        padded = _padded_rows(rows, tim.shape[0], _accumulation(rows.dtype))
         return combine(padded, tim, num_tokens, topk_weights, num_real_rows=rows.shape[0]).to(rows.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         rows, eti, tim, topk_weights = ctx.saved_tensors
-        acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+        acc = _accumulation(rows.dtype)
         sent = rows.shape[0]
         grad_rows = grad_tw = None
         if ctx.needs_input_grad[0]:
             # Each sent row belongs to one (token, k): its gradient is that token's, weighted.
-            weight = row_weights(tim, topk_weights, acc)[:sent, None]
-            grad_rows = (grad_out.to(acc).index_select(0, eti[:sent].long()) * weight).to(rows.dtype)
+            weight = _first_rows(row_weights(tim, topk_weights, acc), sent)[:, None]
+            grad_rows = (grad_out.to(acc).index_select(0, _first_rows(eti, sent).long()) * weight).to(rows.dtype)
         if ctx.needs_input_grad[3]:
-            # <g[i], rows[tim[i*K+k]]> for the real rows; sentinels get 0.
+            # <g[i], rows[tim[i*K+k]]> for the real rows; sentinels pick an appended zero row
+            # (no branch on the row count: under torch.compile it is known at run time only).
             L, K = topk_weights.shape
             pos = tim.long().view(L, K)
             real = pos < sent
-            picked = rows.to(acc).index_select(0, torch.where(real, pos, 0).flatten()) if sent else \
-                rows.new_zeros(L * K, rows.shape[1], dtype=acc)
+            padded = torch.cat([rows.to(acc), rows.new_zeros(1, rows.shape[1], dtype=acc)])
+            picked = padded.index_select(0, torch.where(real, pos, sent).flatten())
             dots = (picked.view(L, K, rows.shape[1]) * grad_out.to(acc)[:, None, :]).sum(-1)
             grad_tw = torch.where(real, dots, 0.0).to(topk_weights.dtype)
         return grad_rows, None, None, grad_tw, None

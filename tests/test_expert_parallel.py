@@ -1,5 +1,6 @@
 """Expert parallelism, "all_to_all" mode, on gloo with two processes (CPU): outputs and every
-gradient equal one process holding all experts, for several routings."""
+gradient equal one process holding all experts, for several routings, eager and compiled
+(fullgraph); transformers' ep_implementation="moeblaze" against a one-process model."""
 
 import os
 import socket
@@ -23,6 +24,8 @@ CASES = {
     "bf16": ((32, 12), "uniform", 0.0, torch.bfloat16),
 }
 E, K, D, I = 8, 2, 16, 8
+#: Cases also run through torch.compile(fullgraph=True).
+COMPILED_CASES = ("random", "skewed_bias_sentinels")
 
 
 def _free_port():
@@ -39,7 +42,7 @@ def _inputs(name, seed):
     return tokens, full
 
 
-def _run_case(name, rank, seed):
+def _run_case(name, rank, seed, compiled=False):
     from moeblaze_ops import moe_experts
     from moeblaze_ops.expert_parallel import moe_experts_ep
 
@@ -60,8 +63,9 @@ def _run_case(name, rank, seed):
                  ("w_gate_up", full["w_gate_up"][shard]), ("w_down", full["w_down"][shard]),
                  ("b_gate_up", None if full["b_gate_up"] is None else full["b_gate_up"][shard]),
                  ("b_down", None if full["b_down"] is None else full["b_down"][shard])) if v is not None}
-        out = moe_experts_ep(mine["x"], full["topk_ids"][lo:hi], mine["topk_weights"], mine["w_gate_up"],
-                             mine["w_down"], b_gate_up=mine.get("b_gate_up"), b_down=mine.get("b_down"))
+        layer = torch.compile(moe_experts_ep, fullgraph=True) if compiled else moe_experts_ep
+        out = layer(mine["x"], full["topk_ids"][lo:hi], mine["topk_weights"], mine["w_gate_up"], mine["w_down"],
+                    b_gate_up=mine.get("b_gate_up"), b_down=mine.get("b_down"))
         grads = torch.autograd.grad(out, [mine[k] for k in names], grad_out[lo:hi])
         return out, dict(zip(names, grads))
 
@@ -83,10 +87,16 @@ def _run_case(name, rank, seed):
 def _worker(rank, port, names, seed, errors):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # The split sizes are read from the device: under torch.compile they become sizes the
+    # graph learns at run time.
+    torch._dynamo.config.capture_scalar_outputs = True
     try:
         for name in names:
             for problem in _run_case(name, rank, seed):
                 errors.put(f"rank {rank} {name}: {problem}")
+        for name in COMPILED_CASES:
+            for problem in _run_case(name, rank, seed, compiled=True):
+                errors.put(f"rank {rank} {name} compiled: {problem}")
     except Exception:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
     finally:
