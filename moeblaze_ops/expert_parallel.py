@@ -36,7 +36,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 
-from .activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from .checks import fail
 from .functional import moe_experts
 from .kernels.torch_experts import combine, row_weights
@@ -97,36 +96,22 @@ def combine_from_experts(expert_rows: Tensor, exchange: Exchange) -> Tensor:
                               exchange.topk_weights.shape[0])
 
 
-def moe_experts_ep(
-    x: Tensor,
-    topk_ids: Tensor,
-    topk_weights: Tensor,
-    w_gate_up: Tensor,
-    w_down: Tensor,
-    activation: str = "swiglu",
-    *,
-    group: Optional[dist.ProcessGroup] = None,
-    b_gate_up: Optional[Tensor] = None,
-    b_down: Optional[Tensor] = None,
-    transposed: bool = False,
-    interleaved: bool = False,
-    alpha: float = CLAMPED_SWIGLU_ALPHA,
-    limit: float = CLAMPED_SWIGLU_LIMIT,
-) -> Tensor:
+def moe_experts_ep(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
+                   activation: str = "swiglu", *, group: Optional[dist.ProcessGroup] = None, **options) -> Tensor:
     """``moe_experts`` with the experts spread over the ranks of ``group`` (default: the world).
 
     ``x [L, d]``, ``topk_ids [L, K]`` (global expert ids in ``[0, E)``, ``E = E_local * N``;
     ids ``>= E`` are sentinels) and ``topk_weights [L, K]`` are this rank's tokens (L may
     differ between ranks, and be 0). ``w_gate_up``, ``w_down`` (and the biases) hold this
-    rank's ``E_local`` experts, the same count on every rank, in ``moe_experts``'s layouts.
-    Returns ``[L, d]``, differentiable in ``x``, ``topk_weights`` and the local weights.
-    One host sync per call (the split sizes of the token all-to-all).
+    rank's ``E_local`` experts, the same count on every rank, in ``moe_experts``'s layouts;
+    ``options`` are ``moe_experts``'s keyword arguments (biases, layout flags, ``alpha``,
+    ``limit``, ``recompute``). Returns ``[L, d]``, differentiable in ``x``, ``topk_weights``
+    and the local weights. One host sync per call (the split sizes of the token all-to-all).
     """
     rows, local_expert, exchange = dispatch_to_experts(x, topk_ids, topk_weights, w_gate_up.shape[0], group)
     # The received rows, one per "token", through this rank's experts (K = 1, weight 1).
     ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=x.device)
-    expert_rows = moe_experts(rows, local_expert[:, None], ones, w_gate_up, w_down, activation, b_gate_up=b_gate_up,
-                              b_down=b_down, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit)
+    expert_rows = moe_experts(rows, local_expert[:, None], ones, w_gate_up, w_down, activation, **options)
     return combine_from_experts(expert_rows, exchange)
 
 
