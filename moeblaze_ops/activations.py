@@ -22,6 +22,7 @@ __all__ = [
     "ActivationCode",
     "CLAMPED_SWIGLU_ALPHA",
     "CLAMPED_SWIGLU_LIMIT",
+    "clamped_swiglu_defaults",
     "activation_code",
     "is_gated",
     "activation_forward",
@@ -33,10 +34,16 @@ GATED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
 #: Every activation name the ops accept. ``clamped_swiglu`` is GPT-OSS's gate:
 #: ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(g, limit)``.
 ACTIVATIONS = GATED_ACTIVATIONS + ("silu", "gelu", "relu")
-#: GPT-OSS's ``alpha`` and ``limit``, the defaults of every ``alpha``/``limit`` argument
-#: (only ``clamped_swiglu`` reads them).
-CLAMPED_SWIGLU_ALPHA = 1.702
-CLAMPED_SWIGLU_LIMIT = 7.0
+
+
+def clamped_swiglu_defaults() -> tuple[float, float]:
+    """GPT-OSS's ``(alpha, limit)``, the defaults of every ``alpha``/``limit`` argument (only
+    ``clamped_swiglu`` reads them). Returned as literals: torch.compile turns a float it
+    reads from a module global into a symbol, and literals into constants."""
+    return 1.702, 7.0
+
+
+CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT = clamped_swiglu_defaults()
 
 
 class ActivationCode(enum.IntEnum):

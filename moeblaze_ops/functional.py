@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
+from .activations import clamped_swiglu_defaults
 from .checks import check_moe_experts
 
 
@@ -23,8 +23,8 @@ def moe_experts(
     b_down: Optional[Tensor] = None,
     transposed: bool = False,
     interleaved: bool = False,
-    alpha: float = CLAMPED_SWIGLU_ALPHA,
-    limit: float = CLAMPED_SWIGLU_LIMIT,
+    alpha: Optional[float] = None,
+    limit: Optional[float] = None,
     recompute: bool = False,
     overwrite_h: bool = True,
 ) -> Tensor:
@@ -48,6 +48,8 @@ def moe_experts(
             ``gelu``, ``relu``.
         b_gate_up: optional ``[E, N]`` per-expert bias of the up projection.
         b_down: optional ``[E, d]`` per-expert bias of the down projection.
+        alpha, limit: ``clamped_swiglu``'s parameters; None (the default) means GPT-OSS's
+            1.702 and 7.0. The other activations ignore them.
         recompute: keep only x, the index arrays and topk_weights for backward, and
             recompute h there with one more up-projection GEMM, writing dH over it (for
             the longest sequences: neither the saved h nor a second [L*K, N] buffer in
@@ -85,6 +87,14 @@ def moe_experts(
     E, _, d = check_moe_experts(x2, ids, tw, w_gate_up, w_down, b_gate_up, b_down, activation, transposed)
     ops = torch.ops.moeblaze
     eti, offsets, tim = ops.dispatch(ids, E)
+    # alpha and limit are clamped_swiglu's alone, and default to None rather than to floats:
+    # torch.compile makes a float argument of the function it compiles a symbol, then
+    # restarts its analysis to specialise it. Constants keep the graph free of them.
+    default_alpha, default_limit = clamped_swiglu_defaults()
+    if activation != "clamped_swiglu" or alpha is None:
+        alpha = default_alpha
+    if activation != "clamped_swiglu" or limit is None:
+        limit = default_limit
     args = (activation, transposed, interleaved, alpha, limit)
     if recompute:
         out = _RecomputedExperts.apply(x2, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args)

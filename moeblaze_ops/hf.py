@@ -26,7 +26,6 @@ transformers implementation).
 
 from __future__ import annotations
 
-from .activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from .functional import moe_experts
 
 BACKEND = "moeblaze"
@@ -45,8 +44,8 @@ _CUSTOM_GATES = {"GptOssExperts": "clamped_swiglu"}
 
 
 def _activation(module):
-    """(activation, alpha, limit) of an HF experts module, or a clear error for experts
-    the backend cannot run."""
+    """(activation, alpha, limit) of an HF experts module (alpha and limit None where the
+    activation does not read them), or a clear error for experts the backend cannot run."""
     from transformers.integrations.moe import _default_apply_gate
 
     name = type(module).__name__
@@ -58,12 +57,12 @@ def _activation(module):
         if hidden_act not in _PLAIN:
             raise NotImplementedError(f"moeblaze experts backend: {name} uses hidden_act={hidden_act!r}; "
                                       f"supported without a gate: {sorted(_PLAIN)}")
-        return _PLAIN[hidden_act], CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
+        return _PLAIN[hidden_act], None, None
     if type(module)._apply_gate is _default_apply_gate:
         if hidden_act not in _GATED:
             raise NotImplementedError(f"moeblaze experts backend: {name} uses hidden_act={hidden_act!r}; "
                                       f"supported gated activations: {sorted(_GATED)}")
-        return _GATED[hidden_act], CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
+        return _GATED[hidden_act], None, None
     if name in _CUSTOM_GATES:
         return _CUSTOM_GATES[name], float(module.alpha), float(module.limit)
     raise NotImplementedError(f"moeblaze experts backend: {name} has its own _apply_gate, which moeblaze does "

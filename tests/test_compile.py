@@ -56,8 +56,7 @@ def test_one_compilation_for_several_token_counts(mode, seed):
     for layer in _layers([9, 17, 33, 64], seed):
         _assert_same(fn, layer, mark_dynamic=mode == "mark_dynamic")
         frames.append(counter.frame_count)
-    # Later token counts reuse the first compilation. (With dynamic=True, Dynamo may restart
-    # its analysis once to specialise the float arguments; that leaves an empty graph.)
+    # Later token counts reuse the first compilation.
     assert frames == frames[:1] * len(frames)
     real_graphs = [g for g in counter.graphs if any(n.op == "call_function" for n in g.graph.nodes)]
     assert len(real_graphs) == 1
@@ -101,3 +100,30 @@ def test_frozen_experts_compile(recompute, seed):
     torch._dynamo.reset()
     for g, rg in zip(grads(torch.compile(loss, backend="aot_eager", fullgraph=True)), grads(loss)):
         assert rel_err(g, rg) < 1e-6
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+def test_one_analysis_with_default_floats(activation, seed):
+    """Compiling moe_experts itself: with alpha and limit left at their defaults no float
+    becomes a symbol, so Dynamo analyses the frame once (a float symbol it cannot keep
+    restarts the analysis, leaving an empty graph), across token counts too."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(moe_experts, backend=counter, fullgraph=True, dynamic=True)
+    for L in (12, 20):
+        layer = make_layer(L, 16, 8, 4, 2, seed=seed + L, activation=activation)
+        assert rel_err(fn(**layer), moe_experts(**layer)) < 1e-6
+    assert counter.frame_count == 1
+    assert all(any(n.op == "call_function" for n in g.graph.nodes) for g in counter.graphs)
+
+
+def test_floats_an_activation_ignores_compile_nothing(seed):
+    """swiglu ignores alpha and limit: a new value passed for them compiles nothing."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    layer = make_layer(12, 16, 8, 4, 2, seed=seed)
+    fn = torch.compile(moe_experts, backend=counter, fullgraph=True, dynamic=True)
+    fn(**layer, alpha=1.702, limit=7.0)
+    frames = counter.frame_count
+    assert rel_err(fn(**layer, alpha=1.5, limit=6.0), moe_experts(**layer)) < 1e-6
+    assert counter.frame_count == frames
