@@ -127,3 +127,23 @@ def test_floats_an_activation_ignores_compile_nothing(seed):
     frames = counter.frame_count
     assert rel_err(fn(**layer, alpha=1.5, limit=6.0), moe_experts(**layer)) < 1e-6
     assert counter.frame_count == frames
+
+
+def test_hf_model_compiles_in_one_analysis(seed):
+    """A tiny HF MoE with the moeblaze backend under torch.compile(fullgraph=True): one
+    analysis (the backend hands moe_experts no float for gates that ignore alpha/limit)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    import moeblaze_ops.hf
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(moeblaze_ops.hf.model_config("qwen3_moe", num_layers=1),
+                                             experts_implementation="moeblaze")
+    ids = torch.randint(0, 256, (2, 8))
+    eager = model(ids).logits  # transformers installs its output hooks on the first call
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)(ids).logits
+    assert counter.frame_count == 1
+    assert rel_err(compiled, eager) < 1e-5
