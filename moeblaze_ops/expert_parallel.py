@@ -23,8 +23,7 @@ row gather and the combine have deterministic backward passes of their own), so
 transformers models reach it through ``DistributedConfig(ep_implementation="moeblaze")``
 (``moeblaze_ops.hf_expert_parallel``). ``torch.compile(moe_experts_ep, fullgraph=True)``
 works with ``torch._dynamo.config.capture_scalar_outputs = True`` (the split sizes become
-sizes the graph learns at run time), except on a rank with no tokens at all, which
-Inductor fails to lower. Not yet here: the sync-free "symm" mode over CUDA symmetric memory.
+sizes the graph learns at run time). Not yet here: the sync-free "symm" mode over CUDA symmetric memory.
 """
 
 from __future__ import annotations
@@ -118,6 +117,10 @@ def moe_experts_ep(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up:
 def _first_rows(t: Tensor, n) -> Tensor:
     """``t[:n]``, written as a gather so that under torch.compile, where ``n`` may be a size
     known only at run time, the result's size is ``n`` itself (a slice would make a new one)."""
+    if isinstance(t.shape[0], int) and t.shape[0] == 0:
+        # A rank without tokens sends nothing; Inductor cannot lower a gather from nothing.
+        torch._check(n == 0)
+        return t
     return t.index_select(0, torch.arange(n, device=t.device))
 
 

@@ -25,7 +25,7 @@ CASES = {
 }
 E, K, D, I = 8, 2, 16, 8
 #: Cases also run through torch.compile(fullgraph=True).
-COMPILED_CASES = ("random", "skewed_bias_sentinels")
+COMPILED_CASES = ("random", "skewed_bias_sentinels", "empty_rank")
 
 
 def _free_port():
