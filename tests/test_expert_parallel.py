@@ -161,3 +161,24 @@ def test_hf_ep_implementation_moeblaze(seed, tmp_path):
     while not errors.empty():
         found.append(errors.get())
     assert not found, "\n".join(found) + f"\nseed={seed}"
+
+
+def test_expert_parallel_benchmark_smoke(tmp_path):
+    """scripts/bench_expert_parallel.py on two gloo processes: one row per config with finite,
+    positive throughputs, a straggler ratio of at least 1, and the table written."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_expert_parallel.py"
+    run = subprocess.run([sys.executable, str(script), "--spawn", str(WORLD), "--device", "cpu", "--configs", "smoke",
+                          "--reps", "1", "--warmup", "1", "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench_ep.json").read_text())
+    assert [r["config"] for r in rows] == ["smoke"]
+    for key in ("single_tokens_per_s", "ep_tokens_per_s", "ep_speedup_vs_single"):
+        assert 0 < rows[0][key] < float("inf"), key
+    assert rows[0]["straggler_ratio"] >= 1.0 and len(rows[0]["expert_ms_per_rank"]) == WORLD
+    assert "| smoke | 2 |" in (tmp_path / "bench_ep.md").read_text()
