@@ -8,7 +8,8 @@
 # machine's torch (a compatibility check, 3 more minutes); PROFILE=1 adds
 # scripts/profile_step.py (kernel and host time per step) into $OUT/profile.txt;
 # GPU_TEST_WORKERS=<n> sets the pytest-xdist processes (6; one GPU is shared);
-# SWITCHES=1 measures the other side of each tuning switch (log only). Test
+# SWITCHES=1 measures the other side of each tuning switch (log only); EP=1 adds the
+# expert-parallel GPU tests and benchmark (2 GPUs: kind nvidia-h200-x2) into $OUT/ep/. Test
 # packages missing on the machine are installed from wheels in .whl/ when the call carries them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,6 +73,13 @@ if [ "${SWITCHES:-0}" = 1 ]; then
     --skip hf_eager hf_grouped_mm moeblaze_compiled --out /tmp/switch_dslab_fwd 2>>"$LOG" | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --set column_slab=None --mode train --no-dispatch --configs olmoe conf3 conf4 mixtral \
     --skip hf_eager hf_grouped_mm moeblaze_compiled moeblaze_recompute_compiled --out /tmp/switch_dslab_train \
+    2>>"$LOG" | tee -a "$LOG"
+fi
+if [ "${EP:-0}" = 1 ]; then
+  echo "== expert parallelism on 2 GPUs (NCCL, multicast off)" | tee -a "$LOG"
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  python3 -m pytest -q -m gpu tests/test_expert_parallel.py -p no:cacheprovider -rf --tb=short 2>&1 | tee -a "$LOG" | tail -5
+  torchrun --nproc-per-node 2 scripts/bench_expert_parallel.py --configs olmoe mixtral --out "$OUT/ep" \
     2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
