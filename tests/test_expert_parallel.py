@@ -85,33 +85,30 @@ def _run_case(name, rank, seed, compiled=False, device="cpu"):
     return problems
 
 
-def _worker(rank, port, names, seed, errors, device="cpu"):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(rank, port, device, body, args, errors):
+    """One rank: joins the process group, runs ``body(rank, device, *args)`` and queues the
+    problems it returns (or its traceback)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank))
     if device == "cuda":
         # NVLink multicast stays off on the GPU machines (their notes ask for it).
         os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     dist.init_process_group("nccl" if device != "cpu" else "gloo", rank=rank, world_size=WORLD)
-    # The split sizes are read from the device: under torch.compile they become sizes the
-    # graph learns at run time.
-    torch._dynamo.config.capture_scalar_outputs = True
     try:
-        for name in names:
-            for problem in _run_case(name, rank, seed, device=device):
-                errors.put(f"rank {rank} {name}: {problem}")
-        for name in COMPILED_CASES:
-            for problem in _run_case(name, rank, seed, compiled=True, device=device):
-                errors.put(f"rank {rank} {name} compiled: {problem}")
+        for problem in body(rank, device, *args):
+            errors.put(f"rank {rank}: {problem}")
     except Exception:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
     finally:
         dist.destroy_process_group()
 
 
-def _spawn_cases(seed, device):
+def _in_ranks(body, *args, device="cpu", seed=None):
+    """Runs ``body`` on WORLD processes and fails with every problem they report."""
     errors = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(_free_port(), list(CASES), seed, errors, device), nprocs=WORLD,
+    mp.start_processes(_rank_main, args=(_free_port(), device, body, args, errors), nprocs=WORLD,
                        start_method="spawn")
     found = []
     while not errors.empty():
@@ -119,8 +116,18 @@ def _spawn_cases(seed, device):
     assert not found, "\n".join(found) + f"\nseed={seed}"
 
 
+def _all_cases(rank, device, seed):
+    # The split sizes are read from the device: under torch.compile they become sizes the
+    # graph learns at run time.
+    torch._dynamo.config.capture_scalar_outputs = True
+    for name in CASES:
+        yield from (f"{name}: {p}" for p in _run_case(name, rank, seed, device=device))
+    for name in COMPILED_CASES:
+        yield from (f"{name} compiled: {p}" for p in _run_case(name, rank, seed, compiled=True, device=device))
+
+
 def test_all_to_all_matches_one_process_with_every_expert(seed):
-    _spawn_cases(seed, "cpu")
+    _in_ranks(_all_cases, seed, seed=seed)
 
 
 @pytest.mark.gpu
@@ -128,37 +135,29 @@ def test_all_to_all_matches_one_process_with_every_expert(seed):
 def test_all_to_all_on_gpus(seed):
     """The same cases on two GPUs over NCCL, the Triton kernels on each: parity with one GPU
     holding every expert, two runs bitwise equal, eager and compiled."""
-    _spawn_cases(seed, "cuda")
+    _in_ranks(_all_cases, seed, device="cuda", seed=seed)
 
 
-def _hf_worker(rank, port, path, seed, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        from transformers import AutoModelForCausalLM
-        from transformers.distributed import DistributedConfig
+def _hf_model_parity(rank, device, path, seed):
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
 
-        import moeblaze_ops.hf  # noqa: F401
+    import moeblaze_ops.hf  # noqa: F401
 
-        ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(seed + rank))
-        reference = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
-        want = reference(input_ids=ids, labels=ids)
-        config = DistributedConfig(ep_size=WORLD, fsdp_size=WORLD, ep_implementation="moeblaze")
-        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config, experts_implementation="moeblaze")
-        got = model(input_ids=ids, labels=ids)
-        if rel_err(got.logits, want.logits) > 1e-5:
-            errors.put(f"rank {rank}: logits rel err {rel_err(got.logits, want.logits)}")
-        got.loss.backward()
-        experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-        grads = [p.grad for m in experts for p in m.parameters()]
-        if not grads or any(g is None or not torch.isfinite(g.full_tensor() if hasattr(g, "full_tensor") else g).all()
-                            for g in grads):
-            errors.put(f"rank {rank}: expert weight gradients missing or not finite")
-    except Exception:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-    finally:
-        dist.destroy_process_group()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(seed + rank))
+    reference = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    want = reference(input_ids=ids, labels=ids)
+    config = DistributedConfig(ep_size=WORLD, fsdp_size=WORLD, ep_implementation="moeblaze")
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config, experts_implementation="moeblaze")
+    got = model(input_ids=ids, labels=ids)
+    if rel_err(got.logits, want.logits) > 1e-5:
+        yield f"logits rel err {rel_err(got.logits, want.logits)}"
+    got.loss.backward()
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    grads = [p.grad for m in experts for p in m.parameters()]
+    if not grads or any(g is None or not torch.isfinite(g.full_tensor() if hasattr(g, "full_tensor") else g).all()
+                        for g in grads):
+        yield "expert weight gradients missing or not finite"
 
 
 def test_hf_ep_implementation_moeblaze(seed, tmp_path):
@@ -172,13 +171,7 @@ def test_hf_ep_implementation_moeblaze(seed, tmp_path):
     torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(moeblaze_ops.hf.model_config("qwen3_moe", num_layers=1)) \
         .save_pretrained(tmp_path)
-    errors = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_hf_worker, args=(_free_port(), str(tmp_path), seed, errors), nprocs=WORLD,
-                       start_method="spawn")
-    found = []
-    while not errors.empty():
-        found.append(errors.get())
-    assert not found, "\n".join(found) + f"\nseed={seed}"
+    _in_ranks(_hf_model_parity, str(tmp_path), seed, seed=seed)
 
 
 def test_expert_parallel_benchmark_smoke(tmp_path):
