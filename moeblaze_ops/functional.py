@@ -57,9 +57,8 @@ def moe_experts(
         overwrite_h: in eager autograd, let backward write dH over the h it kept rather
             than into a second [L*K, N] tensor (the same memory saving for the default
             mode). A second backward through the same graph (``retain_graph=True``)
-            still works: it recomputes h (one more GEMM). Compiled graphs and
-            ``torch.func`` transforms keep the two apart (Inductor would copy h before
-            writing over it).
+            still works: it recomputes h (one more GEMM). Compiled graphs keep the two
+            apart (Inductor would copy h before writing over it).
 
     Not supported, with a clear error: ``torch.func`` transforms (``grad``, ``vmap``,
     ``jacrev``, ...; torch's custom-op autograd does not run under them: use
@@ -100,18 +99,13 @@ def moe_experts(
         out = _RecomputedExperts.apply(x2, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args)
     else:
         h = ops.expert_up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
-        if overwrite_h and _plain_eager_autograd():
+        # Under torch.compile Inductor would copy h before a declared in-place write.
+        if overwrite_h and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             out = _OverwritingDown.apply(h, w_down, b_down, tw, eti, offsets, tim, args,
                                          (x2, w_gate_up, b_gate_up, transposed))
         else:
             out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
     return out.reshape(*lead, d)
-
-
-def _plain_eager_autograd() -> bool:
-    """Whether autograd records this call outside torch.compile: where writing dH over h
-    pays (Inductor would copy h before a declared in-place write)."""
-    return torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 class _RecomputedExperts(torch.autograd.Function):
@@ -177,19 +171,20 @@ class _OverwritingDown(torch.autograd.Function):
             x, w_gate_up, b_gate_up, transposed = ctx.up
             with torch.no_grad():
                 h = ops.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
-        ctx.overwritten = True
         need = ctx.needs_input_grad  # h, w_down, b_down, tw, ...
         has_b = b_down is not None
-        # create_graph: the functional op, whose autograd says that double backward is unsupported.
+        need_w = need[1] or (has_b and need[2])
         if torch.is_grad_enabled():
+            # create_graph: the functional op, whose autograd says that double backward is unsupported.
             grad_h, grad_w, grad_b, grad_tw = ops.expert_down_backward(
-                grad_out, h, w_down, eti, offsets, tim, tw, b_down, *ctx.args, need[1] or (has_b and need[2]))
-            return (grad_h if need[0] else None, grad_w if need[1] else None, grad_b if has_b and need[2] else None,
-                    grad_tw if need[3] else None, None, None, None, None, None)
-        # The write over h is deliberate and this Function tracks it (``overwritten``), so
-        # h keeps its version: a second backward may unpack it, and then recomputes it.
-        with torch.autograd._unsafe_preserve_version_counter(h):
-            grad_w, grad_b, grad_tw = ops.expert_down_backward_(
-                grad_out, h, w_down, eti, offsets, tim, tw, b_down, *ctx.args, need[1] or (has_b and need[2]))
-        return (h if need[0] else None, grad_w if need[1] else None, grad_b if has_b and need[2] else None,
+                grad_out, h, w_down, eti, offsets, tim, tw, b_down, *ctx.args, need_w)
+        else:
+            # The write over h is deliberate and this Function tracks it (``overwritten``), so
+            # h keeps its version: a second backward may unpack it, and then recomputes it.
+            with torch.autograd._unsafe_preserve_version_counter(h):
+                grad_w, grad_b, grad_tw = ops.expert_down_backward_(
+                    grad_out, h, w_down, eti, offsets, tim, tw, b_down, *ctx.args, need_w)
+            grad_h = h
+            ctx.overwritten = True
+        return (grad_h if need[0] else None, grad_w if need[1] else None, grad_b if has_b and need[2] else None,
                 grad_tw if need[3] else None, None, None, None, None, None)
