@@ -68,23 +68,19 @@ class GemmTile:
         return (self.block_m + self.block_n) * self.block_k * self.num_stages * element_size
 
 
-def _tile(*args) -> GemmTile:
-    return GemmTile(*args)
-
-
 #: (kind, dtype class, architecture) -> tiles in order of preference. dtype class is
 #: "16bit" (bf16, fp16) or "fp32"; architecture "sm90" (Hopper) or "any". The sm90
 #: entries are the best of the H200 sweeps (docs/perf-notes.md).
 TILE_TABLE: Mapping[tuple, tuple] = {
-    ("up", "16bit", "sm90"): (_tile(128, 256, 64, 8, 3),),
-    ("down", "16bit", "sm90"): (_tile(128, 256, 64, 8, 3),),
-    ("dh", "16bit", "sm90"): (_tile(128, 128, 64, 8, 4),),
-    ("dx", "16bit", "sm90"): (_tile(128, 256, 64, 8, 4),),
-    ("wgrad_down", "16bit", "sm90"): (_tile(256, 128, 64, 8, 3),),
-    ("wgrad_up", "16bit", "sm90"): (_tile(256, 128, 64, 8, 3),),
-    **{(kind, "16bit", "any"): (_tile(128, 256, 64, 8, 3), _tile(128, 128, 64, 8, 3), _tile(64, 64, 32, 4, 3))
+    ("up", "16bit", "sm90"): (GemmTile(128, 256, 64, 8, 3),),
+    ("down", "16bit", "sm90"): (GemmTile(128, 256, 64, 8, 3),),
+    ("dh", "16bit", "sm90"): (GemmTile(128, 128, 64, 8, 4),),
+    ("dx", "16bit", "sm90"): (GemmTile(128, 256, 64, 8, 4),),
+    ("wgrad_down", "16bit", "sm90"): (GemmTile(256, 128, 64, 8, 3),),
+    ("wgrad_up", "16bit", "sm90"): (GemmTile(256, 128, 64, 8, 3),),
+    **{(kind, "16bit", "any"): (GemmTile(128, 256, 64, 8, 3), GemmTile(128, 128, 64, 8, 3), GemmTile(64, 64, 32, 4, 3))
        for kind in GEMM_KINDS},
-    **{(kind, "fp32", "any"): (_tile(64, 64, 32, 4, 3), _tile(32, 32, 32, 4, 2)) for kind in GEMM_KINDS},
+    **{(kind, "fp32", "any"): (GemmTile(64, 64, 32, 4, 3), GemmTile(32, 32, 32, 4, 2)) for kind in GEMM_KINDS},
 }
 
 #: Triton's interpreter (CPU tensors): small tiles keep the CPU tests quick.
@@ -201,7 +197,7 @@ def _device_traits(index: int) -> tuple[str, int]:
     return arch, getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
 
 
-def pick_tile(kind: str, dtype: torch.dtype, device: torch.device) -> GemmTile:
+def pickGemmTile(kind: str, dtype: torch.dtype, device: torch.device) -> GemmTile:
     """The tile of GEMM ``kind`` for tensors of ``dtype`` on ``device``: the override in
     ``current().tiles``, else the first table entry that fits the shared memory."""
     override_tile = current().tiles.get(kind)
