@@ -197,7 +197,7 @@ def _device_traits(index: int) -> tuple[str, int]:
     return arch, getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
 
 
-def pickGemmTile(kind: str, dtype: torch.dtype, device: torch.device) -> GemmTile:
+def pick_tile(kind: str, dtype: torch.dtype, device: torch.device) -> GemmTile:
     """The tile of GEMM ``kind`` for tensors of ``dtype`` on ``device``: the override in
     ``current().tiles``, else the first table entry that fits the shared memory."""
     override_tile = current().tiles.get(kind)
