@@ -101,12 +101,11 @@ class KernelSettings:
         poison: fill every buffer the kernels allocate with NaN first, so an element a
             kernel forgets to write shows (tests).
         tiles: per GEMM kind, a ``GemmTile`` used instead of the table's (tuning).
-        h_tma: read h through TMA tensor descriptors where TMA allows it (the down GEMM
-            and the down weight gradient).
+        h_tma: read h through TMA tensor descriptors where TMA allows it (the down GEMM).
         weight_tma: the GEMM kinds that read weight tiles through TMA descriptors where
             they can ("up", "dh", "dx" have the option).
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
-            GEMM's prologue and the down weight gradient.
+            GEMM's prologue.
         dh_fast_activation: the same in the dH epilogue.
         column_slab: width of the column slabs in which the [L*K, d] scratch (expert
             outputs before the combine, dX rows before their sum) is made; None: all d

@@ -48,6 +48,7 @@ def kernels(T, d, I, E, K, device="cuda"):
     go = torch.randn(T, d, device=device, dtype=x.dtype)
     rw = row_weights(tim, w, torch.float32)
     grad_h = torch.empty_like(h)
+    wact = torch.empty(LK, I, device=device, dtype=x.dtype)
     parts = torch.empty(LK * triton.cdiv(I, MIN_DH_BLOCK_N), dtype=torch.float32, device=device)
     bdot = torch.empty(LK, dtype=torch.float32, device=device)
     grad_wd, grad_wgu = torch.empty_like(wd), torch.empty_like(wgu)
@@ -59,17 +60,17 @@ def kernels(T, d, I, E, K, device="cuda"):
     def dh():
         n_parts = triton.cdiv(I, tile_config("dh", h).block_n)
         part = parts[:LK * n_parts].view(LK, n_parts)  # contiguous, as the kernel indexes it
-        tb.launch_dh(go, h, wd, eti, rw, offs, None, grad_h, part, bdot, transposed=False, **swiglu)
+        tb.launch_dh(go, h, wd, eti, rw, offs, None, grad_h, wact, part, bdot, transposed=False, **swiglu)
 
     def dx():  # h stands in for dH (same shape)
         te.launch_gathered_gemm(h, None, wgu, None, offs, rows, True, "dx")
         combine(rows, tim, None, offs, gx, E)
 
     def wgrad_down():
-        tb.launch_wgrad_down(go, h, eti, rw, offs, grad_wd, None, transposed=False, **swiglu)
+        tb.launch_wgrad(wact, go, eti, offs, grad_wd.transpose(1, 2), kind="wgrad_down")
 
     def wgrad_up():
-        tb.launch_wgrad_up(h, x, eti, offs, grad_wgu, None, transposed=False)
+        tb.launch_wgrad(h, x, eti, offs, grad_wgu, kind="wgrad_up")
 
     f = 2 * LK * d * I
     return {"dh": (dh, f), "dx": (dx, 2 * f), "wgrad_down": (wgrad_down, f), "wgrad_up": (wgrad_up, 2 * f)}
