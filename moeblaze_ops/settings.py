@@ -104,6 +104,11 @@ class KernelSettings:
         h_tma: read h through TMA tensor descriptors where TMA allows it (the down GEMM).
         weight_tma: the GEMM kinds that read weight tiles through TMA descriptors where
             they can ("up", "dh", "dx" have the option).
+        gluon: the GEMM kinds that run their Gluon kernel (an asynchronous cp.async and
+            wgmma pipeline for Hopper, ``kernels.gluon_wgrad``) where it applies: 16-bit
+            CUDA tensors on capability 9 with column counts and row strides that are
+            multiples of 16. The other kinds, and every other case, run the portable
+            ``tl`` kernels. "wgrad_down" and "wgrad_up" have one.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
             GEMM's prologue.
         dh_fast_activation: the same in the dH epilogue.
@@ -121,6 +126,7 @@ class KernelSettings:
     tiles: Mapping[str, GemmTile] = field(default_factory=dict)
     h_tma: bool = True
     weight_tma: frozenset = frozenset({"up", "dh", "dx"})
+    gluon: frozenset = frozenset({"wgrad_down", "wgrad_up"})
     fast_activation: bool = True
     dh_fast_activation: bool = True
     column_slab: Optional[int] = 512
@@ -137,6 +143,10 @@ class KernelSettings:
             if not isinstance(tile, GemmTile):
                 object.__setattr__(self, "tiles", {**self.tiles, kind: GemmTile(*tile)})
         object.__setattr__(self, "weight_tma", frozenset(self.weight_tma))
+        object.__setattr__(self, "gluon", frozenset(self.gluon))
+        if not self.gluon <= set(GEMM_KINDS):
+            raise ValueError(f"moeblaze settings: gluon has unknown GEMM kinds {sorted(self.gluon - set(GEMM_KINDS))}; "
+                             f"known: {GEMM_KINDS}")
         if self.column_slab is not None and self.column_slab < 1:
             raise ValueError(f"moeblaze settings: column_slab must be positive or None, got {self.column_slab}")
         if self.dispatch_sort_chunk < 16 or self.dispatch_sort_chunk & (self.dispatch_sort_chunk - 1):

@@ -1,7 +1,7 @@
 """Sweeps tile configs of the backward GEMM kernels on benchmark shapes (GPU).
 
     python scripts/tune_backward.py [--configs olmoe mixtral] [--kinds dh dx wgrad_down wgrad_up]
-        [--w-tma 0 1] [--dh-fast 0 1]
+        [--w-tma 0 1] [--dh-fast 0 1] [--gluon 0 1]
 
 Each kernel is timed on its own (dh without the router-gradient reduce, dx with the
 unit-weight combine) next to a dense cuBLAS matmul of the same FLOPs: the ceiling to aim at.
@@ -25,10 +25,11 @@ TILES = {  # (BM|BP, BN|BQ, BK|BR, warps, stages[, programs per SM])
     "dh": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 8, 3, 2), (128, 128, 32, 8, 4),
            (128, 256, 64, 8, 3)],
     "dx": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3)],
-    "wgrad_down": [(256, 128, 64, 8, 3), (256, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 32, 8, 4),
-                   (128, 128, 64, 8, 3), (128, 128, 64, 8, 3, 2)],
-    "wgrad_up": [(256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 8, 3, 2), (128, 128, 64, 8, 4, 2),
-                 (128, 128, 64, 4, 3, 2)],
+    # The Gluon kernel takes block_m = 16 * warps (the others fail there and say so).
+    "wgrad_down": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
+                   (128, 256, 32, 8, 4)],
+    "wgrad_up": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
+                 (128, 256, 32, 8, 4)],
 }
 #: The narrowest dH tile a sweep may ask for: sizes the buffer of per-tile router partials.
 MIN_DH_BLOCK_N = 16
@@ -88,7 +89,8 @@ def variants(kind, a):
                 for v in a.w_tma for f in a.dh_fast]
     if kind == "dx":
         return [(f"w_tma={v}", dict(weight_tma=w_tma(v))) for v in a.w_tma]
-    return [("", {})]
+    gluon = settings.current().gluon
+    return [(f"gluon={v}", dict(gluon=(gluon | {kind}) if v else (gluon - {kind}))) for v in a.gluon]
 
 
 def main():
@@ -100,6 +102,8 @@ def main():
     p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1],
                    help="weight tiles through TMA (1) or not (0): dh and dx read weights")
     p.add_argument("--dh-fast", nargs="*", type=int, default=[0, 1], help="dH epilogue with the approximate sigmoid")
+    p.add_argument("--gluon", nargs="*", type=int, default=[1, 0],
+                   help="weight gradients on the Gluon kernel (1) or the portable tl one (0)")
     a = p.parse_args()
     for name in a.configs:
         T, d, I, E, K = CONFIGS[name]

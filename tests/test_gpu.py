@@ -232,14 +232,15 @@ def test_weight_tma(layout, on, seed, triton_bwd):
 
 
 @pytest.mark.parametrize("choice", [{"h_tma": True}, {"h_tma": False}, {"fast_activation": True},
-                                    {"fast_activation": False}], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+                                    {"fast_activation": False}, {"gluon": {"wgrad_down", "wgrad_up"}},
+                                    {"gluon": set()}], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("activation,layout", [("swiglu", "interleaved"), ("clamped_swiglu", "transposed"),
                                                ("silu", "concatenated")])
 def test_kernel_choices(choice, activation, layout, seed, triton_bwd):
     """Both sides of the kernel choices without a test of their own: h through TMA
-    descriptors or plain loads (down GEMM, down weight gradient), the approximate-tanh
-    sigmoid or the exact one (down GEMM prologue, down weight gradient): forward and
-    every gradient against the reference."""
+    descriptors or plain loads (down GEMM), the approximate-tanh sigmoid or the exact one
+    (down GEMM prologue), the weight gradients on the Gluon kernel or the tl one: forward
+    and every gradient against the reference."""
     with settings.override(**choice):
         check_forward(777, 512, 384, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, activation=activation,
                       layout=layout, bias=True, tw_dtype=torch.float32)
@@ -304,3 +305,43 @@ def test_index_arrays_checked_on_the_device(defect, seed):
         assert run.returncode == 0 and "finite True" in run.stdout, run.stderr[-2000:]
     else:
         assert run.returncode != 0 and "device-side assert" in run.stderr, run.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- weight-gradient kernels
+
+
+@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "tl"])
+@pytest.mark.parametrize("P,Q,transposed_out", [(192, 2880, False), (1408, 256, True), (64, 16, False)])
+def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
+    """Both weight-gradient kernels, the Gluon one (where it applies: these shapes) and the
+    portable tl one: out[e] = A_e^T B[ids_e] against a float64 reference, with ragged and
+    empty experts, tiles that run past P and Q, a transposed output view, a poisoned
+    output, and two runs bitwise equal."""
+    from moeblaze_ops.kernels import gluon_wgrad
+    from moeblaze_ops.kernels.triton_experts_backward import launch_wgrad
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    E, LK, T = 16, 3001, 1200
+    cuts = torch.sort(torch.randint(0, LK, (E - 1,), device="cuda", generator=g)).values
+    cuts[4] = cuts[5]  # expert 5 is empty, whatever the draw
+    offsets = torch.cat([cuts.new_zeros(1), cuts, cuts.new_full((1,), LK)]).to(torch.int32)
+    rows = torch.randn(LK, P, device="cuda", dtype=torch.bfloat16, generator=g)
+    gathered = torch.randn(T, Q, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.randint(0, T, (LK,), device="cuda", dtype=torch.int32, generator=g)
+    assert gluon_wgrad.applies(rows, gathered)
+
+    def run():
+        out = torch.full((E, Q, P) if transposed_out else (E, P, Q), float("nan"), device="cuda",
+                         dtype=torch.bfloat16)
+        view = out.transpose(1, 2) if transposed_out else out
+        with settings.override(gluon={"wgrad_up"} if gluon else set()):
+            launch_wgrad(rows, gathered, ids, offsets, view, kind="wgrad_up")
+        return view
+
+    out = run()
+    bounds = offsets.tolist()
+    ref = torch.stack([rows[lo:hi].double().T @ gathered[ids[lo:hi].long()].double()
+                       for lo, hi in zip(bounds[:-1], bounds[1:])])
+    assert rel_err(out, ref) <= 1e-2, f"seed={seed}"
+    assert out[5].eq(0).all(), "an empty expert's gradient is zero"
+    assert torch.equal(out, run()), "two runs differ"

@@ -1,0 +1,158 @@
+"""The weight gradients on Hopper (sm_90), in Gluon: an asynchronous pipeline ``tl`` cannot build.
+
+``out[e] = sum over expert e's rows r of A[r]^T B[row_ids[r]]`` (the same product as
+``triton_experts_backward._wgrad_kernel``, the portable path): A row-ordered ([L*K, P]: dH,
+or w * act(h)), B gathered token rows ([*, Q]: x, or the output gradient), one [P, Q]
+block per expert. The reduction runs over the expert's own rows, so both operands are
+loaded along it: each [BLOCK_R, .] tile by cp.async (16 bytes per thread, rows past the
+expert's end zero-filled, B's rows gathered through ``row_ids``) into a ring of
+``NUM_STAGES`` shared-memory slots, while the tensor cores run the previous steps'
+asynchronous ``warpgroup_mma``. A^T is the MMA's left operand as a transposed view of the
+[BLOCK_R, BLOCK_P] tile: no register transpose.
+
+Applies to 16-bit CUDA tensors on capability 9 whose column counts and row strides are
+multiples of 16 elements (the 16-byte copies must not straddle a mask edge); everything
+else takes the portable kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from ..settings import GemmTile
+from . import grouped_gemm as gg
+
+# Builtins renamed after triton 3.6: the masked cp.async (``async_copy_global_to_shared``,
+# then ``async_load``) and the CTA barrier (``thread_barrier``, then ``barrier``).
+_async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+#: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 rows of the
+#: reduction per step, 4 slots of 48 KB.
+TILE = GemmTile(128, 256, 64, 8, 4)
+
+
+@gluon.constexpr_function
+def _copy_layout(cols, num_warps):
+    """Registers of a [rows, cols] cp.async source: 8 contiguous 16-bit elements (16 bytes) per thread."""
+    per_row = min(32, cols // 8)
+    return gl.BlockedLayout([1, 8], [32 // per_row, per_row], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _acc_layout(block_q, num_warps):
+    """The wgmma accumulator: warps stacked along P, 16 rows each, the whole Q tile wide."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_q, 16])
+
+
+@gluon.jit
+def _issue_step(rows_ptr, gathered_ptr, row_ids_ptr, a_slot, b_slot, r0, hi, p0, q0, P, Q, stride_rm, stride_gm,
+                BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
+    """Starts the copies of reduction step [r0, r0 + BLOCK_R): A [BLOCK_R, BLOCK_P] and the
+    gathered B [BLOCK_R, BLOCK_Q] into one ring slot."""
+    a_layout: gl.constexpr = _copy_layout(BLOCK_P, num_warps)
+    b_layout: gl.constexpr = _copy_layout(BLOCK_Q, num_warps)
+    ra = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, a_layout))
+    pa = p0 + gl.arange(0, BLOCK_P, layout=gl.SliceLayout(0, a_layout))
+    _async_load(a_slot, rows_ptr + ra.to(gl.int64)[:, None] * stride_rm + pa[None, :],
+                mask=(ra < hi)[:, None] & (pa < P)[None, :])
+    rb = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, b_layout))
+    ids = gl.load(row_ids_ptr + rb, mask=rb < hi, other=0).to(gl.int64)
+    qb = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, b_layout))
+    _async_load(b_slot, gathered_ptr + ids[:, None] * stride_gm + qb[None, :],
+                mask=(rb < hi)[:, None] & (qb < Q)[None, :])
+
+
+@gluon.jit
+def _wgrad_kernel(
+    rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr,
+    E, P, Q,
+    stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
+    BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = rows_ptr.dtype.element_ty
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_Q, num_warps)
+    a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_P],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_P], dtype))
+    b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
+    p_tiles = gl.cdiv(P, BLOCK_P)
+    q_tiles = gl.cdiv(Q, BLOCK_Q)
+    for tile in range(gl.program_id(0), E * p_tiles * q_tiles, gl.num_programs(0)):
+        # q fastest: programs side by side share their A columns and the expert's rows.
+        e = tile // (p_tiles * q_tiles)
+        p0 = ((tile // q_tiles) % p_tiles) * BLOCK_P
+        q0 = (tile % q_tiles) * BLOCK_Q
+        lo = gl.load(offsets_ptr + e)
+        hi = gl.load(offsets_ptr + e + 1)
+        steps = gl.cdiv(hi - lo, BLOCK_R)
+        # The previous tile's MMAs (every warpgroup's) are done before its slots are refilled.
+        _cta_barrier()
+        # One commit group per step, empty past the last, so that waiting for all but
+        # NUM_STAGES - 2 groups always means "step i has landed".
+        for i in gl.static_range(NUM_STAGES - 1):
+            if i < steps:
+                _issue_step(rows_ptr, gathered_ptr, row_ids_ptr, a_ring.index(i), b_ring.index(i), lo + i * BLOCK_R,
+                            hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
+            cp.commit_group()
+        acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
+        for i in range(steps):
+            slot = i % NUM_STAGES
+            cp.wait_group(NUM_STAGES - 2)  # this thread's copies of step i have landed
+            _cta_barrier()  # ... and every other thread's
+            fence_async_shared()  # cp.async writes (generic proxy) before wgmma reads (async proxy)
+            acc = warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # this warpgroup's step i - 1 is done
+            _cta_barrier()  # ... and the other's: slot (i - 1) may be refilled
+            nxt = i + NUM_STAGES - 1
+            if nxt < steps:
+                ns = nxt % NUM_STAGES
+                _issue_step(rows_ptr, gathered_ptr, row_ids_ptr, a_ring.index(ns), b_ring.index(ns),
+                            lo + nxt * BLOCK_R, hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R,
+                            num_warps)
+            cp.commit_group()
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        ps = p0 + gl.arange(0, BLOCK_P, layout=gl.SliceLayout(1, acc_layout))
+        qs = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, acc_layout))
+        gl.store(out_ptr + e.to(gl.int64) * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq,
+                 acc.to(out_ptr.dtype.element_ty), mask=(ps < P)[:, None] & (qs < Q)[None, :])
+    cp.wait_group(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
+    """Whether ``launch_wgrad`` handles these operands (else the portable kernel does)."""
+    if not (rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16) and gathered.dtype == rows.dtype):
+        return False
+    if not _is_hopper(rows.device.index if rows.device.index is not None else torch.cuda.current_device()):
+        return False
+    aligned = all(n % 16 == 0 for n in (rows.shape[1], gathered.shape[1], rows.stride(0), gathered.stride(0)))
+    return (aligned and rows.stride(1) == 1 and gathered.stride(1) == 1
+            and rows.data_ptr() % 16 == 0 and gathered.data_ptr() % 16 == 0)
+
+
+def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: GemmTile = TILE):
+    """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring); ``tile``
+    is (P, Q, R block, warps, stages) with P = 16 * warps."""
+    if tile.block_m != 16 * tile.num_warps:
+        raise ValueError(f"moeblaze gluon weight gradient: block_m must be 16 * num_warps, got {tile}")
+    E, P, Q = grad_w_pq.shape
+    tiles = E * triton.cdiv(P, tile.block_m) * triton.cdiv(Q, tile.block_n)
+    _wgrad_kernel[(gg.num_programs(rows.device, tiles),)](
+        rows, gathered, row_ids, offsets, grad_w_pq, E, P, Q,
+        rows.stride(0), gathered.stride(0), *grad_w_pq.stride(),
+        BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
+        num_warps=tile.num_warps,
+    )

@@ -1,0 +1,50 @@
+"""The Gluon kernels compile for Hopper on any machine (no GPU needed): Triton's own
+compiler and ptxas build them for an sm_90 target, so an API change in the installed
+Triton shows here, on CPU CI, before a GPU run. What they compute is checked on the GPU
+(tests/test_gpu.py)."""
+
+import re
+
+import pytest
+
+gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
+
+
+def _compile_for_hopper(fn, signature, constexprs, num_warps, aligned):
+    """Compiles ``fn`` as the JIT would for an sm_90 device, with ``aligned`` arguments
+    known divisible by 16 (the JIT's specialisation of such pointers and integers)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    names = list(fn.arg_names)
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    source = gluon_runtime.GluonASTSource(
+        fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_weight_gradient_kernel_compiles_for_hopper(dtype):
+    from moeblaze_ops.kernels import gluon_wgrad
+
+    tile = gluon_wgrad.TILE
+    ints = ["E", "P", "Q", "stride_rm", "stride_gm", "stride_oe", "stride_op", "stride_oq"]
+    signature = {"rows_ptr": f"*{dtype}", "gathered_ptr": f"*{dtype}", "row_ids_ptr": "*i32", "offsets_ptr": "*i32",
+                 "out_ptr": f"*{dtype}", **{name: "i32" for name in ints}}
+    try:
+        kernel = _compile_for_hopper(
+            gluon_wgrad._wgrad_kernel, signature,
+            dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
+                 num_warps=tile.num_warps),
+            tile.num_warps, aligned=["rows_ptr", "gathered_ptr", "row_ids_ptr", "offsets_ptr", "out_ptr", "P", "Q",
+                                     "stride_rm", "stride_gm", "stride_oe", "stride_op"])
+    except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
+        pytest.skip(f"no ptxas: {error}")
+    ptx = kernel.asm["ptx"]
+    # The pipeline it is written for: 16-byte cp.async copies into shared memory and
+    # asynchronous wgmma reading A transposed from there.
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
+    ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
+    assert kernel.metadata.shared >= tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
