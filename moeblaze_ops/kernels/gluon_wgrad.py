@@ -35,7 +35,7 @@ _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 rows of the
-#: reduction per step, 4 slots of 48 KB.
+#: reduction per step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
 TILE = GemmTile(128, 256, 64, 8, 4)
 
 
@@ -53,10 +53,18 @@ def _acc_layout(block_q, num_warps):
 
 
 @gluon.jit
-def _issue_step(rows_ptr, gathered_ptr, row_ids_ptr, a_slot, b_slot, r0, hi, p0, q0, P, Q, stride_rm, stride_gm,
+def _load_ids(row_ids_ptr, r0, hi, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
+    """The gathered rows of reduction step [r0, r0 + BLOCK_R) (0 past ``hi``), laid out as
+    the B copy needs them."""
+    rb = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, _copy_layout(BLOCK_Q, num_warps)))
+    return gl.load(row_ids_ptr + rb, mask=rb < hi, other=0).to(gl.int64)
+
+
+@gluon.jit
+def _issue_step(rows_ptr, gathered_ptr, ids, a_slot, b_slot, r0, hi, p0, q0, P, Q, stride_rm, stride_gm,
                 BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
-    """Starts the copies of reduction step [r0, r0 + BLOCK_R): A [BLOCK_R, BLOCK_P] and the
-    gathered B [BLOCK_R, BLOCK_Q] into one ring slot."""
+    """Starts the copies of reduction step [r0, r0 + BLOCK_R) into one ring slot: A
+    [BLOCK_R, BLOCK_P] and B [BLOCK_R, BLOCK_Q], B's rows ``ids`` (``_load_ids``)."""
     a_layout: gl.constexpr = _copy_layout(BLOCK_P, num_warps)
     b_layout: gl.constexpr = _copy_layout(BLOCK_Q, num_warps)
     ra = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, a_layout))
@@ -64,7 +72,6 @@ def _issue_step(rows_ptr, gathered_ptr, row_ids_ptr, a_slot, b_slot, r0, hi, p0,
     _async_load(a_slot, rows_ptr + ra.to(gl.int64)[:, None] * stride_rm + pa[None, :],
                 mask=(ra < hi)[:, None] & (pa < P)[None, :])
     rb = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, b_layout))
-    ids = gl.load(row_ids_ptr + rb, mask=rb < hi, other=0).to(gl.int64)
     qb = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, b_layout))
     _async_load(b_slot, gathered_ptr + ids[:, None] * stride_gm + qb[None, :],
                 mask=(rb < hi)[:, None] & (qb < Q)[None, :])
@@ -78,6 +85,9 @@ def _wgrad_kernel(
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
+    # Ring of NUM_STAGES slots: step i in the MMA, step i - 1 possibly still in it (one
+    # asynchronous wgmma stays in flight), steps i + 1 .. i + AHEAD landing.
+    AHEAD: gl.constexpr = NUM_STAGES - 2
     dtype: gl.constexpr = rows_ptr.dtype.element_ty
     acc_layout: gl.constexpr = _acc_layout(BLOCK_Q, num_warps)
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_P],
@@ -96,29 +106,35 @@ def _wgrad_kernel(
         steps = gl.cdiv(hi - lo, BLOCK_R)
         # The previous tile's MMAs (every warpgroup's) are done before its slots are refilled.
         _cta_barrier()
-        # One commit group per step, empty past the last, so that waiting for all but
-        # NUM_STAGES - 2 groups always means "step i has landed".
-        for i in gl.static_range(NUM_STAGES - 1):
+        # One commit group per step, empty past the last, so that "all but AHEAD - 1 groups
+        # landed" always means "step i landed".
+        for i in gl.static_range(AHEAD):
             if i < steps:
-                _issue_step(rows_ptr, gathered_ptr, row_ids_ptr, a_ring.index(i), b_ring.index(i), lo + i * BLOCK_R,
-                            hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
+                r0 = lo + i * BLOCK_R
+                _issue_step(rows_ptr, gathered_ptr, _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, num_warps),
+                            a_ring.index(i), b_ring.index(i), r0, hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P,
+                            BLOCK_Q, BLOCK_R, num_warps)
             cp.commit_group()
+        # The gathered rows are loaded one step before their copies start, so the load's
+        # latency hides behind an MMA instead of stalling the copies.
+        ids = _load_ids(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
         acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
         for i in range(steps):
-            slot = i % NUM_STAGES
-            cp.wait_group(NUM_STAGES - 2)  # this thread's copies of step i have landed
-            _cta_barrier()  # ... and every other thread's
+            cp.wait_group(AHEAD - 1)  # this thread's copies of step i have landed
+            # Every thread's copies of step i have landed, and every warpgroup's MMA of step
+            # i - 2 is done (each waited for it in the step before): its slot is free.
+            _cta_barrier()
             fence_async_shared()  # cp.async writes (generic proxy) before wgmma reads (async proxy)
+            slot = i % NUM_STAGES
             acc = warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # this warpgroup's step i - 1 is done
-            _cta_barrier()  # ... and the other's: slot (i - 1) may be refilled
-            nxt = i + NUM_STAGES - 1
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            nxt = i + AHEAD
             if nxt < steps:
                 ns = nxt % NUM_STAGES
-                _issue_step(rows_ptr, gathered_ptr, row_ids_ptr, a_ring.index(ns), b_ring.index(ns),
-                            lo + nxt * BLOCK_R, hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R,
-                            num_warps)
+                _issue_step(rows_ptr, gathered_ptr, ids, a_ring.index(ns), b_ring.index(ns), lo + nxt * BLOCK_R, hi,
+                            p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
             cp.commit_group()
+            ids = _load_ids(row_ids_ptr, lo + (nxt + 1) * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         ps = p0 + gl.arange(0, BLOCK_P, layout=gl.SliceLayout(1, acc_layout))
         qs = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, acc_layout))
@@ -146,8 +162,9 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
 def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: GemmTile = TILE):
     """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring); ``tile``
     is (P, Q, R block, warps, stages) with P = 16 * warps."""
-    if tile.block_m != 16 * tile.num_warps:
-        raise ValueError(f"moeblaze gluon weight gradient: block_m must be 16 * num_warps, got {tile}")
+    if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
+        raise ValueError(f"moeblaze gluon weight gradient: block_m must be 16 * num_warps and num_stages at least 3, "
+                         f"got {tile}")
     E, P, Q = grad_w_pq.shape
     tiles = E * triton.cdiv(P, tile.block_m) * triton.cdiv(Q, tile.block_n)
     _wgrad_kernel[(gg.num_programs(rows.device, tiles),)](
