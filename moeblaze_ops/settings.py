@@ -162,7 +162,11 @@ class KernelSettings:
         return dataclasses.replace(self, **changes)
 
 
-_local = threading.local()
+# One stack for the process, not one per thread: autograd runs the backward of CUDA ops
+# on its own device threads, and those kernels must see the override in force where the
+# forward ran.
+_overrides: list = []
+_overrides_lock = threading.Lock()
 _process_default: Optional[KernelSettings] = None
 
 
@@ -175,23 +179,27 @@ def _default() -> KernelSettings:
 
 
 def current() -> KernelSettings:
-    """The settings in force on this thread."""
-    stack = getattr(_local, "stack", None)
+    """The settings in force (in every thread of the process)."""
+    stack = _overrides
     return stack[-1] if stack else _default()
 
 
 @contextlib.contextmanager
 def override(settings: Optional[KernelSettings] = None, **changes) -> Iterator[KernelSettings]:
-    """Runs a block with ``settings`` (or the current ones with ``changes``) in force."""
+    """Runs a block with ``settings`` (or the current ones with ``changes``) in force, for
+    the whole process: the autograd threads that run backward kernels see them too."""
     new = (settings or current()).replace(**changes) if changes else (settings or current())
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    stack.append(new)
+    with _overrides_lock:
+        _overrides.append(new)
     try:
         yield new
     finally:
-        stack.pop()
+        with _overrides_lock:
+            # The newest entry that is this one (blocks in other threads may have ended in any order).
+            for i in range(len(_overrides) - 1, -1, -1):
+                if _overrides[i] is new:
+                    del _overrides[i]
+                    break
 
 
 def _dtype_class(dtype: torch.dtype) -> str:

@@ -285,3 +285,23 @@ def test_double_backward_is_refused_clearly(mode, seed):
     (grad_x,) = torch.autograd.grad(out.square().sum(), layer["x"], create_graph=True)
     with pytest.raises(NotImplementedError, match="double backward"):
         grad_x.sum().backward()
+
+
+def test_settings_override_reaches_other_threads():
+    """Autograd runs the backward of CUDA ops on its own device threads: an override must be
+    in force there too (per-thread settings left the backward kernels on the defaults)."""
+    import threading
+
+    def seen_from_another_thread():
+        out = []
+        thread = threading.Thread(target=lambda: out.append(settings.current().column_slab))
+        thread.start()
+        thread.join()
+        return out[0]
+
+    default = settings.current().column_slab
+    with settings.override(column_slab=7):
+        with settings.override(column_slab=9):
+            assert seen_from_another_thread() == 9
+        assert seen_from_another_thread() == 7
+    assert seen_from_another_thread() == default
