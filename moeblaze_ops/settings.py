@@ -109,8 +109,10 @@ class KernelSettings:
             CUDA tensors on capability 9 with column counts and row strides that are
             multiples of 16. The other kinds, and every other case, run the portable
             ``tl`` kernels. "wgrad_down" and "wgrad_up" have one.
+        activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
+            [L*K, I]) rather than computing it in its prologue.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
-            GEMM's prologue.
+            GEMM's prologue or the activation pass.
         dh_fast_activation: the same in the dH epilogue.
         column_slab: width of the column slabs in which the [L*K, d] scratch (expert
             outputs before the combine, dX rows before their sum) is made; None: all d
@@ -127,6 +129,7 @@ class KernelSettings:
     h_tma: bool = True
     weight_tma: frozenset = frozenset({"up", "dh", "dx"})
     gluon: frozenset = frozenset({"wgrad_down", "wgrad_up"})
+    activation_pass: bool = True
     fast_activation: bool = True
     dh_fast_activation: bool = True
     column_slab: Optional[int] = 512

@@ -231,16 +231,18 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                        bias=True, tw_dtype=torch.float32)
 
 
-@pytest.mark.parametrize("choice", [{"h_tma": True}, {"h_tma": False}, {"fast_activation": True},
+@pytest.mark.parametrize("choice", [{"activation_pass": False, "h_tma": True}, {"activation_pass": False, "h_tma": False},
+                                    {"activation_pass": True}, {"fast_activation": True},
                                     {"fast_activation": False}, {"gluon": ("wgrad_down", "wgrad_up")},
                                     {"gluon": ()}], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("activation,layout", [("swiglu", "interleaved"), ("clamped_swiglu", "transposed"),
                                                ("silu", "concatenated")])
 def test_kernel_choices(choice, activation, layout, seed, triton_bwd):
-    """Both sides of the kernel choices without a test of their own: h through TMA
-    descriptors or plain loads (down GEMM), the approximate-tanh sigmoid or the exact one
-    (down GEMM prologue), the weight gradients on the Gluon kernel or the tl one: forward
-    and every gradient against the reference."""
+    """Both sides of the kernel choices without a test of their own: the down GEMM on an
+    activation pass or with the activation in its prologue (h through TMA descriptors or
+    plain loads there), the approximate-tanh sigmoid or the exact one, the weight
+    gradients on the Gluon kernel or the tl one: forward and every gradient against the
+    reference."""
     with settings.override(**choice):
         check_forward(777, 512, 384, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, activation=activation,
                       layout=layout, bias=True, tw_dtype=torch.float32)

@@ -28,11 +28,14 @@ def test_dispatch_kernel_bitwise(L, K, E, routing, sentinel_frac, seed):
     check_dispatch_bitwise(L, K, E, device="cpu", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
 
 
+@pytest.mark.parametrize("activation_pass", [True, False], ids=["activation_pass", "prologue"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
-def test_forward_kernels(activation, layout, seed):
-    check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, activation=activation,
-                  layout=layout, bias=layout != "concatenated")
+def test_forward_kernels(activation, layout, activation_pass, seed):
+    """The down GEMM on the activation pass's output, and with the activation in its prologue."""
+    with settings.override(activation_pass=activation_pass):
+        check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, activation=activation,
+                      layout=layout, bias=layout != "concatenated")
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,12 @@
   expert e. The up projection gathers its A rows (token rows of x, through
   ``expert_token_indices``) inside the operand load: no [L*K, d] copy exists. The input
   gradient reuses it on dH rows, which are already in expert order (no gather).
-- ``_activated_gemm_kernel``: y[r] = act(h[r]) @ W_e (+ b_e): the activation is computed
-  on the A tile as it is loaded; the activated [L*K, I] tensor is never written. Its rows
-  are then combined per token (``triton_combine``).
+- The down projection, y[r] = act(h[r]) @ W_e (+ b_e), two ways (``settings.activation_pass``):
+  ``_activation_kernel`` writes a = act(h) once (a transient [L*K, I], half of h) and the
+  gathered GEMM above runs on it without a gather, every operand from memory; or
+  ``_activated_gemm_kernel`` computes the activation on the A tile as it is loaded, and
+  a is never written. Either way the rows are then combined per token
+  (``triton_combine``).
 """
 
 from __future__ import annotations
@@ -82,6 +85,21 @@ def _activated_gemm_kernel(
         gg.store_tile(out_ptr, rows, cols, stride_om, acc, rmask[:, None] & cmask[None, :])
 
 
+@triton.jit
+def _activation_kernel(h_ptr, a_ptr, LK, I, alpha, limit, stride_hm, stride_am,
+                       ACT: tl.constexpr, INTERLEAVED: tl.constexpr, FAST_ACT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """a = act(h) for every routed row: the down GEMM's A operand, written once."""
+    row0 = tl.program_id(0) * BLOCK_M
+    k0 = tl.program_id(1) * BLOCK_K
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = k0 + tl.arange(0, BLOCK_K)
+    rmask = rows < LK
+    g, u = gg.load_h_pair(h_ptr, row0, rmask, stride_hm, k0, I, ACT, INTERLEAVED, False, BLOCK_M, BLOCK_K)
+    gg.store_tile(a_ptr, rows, cols, stride_am, activate(g, u, alpha, limit, ACT, FAST_ACT),
+                  rmask[:, None] & (cols < I)[None, :])
+
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -122,9 +140,24 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
     if h.stride(1) != 1:
         h = h.contiguous()
     out = gg.empty(L, d, dtype=h.dtype, device=h.device)
+    fast = gg.fast_sigmoid(h, settings.current().fast_activation)
+    if settings.current().activation_pass:
+        # act(h) written once, then a plain grouped GEMM whose operands all come from memory.
+        a = gg.empty(LK, I, dtype=h.dtype, device=h.device)
+        if LK > 0:
+            BLOCK_M, BLOCK_K = (64, 128) if h.is_cuda else (16, 16)
+            _activation_kernel[(triton.cdiv(LK, BLOCK_M), triton.cdiv(I, BLOCK_K))](
+                h, a, LK, I, float(alpha), float(limit), h.stride(0), a.stride(0), ACT=int(act),
+                INTERLEAVED=interleaved, FAST_ACT=fast, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+
+        def expert_outputs(y, c0, c1):  # columns [c0, c1) of every routed row's output; sentinel rows zero
+            launch_gathered_gemm(a, None, out_feature_slice(w_down, c0, c1, transposed),
+                                 b_down[:, c0:c1] if b_down is not None else None, expert_offsets, y, transposed,
+                                 "down")
+
+        return combine_in_slabs(expert_outputs, LK, h.dtype, token_index_map, topk_weights, expert_offsets, out, E)
     tile = gg.tile_config("down", h)
     h_src, h_tma = gg.h_operand(h, act, interleaved, I, tile.block_m, tile.block_k)
-    fast = gg.fast_sigmoid(h, settings.current().fast_activation)
 
     def expert_outputs(y, c0, c1):  # columns [c0, c1) of every routed row's output; sentinel rows zero
         w = out_feature_slice(w_down, c0, c1, transposed)
