@@ -1,7 +1,8 @@
 """The experts implementations compared: HF transformers' backends and moeblaze's.
 
 HF's ``eager`` backend (a loop over experts), its ``grouped_mm`` backend eager and under
-``torch.compile``, and ``moeblaze_ops.moe_experts`` eager and compiled; train mode adds
+``torch.compile``, SonicMoE (CuTe DSL kernels for Hopper; on CUDA when ``sonicmoe`` is
+importable), and ``moeblaze_ops.moe_experts`` eager and compiled; train mode adds
 moeblaze's full-recompute mode. Every peer computes the same SwiGLU experts layer on the
 same weights, so their outputs can be compared with each other.
 """
@@ -67,6 +68,29 @@ def _hf_grouped_mm_forward():
     return grouped_mm_experts_forward
 
 
+def _sonicmoe_forward():
+    """SonicMoE's experts layer (``moe_general_routing_inputs``), or None where it cannot be
+    imported (it is not a dependency: it needs Hopper and its own CuTe DSL wheels)."""
+    try:
+        from sonicmoe import moe_general_routing_inputs
+        from sonicmoe.enums import ActivationType
+    except Exception as e:  # noqa: BLE001 - ImportError, or its DSL failing to load
+        if not isinstance(e, ModuleNotFoundError):
+            note(f"bench: sonicmoe peer left out: {type(e).__name__}: {e}")
+        return None
+
+    def forward(x, ids, w, w_gate_up, w_down):
+        T, K = ids.shape
+        tokens = torch.arange(T, device=x.device, dtype=torch.int32).repeat_interleave(K)
+        # Its weights are [2I, d, E] and [d, I, E] views; routing as flat (score, token, expert) triples.
+        return moe_general_routing_inputs(
+            x, w.reshape(-1).float(), tokens, ids.reshape(-1).int(), w_gate_up.permute(1, 2, 0), None,
+            w_down.permute(1, 2, 0), None, w_gate_up.shape[0], torch.cuda.current_stream().cuda_stream,
+            ActivationType.SWIGLU, False, True)[0]
+
+    return forward
+
+
 def peers(x, ids, w, w_gate_up, w_down, train=False):
     """name -> callable running the experts' forward on these inputs.
 
@@ -87,6 +111,9 @@ def peers(x, ids, w, w_gate_up, w_down, train=False):
 
         fns["hf_grouped_mm"] = _bound(hf_grouped, x, ids, w)
         fns["hf_grouped_mm_compiled"] = _bound(torch.compile(hf_grouped, fullgraph=True), x, ids, w)
+    sonicmoe = _sonicmoe_forward() if x.is_cuda else None
+    if sonicmoe is not None:
+        fns["sonicmoe"] = lambda: sonicmoe(x, ids, w, w_gate_up, w_down)
     fns["moeblaze"] = _bound(ours, x, ids, w)
     fns["moeblaze_compiled"] = _bound(torch.compile(ours, fullgraph=True), x, ids, w)
     if train:
