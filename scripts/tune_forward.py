@@ -40,7 +40,7 @@ def main():
     p.add_argument("--h-tma", nargs="*", type=int, default=[1], help="down kernel reads h through TMA (1) or not (0)")
     p.add_argument("--fast-act", nargs="*", type=int, default=[1], help="approximate-tanh sigmoid (1) or exact (0)")
     p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1],
-                   help="the up GEMM's weight tiles through TMA (1) or not (0)")
+                   help="the GEMM's weight tiles through TMA (1) or not (0)")
     p.add_argument("--activations", nargs="*", default=["swiglu"], help="the down kernel's activation(s)")
     a = p.parse_args()
     tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
@@ -67,7 +67,7 @@ def main():
                 for kind, act in jobs:
                     changes = dict(tiles={kind: GemmTile(*tile, programs_per_sm=pps)}, h_tma=bool(h_tma),
                                    fast_activation=bool(fast),
-                                   weight_tma=(base_w_tma | {"up"}) if w_tma else (base_w_tma - {"up"}))
+                                   weight_tma=(base_w_tma | {kind}) if w_tma else (base_w_tma - {kind}))
                     try:
                         with settings.override(**changes):
                             if kind == "up":
