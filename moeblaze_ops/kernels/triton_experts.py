@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -141,7 +140,8 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         h = h.contiguous()
     out = gg.empty(L, d, dtype=h.dtype, device=h.device)
     fast = gg.fast_sigmoid(h, settings.current().fast_activation)
-    if settings.current().activation_pass:
+    use_pass = settings.current().activation_pass
+    if use_pass:
         # act(h) written once, then a plain grouped GEMM whose operands all come from memory.
         a = gg.empty(LK, I, dtype=h.dtype, device=h.device)
         if LK > 0:
@@ -149,19 +149,16 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
             _activation_kernel[(triton.cdiv(LK, BLOCK_M), triton.cdiv(I, BLOCK_K))](
                 h, a, LK, I, float(alpha), float(limit), h.stride(0), a.stride(0), ACT=int(act),
                 INTERLEAVED=interleaved, FAST_ACT=fast, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
-
-        def expert_outputs(y, c0, c1):  # columns [c0, c1) of every routed row's output; sentinel rows zero
-            launch_gathered_gemm(a, None, out_feature_slice(w_down, c0, c1, transposed),
-                                 b_down[:, c0:c1] if b_down is not None else None, expert_offsets, y, transposed,
-                                 "down")
-
-        return combine_in_slabs(expert_outputs, LK, h.dtype, token_index_map, topk_weights, expert_offsets, out, E)
-    tile = gg.tile_config("down", h)
-    h_src, h_tma = gg.h_operand(h, act, interleaved, I, tile.block_m, tile.block_k)
+    else:
+        tile = gg.tile_config("down", h)
+        h_src, h_tma = gg.h_operand(h, act, interleaved, I, tile.block_m, tile.block_k)
 
     def expert_outputs(y, c0, c1):  # columns [c0, c1) of every routed row's output; sentinel rows zero
         w = out_feature_slice(w_down, c0, c1, transposed)
         b = b_down[:, c0:c1] if b_down is not None else None
+        if use_pass:
+            launch_gathered_gemm(a, None, w, b, expert_offsets, y, transposed, "down")
+            return
         strides = linear_strides(w, transposed)
         gg.launch_row_gemm(
             _activated_gemm_kernel, tile, h.dtype, h.device, c1 - c0,
