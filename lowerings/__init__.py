@@ -1,8 +1,27 @@
-"""Inductor lowerings of the moeblaze GEMM ops to Triton templates.
+"""Inductor lowerings of the moeblaze GEMM ops to Triton templates (installed as
+``moeblaze_ops.lowerings``).
 
-Installed as ``moeblaze_ops.lowerings``. No lowering is registered yet: until then the
-compiled graphs call the ops' own kernels, which is what Inductor does with any custom
-op that has no lowering. The templates are to call the grouped-GEMM core's helpers
-(``moeblaze_ops.kernels.grouped_gemm``: schedules, operand loads, ``store_tile``) rather
-than fork the eager kernels.
+``import moeblaze_ops`` registers them as soon as Inductor's lowering table is imported
+(or at once if it already is), without importing Inductor itself. From then on a graph
+compiled by Inductor runs ``moeblaze::expert_up`` and ``moeblaze::expert_down`` as
+template kernels (``expert_ops``) built from the eager kernels' own tile functions
+(``templates``), with their pointwise consumers fused into the epilogue; the cases the
+templates do not cover call the ops' own kernels. ``compat`` holds the private Inductor
+APIs they use, which move between torch releases.
 """
+
+from __future__ import annotations
+
+__all__ = ["register"]
+
+
+def register(_module=None) -> bool:
+    """Registers the lowerings (idempotent). False, registering nothing, where Triton is
+    not installed: Inductor then calls the ops' own kernels."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    from . import expert_ops  # noqa: F401  (registers on import)
+
+    return True

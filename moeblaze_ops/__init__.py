@@ -23,6 +23,8 @@ kernels; CPU and float64 tensors run vectorised PyTorch.
   ``moeblaze_ops`` registers them as soon as transformers loads its experts interface
   (``transformers.integrations.moe``), or at once if it already has. ``import moeblaze_ops``
   alone never imports transformers.
+- ``moeblaze_ops.lowerings`` (not imported here): Inductor lowerings of the GEMM ops to
+  Triton templates, registered as soon as Inductor's lowering table is imported.
 - ``moeblaze_ops.testing`` (not imported here): random layers, seeds and a float64
   reference MoE for tests and scripts.
 """
@@ -70,5 +72,13 @@ def _register_hf_expert_parallel(_module=None):
     hf_expert_parallel.register()
 
 
+def _register_lowerings(_module=None):
+    """Registers the Inductor lowerings (``moeblaze_ops.lowerings``)."""
+    from . import lowerings
+
+    lowerings.register()
+
+
 when_imported(_HF_EXPERTS_MODULE, _register_hf_backends)
+when_imported("torch._inductor.lowering", _register_lowerings)
 when_imported(_HF_EXPERT_PARALLEL_MODULE, _register_hf_expert_parallel)

@@ -19,6 +19,26 @@ from . import grouped_gemm as gg
 
 
 @triton.jit
+def combine_tile(rows_ptr, tim_ptr, weights_ptr, real_rows, toks, tmask, cols, cmask, stride_rm, stride_w0,
+                 stride_w1, K: tl.constexpr, WEIGHTED: tl.constexpr):
+    """The fp32 [tokens, cols] tile of the combine: each token's K rows, weighted, summed
+    in the order k = 0..K-1 (bitwise deterministic); rows at or past ``real_rows``
+    (sentinels) add nothing."""
+    acc = tl.zeros((toks.shape[0], cols.shape[0]), dtype=tl.float32)
+    for k in tl.static_range(K):
+        pos = tl.load(tim_ptr + toks.to(tl.int64) * K + k, mask=tmask, other=0)
+        keep = tmask & (pos < real_rows)
+        if WEIGHTED:
+            w = tl.load(weights_ptr + toks * stride_w0 + k * stride_w1, mask=keep, other=0.0).to(tl.float32)
+        else:
+            w = tl.where(keep, 1.0, 0.0)
+        y = tl.load(rows_ptr + pos.to(tl.int64)[:, None] * stride_rm + cols[None, :],
+                    mask=keep[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        acc += w[:, None] * y
+    return acc
+
+
+@triton.jit
 def _combine_kernel(
     rows_ptr, tim_ptr, weights_ptr, offsets_ptr, out_ptr, L, D, E,
     stride_rm, stride_w0, stride_w1, stride_om,
@@ -28,18 +48,8 @@ def _combine_kernel(
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tmask = toks < L
     cmask = cols < D
-    real_rows = tl.load(offsets_ptr + E)
-    acc = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
-    for k in tl.static_range(K):  # fixed order: bitwise deterministic
-        pos = tl.load(tim_ptr + toks.to(tl.int64) * K + k, mask=tmask, other=0)
-        keep = tmask & (pos < real_rows)  # sentinel rows add nothing
-        if WEIGHTED:
-            w = tl.load(weights_ptr + toks * stride_w0 + k * stride_w1, mask=keep, other=0.0).to(tl.float32)
-        else:
-            w = tl.where(keep, 1.0, 0.0)
-        y = tl.load(rows_ptr + pos.to(tl.int64)[:, None] * stride_rm + cols[None, :],
-                    mask=keep[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        acc += w[:, None] * y
+    acc = combine_tile(rows_ptr, tim_ptr, weights_ptr, tl.load(offsets_ptr + E), toks, tmask, cols, cmask,
+                       stride_rm, stride_w0, stride_w1, K, WEIGHTED)
     gg.store_tile(out_ptr, toks, cols, stride_om, acc, tmask[:, None] & cmask[None, :])
 
 

@@ -26,6 +26,34 @@ from .triton_combine import combine_in_slabs
 
 
 @triton.jit
+def gathered_gemm_tile(
+    tile, a_ptr, b_src, bias_ptr, a_row_ids_ptr, offsets_ptr, LK, E, N, REDUCTION,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_bias,
+    GATHER_A: tl.constexpr, HAS_BIAS: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
+    GROUPS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """(rows, row mask, columns, column mask, fp32 tile) of output tile ``tile`` of
+    out[r] = A[a_row_ids[r] if GATHER_A else r] @ B_e (+ bias_e), B read as [E, REDUCTION, N];
+    the sentinel group's tiles are zero. The eager kernel and the Inductor template store it."""
+    e, row0, rows, rmask, cols, cmask = gg.row_tile(tile, offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if e < E:
+        if GATHER_A:
+            a_rows = tl.load(a_row_ids_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            a_rows = rows.to(tl.int64)
+        for k0 in range(0, REDUCTION, BLOCK_K):
+            a = gg.load_rows(a_ptr, a_rows, rmask, k0, REDUCTION, stride_am, stride_ak, BLOCK_K)
+            b = gg.load_weight_tile(b_src, e, k0, (tile % tl.cdiv(N, BLOCK_N)) * BLOCK_N, stride_be, stride_bk,
+                                    stride_bn, REDUCTION, N, B_TMA, B_KMAJOR, BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc = gg.add_bias(acc, bias_ptr, e, stride_bias, cols, cmask)
+    return rows, rmask, cols, cmask, acc
+
+
+@triton.jit
 def _gathered_gemm_kernel(
     a_ptr, b_src, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr,
     LK, E, N, REDUCTION,
@@ -37,20 +65,10 @@ def _gathered_gemm_kernel(
     """Row r of A is ``a_row_ids[r]`` with GATHER_A, else r; B is [E, REDUCTION, N]."""
     total = gg.num_row_tiles(offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS)
     for tile in range(tl.program_id(0), total, tl.num_programs(0)):
-        e, row0, rows, rmask, cols, cmask = gg.row_tile(tile, offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if e < E:
-            if GATHER_A:
-                a_rows = tl.load(a_row_ids_ptr + rows, mask=rmask, other=0).to(tl.int64)
-            else:
-                a_rows = rows.to(tl.int64)
-            for k0 in range(0, REDUCTION, BLOCK_K):
-                a = gg.load_rows(a_ptr, a_rows, rmask, k0, REDUCTION, stride_am, stride_ak, BLOCK_K)
-                b = gg.load_weight_tile(b_src, e, k0, (tile % tl.cdiv(N, BLOCK_N)) * BLOCK_N, stride_be, stride_bk,
-                                        stride_bn, REDUCTION, N, B_TMA, B_KMAJOR, BLOCK_K, BLOCK_N)
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            if HAS_BIAS:
-                acc = gg.add_bias(acc, bias_ptr, e, stride_bias, cols, cmask)
+        rows, rmask, cols, cmask, acc = gathered_gemm_tile(
+            tile, a_ptr, b_src, bias_ptr, a_row_ids_ptr, offsets_ptr, LK, E, N, REDUCTION, stride_am, stride_ak,
+            stride_be, stride_bk, stride_bn, stride_bias, GATHER_A, HAS_BIAS, B_TMA, B_KMAJOR, GROUPS, PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_K)
         gg.store_tile(out_ptr, rows, cols, stride_om, acc, rmask[:, None] & cmask[None, :])
 
 

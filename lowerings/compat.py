@@ -1,0 +1,78 @@
+"""The private Inductor APIs the lowerings use, in one place.
+
+They move between torch releases (2.11 on the GPU machine, 2.13 and 2.14 in CI and for
+users); everything version-dependent is decided here, once, and the other modules of the
+package call these names only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor import ir
+from torch._inductor import lowering as _lowering
+from torch._inductor import select_algorithm as _select
+from torch._inductor.virtualized import V
+
+__all__ = [
+    "SymbolicGridFn",
+    "TensorBox",
+    "TritonTemplate",
+    "contiguous",
+    "fallback",
+    "fixed_layout",
+    "hint",
+    "lowerings",
+    "register_lowering",
+    "select_algorithm",
+    "slice_view",
+    "concat",
+]
+
+TritonTemplate = _select.TritonTemplate
+SymbolicGridFn = _select.SymbolicGridFn
+TensorBox = ir.TensorBox
+register_lowering = _lowering.register_lowering
+lowerings = _lowering.lowerings
+
+
+def select_algorithm(name, choices, input_nodes, layout, input_gen_fns=None):
+    """The node of the fastest choice (the only one without max-autotune). torch 2.11
+    returns the node; later releases return (node, extra)."""
+    result = _select.autotune_select_algorithm(name, choices, input_nodes, layout, input_gen_fns=input_gen_fns)
+    return result[0] if isinstance(result, tuple) else result
+
+
+def fallback(op_overload, *args, **kwargs):
+    """The op's own kernel as an extern call in the compiled graph (what Inductor does for
+    an op with no lowering), for the cases a template does not cover."""
+    return _lowering.fallback_handler(op_overload, add_to_fallback_set=False)(*args, **kwargs)
+
+
+def contiguous(node):
+    """``node`` realized as a buffer with a row-major layout."""
+    return ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(node))
+
+
+def realized(node):
+    """``node`` realized as a buffer (or a view of one) with a unit stride somewhere."""
+    return ir.ExternKernel.require_stride1(ir.ExternKernel.realize_input(node))
+
+
+def fixed_layout(device, dtype, size):
+    """A row-major layout the template writes its output in."""
+    return ir.FixedLayout(device, dtype, list(size), ir.FlexibleLayout.contiguous_strides(list(size)))
+
+
+def hint(expr) -> int:
+    """The concrete value Inductor assumes for a (possibly symbolic) size."""
+    return int(V.graph.sizevars.optimization_hint(expr))
+
+
+def slice_view(node, dim, start, end):
+    """``node[..., start:end, ...]`` along ``dim`` as a view (no copy)."""
+    return lowerings[torch.ops.aten.slice.Tensor](node, dim, start, end)
+
+
+def concat(nodes, dim):
+    """``torch.cat(nodes, dim)`` through Inductor's own lowering."""
+    return lowerings[torch.ops.aten.cat.default](list(nodes), dim)

@@ -1,0 +1,197 @@
+"""The lowerings of ``moeblaze::expert_up`` and ``moeblaze::expert_down`` to the templates.
+
+- ``expert_up``: one ``row_gemm`` (A rows gathered from x through the dispatch's
+  ``expert_token_indices``) writing h.
+- ``expert_down``: ``activation`` writes a = act(h) once; then, one column slab of the
+  output at a time (``settings.column_slab``, as the eager kernels make their [L*K, d]
+  scratch), a ``row_gemm`` on a writes the slab of every routed row and ``combine`` sums
+  each token's K rows into it. With one slab the combine's ``store_output`` writes the
+  layer output, and Inductor fuses its pointwise consumers into that epilogue; with more,
+  Inductor's ``cat`` joins the slabs (and takes the pointwise consumers).
+
+Each lowering falls back to the op's own kernel (an extern call, as for an op without a
+lowering) where the templates do not apply: tensors not on CUDA, float64,
+``settings.backend == "torch"``, ``settings.activation_pass`` off, and index arrays
+that do not come straight from ``moeblaze::dispatch`` in the same graph (the op checks
+such arrays' values; the templates do not).
+
+The tile is the eager kernels' (``settings.pick_tile``) unless ``mode="max-autotune"``
+asks Inductor to benchmark the table's other tiles too, on index arrays made valid by
+``input_gen_fns``. The settings in force when the graph compiles are the ones it keeps.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import triton
+from torch._inductor import config as inductor_config
+from torch._inductor.virtualized import V
+
+from moeblaze_ops import settings
+from moeblaze_ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, activation_code
+from moeblaze_ops.kernels import grouped_gemm as gg
+from moeblaze_ops.kernels.triton_combine import column_slabs
+
+from . import compat, templates
+
+_ops = torch.ops.moeblaze
+
+#: The activation template's tile (rows, activation columns), as the eager pass's.
+ACTIVATION_TILE = (64, 128)
+#: The combine template's tile (tokens, columns), as the eager combine's.
+COMBINE_TILE = (32, 128)
+
+
+# --------------------------------------------------------------------------- when the templates apply
+
+
+def _from_dispatch(arg) -> bool:
+    """Whether the FX value ``arg`` is one of ``moeblaze::dispatch``'s outputs."""
+    return (isinstance(arg, torch.fx.Node) and arg.target is operator.getitem
+            and getattr(arg.args[0], "target", None) is _ops.dispatch.default)
+
+
+def _templates_apply(node, index_positions) -> bool:
+    """Whether the op being lowered runs as templates: a CUDA tensor of a dtype the Triton
+    kernels take, the Triton backend in force, and its index arrays (at FX argument
+    positions ``index_positions``) made by a dispatch in this graph."""
+    device, dtype = node.get_device(), node.get_dtype()
+    if device is None or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    if settings.current().backend == "torch":
+        return False
+    args = V.graph.current_node.args
+    return all(_from_dispatch(args[i] if i < len(args) else None) for i in index_positions)
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def _row_gemm_tiles(kind, dtype, device):
+    """The eager kernels' tile; under max-autotune the table's other tiles that fit too."""
+    first = settings.pick_tile(kind, dtype, device)
+    if not (inductor_config.max_autotune or inductor_config.max_autotune_gemm):
+        return [first]
+    limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    cls = "fp32" if dtype == torch.float32 else "16bit"
+    candidates = [first]
+    for key, tiles in settings.TILE_TABLE.items():
+        if key[1] == cls and key[0] in ("up", "down", "dx"):
+            candidates += [t for t in tiles if t not in candidates and t.smem_bytes(dtype.itemsize) <= limit]
+    return candidates
+
+
+def _num_programs(device, per_sm=1):
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# --------------------------------------------------------------------------- valid inputs for autotuning
+
+
+def _even_offsets(num_rows):
+    """Expert offsets splitting ``num_rows`` rows evenly (benchmark inputs)."""
+    def make(node):
+        groups = compat.hint(node.get_size()[0])
+        return torch.linspace(0, compat.hint(num_rows), groups).round().to(node.get_dtype()).to(node.get_device())
+    return make
+
+
+def _random_ids(high):
+    """Random row ids in [0, high) (benchmark inputs)."""
+    def make(node):
+        return torch.randint(0, max(compat.hint(high), 1), [compat.hint(node.get_size()[0])], dtype=node.get_dtype(),
+                             device=node.get_device())
+    return make
+
+
+# --------------------------------------------------------------------------- the template calls
+
+
+def row_gemm(kind, a, b, a_row_ids, offsets, bias, transposed, out_rows):
+    """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) for ``out_rows`` routed rows, B an
+    expert weight stack in ``transposed`` layout: the chosen template node."""
+    E = b.get_size()[0]
+    n_out = b.get_size()[2 if transposed else 1]
+    dtype, device = a.get_dtype(), a.get_device()
+    a, b = compat.realized(a), compat.realized(b)
+    inputs = [a, b] + ([compat.contiguous(a_row_ids)] if a_row_ids is not None else []) + [compat.contiguous(offsets)]
+    if bias is not None:
+        inputs.append(compat.realized(bias))
+    layout = compat.fixed_layout(device, dtype, [out_rows, n_out])
+    choices = []
+    for tile in _row_gemm_tiles(kind, dtype, device):
+        templates.row_gemm.maybe_append_choice(
+            choices, input_nodes=inputs, layout=layout, num_stages=tile.num_stages, num_warps=tile.num_warps,
+            GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None, TRANSPOSED=transposed,
+            GROUPS=triton.next_power_of_2(int(E) + 1), PRECISION=repr(gg.precision(dtype)),
+            NUM_PROGRAMS=_num_programs(device, tile.programs_per_sm),
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
+    gens = {len(inputs) - (2 if bias is not None else 1): _even_offsets(out_rows)}
+    if a_row_ids is not None:
+        gens[2] = _random_ids(a.get_size()[0])
+    return compat.select_algorithm(f"moeblaze_{kind}", choices, inputs, layout, input_gen_fns=gens)
+
+
+def activation_pass(h, I, act, interleaved, alpha, limit):
+    """a = act(h) over every routed row: [L*K, I] in h's dtype."""
+    h = compat.contiguous(h)
+    dtype, device = h.get_dtype(), h.get_device()
+    block_m, block_k = ACTIVATION_TILE
+    layout = compat.fixed_layout(device, dtype, [h.get_size()[0], I])
+    choices = []
+    templates.activation.maybe_append_choice(
+        choices, input_nodes=[h], layout=layout, num_stages=1, num_warps=4, ACT=int(act), INTERLEAVED=interleaved,
+        ALPHA=float(alpha), LIMIT=float(limit),
+        FAST_ACT=settings.current().fast_activation and dtype != torch.float32,
+        NUM_PROGRAMS=_num_programs(device, 4), BLOCK_M=block_m, BLOCK_K=block_k)
+    return compat.select_algorithm("moeblaze_activation", choices, [h], layout)
+
+
+def combine(rows, token_index_map, topk_weights, offsets):
+    """out[i] = sum_k topk_weights[i, k] * rows[token_index_map[i*K + k]]: [L, cols]."""
+    L, K = topk_weights.get_size()
+    inputs = [compat.realized(rows), compat.contiguous(token_index_map), compat.realized(topk_weights),
+              compat.contiguous(offsets)]
+    dtype, device = rows.get_dtype(), rows.get_device()
+    layout = compat.fixed_layout(device, dtype, [L, rows.get_size()[1]])
+    block_l, block_d = COMBINE_TILE
+    choices = []
+    templates.combine.maybe_append_choice(
+        choices, input_nodes=inputs, layout=layout, num_stages=1, num_warps=4, K=int(K),
+        NUM_PROGRAMS=_num_programs(device, 4), BLOCK_L=block_l, BLOCK_D=block_d)
+    return compat.select_algorithm("moeblaze_combine", choices, inputs, layout)
+
+
+# --------------------------------------------------------------------------- the lowerings
+
+
+@compat.register_lowering(_ops.expert_up.default, type_promotion_kind=None)
+def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up=None,
+              transposed=False):
+    if not _templates_apply(x, index_positions=(2, 3)):
+        return compat.fallback(_ops.expert_up.default, x, w_gate_up, expert_token_indices, expert_offsets,
+                               token_index_map, b_gate_up, transposed)
+    return row_gemm("up", x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed,
+                    expert_token_indices.get_size()[0])
+
+
+@compat.register_lowering(_ops.expert_down.default, type_promotion_kind=None)
+def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down=None,
+                activation="swiglu", transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA,
+                limit=CLAMPED_SWIGLU_LIMIT):
+    if not (settings.current().activation_pass and _templates_apply(h, index_positions=(3, 4))):
+        return compat.fallback(_ops.expert_down.default, h, w_down, expert_token_indices, expert_offsets,
+                               token_index_map, topk_weights, b_down, activation, transposed, interleaved,
+                               alpha, limit)
+    _, a_dim, b_dim = w_down.get_size()
+    d, I = (b_dim, a_dim) if transposed else (a_dim, b_dim)
+    a = activation_pass(h, I, activation_code(activation), interleaved, alpha, limit)
+    slabs = []
+    for c0, c1 in column_slabs(int(d)):
+        w = compat.slice_view(w_down, 2 if transposed else 1, c0, c1)
+        b = compat.slice_view(b_down, 1, c0, c1) if b_down is not None else None
+        rows = row_gemm("down", a, w, None, expert_offsets, b, transposed, h.get_size()[0])
+        slabs.append(combine(rows, token_index_map, topk_weights, expert_offsets))
+    return slabs[0] if len(slabs) == 1 else compat.concat(slabs, 1)

@@ -1,0 +1,257 @@
+"""The row-tiled grouped GEMM on Hopper (sm_90), in Gluon: an asynchronous pipeline ``tl`` cannot build.
+
+``out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e)`` for every routed row r, expert e owning
+rows ``[offsets[e], offsets[e+1])``, the rows past ``offsets[E]`` (sentinels) written as
+zeros: the product of ``triton_experts._gathered_gemm_kernel`` (the portable path), on the
+same persistent schedule (``grouped_gemm.row_tile``'s tile numbering, the offsets read on
+the device). Each reduction step of an output tile loads A [BLOCK_M, BLOCK_K] by cp.async
+(16 bytes per thread, rows gathered through ``a_row_ids``, rows past the expert's end and
+columns past K zero-filled) and B by TMA from a 3-D descriptor of the weight stack (the copy
+engine zero-fills past the expert's own K and N edges) into a ring of ``NUM_STAGES``
+shared-memory slots, while the tensor cores run the previous steps' asynchronous
+``warpgroup_mma``. The copies run ahead across tile boundaries: the next tile's first steps
+land while this tile's epilogue stores.
+
+Applies to 16-bit CUDA tensors on capability 9 whose K, N and row strides are multiples of
+16 elements (the 16-byte copies must not straddle a mask edge) and whose weight TMA can
+read (one of K, N contiguous, the other strides 16-byte aligned); everything else takes
+the portable kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..layouts import linear_dims, linear_strides
+from ..settings import GemmTile
+from . import grouped_gemm as gg
+from .gluon_wgrad import _acc_layout, _async_load, _copy_layout, _cta_barrier, _is_hopper
+
+# The TMA load, renamed after triton 3.6 (``async_copy_global_to_shared``, then ``async_load``).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+#: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 of K per
+#: step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
+TILE = GemmTile(128, 256, 64, 8, 4)
+
+
+@gluon.constexpr_function
+def _vector_layout(num_warps):
+    return gl.BlockedLayout([1], [32], [num_warps], [0])
+
+
+@gluon.constexpr_function
+def _groups_layout(groups, num_warps):
+    """A [GROUPS] vector whole in every warp: the schedule's reductions need no barrier."""
+    return gl.BlockedLayout([max(1, groups // 32)], [32], [num_warps], [0])
+
+
+@gluon.jit
+def _add(x, y):
+    return x + y
+
+
+@gluon.jit
+def _tile_ends(offsets_ptr, E, LK, BLOCK_M: gl.constexpr, GROUPS: gl.constexpr, num_warps: gl.constexpr):
+    """How many m-tiles end at or before the end of each group (the E experts, then group E
+    holding the sentinels): ``grouped_gemm.group_bounds`` and the cumulative counts of
+    ``grouped_gemm.row_tile``, computed once per program."""
+    g = gl.arange(0, GROUPS, layout=_groups_layout(GROUPS, num_warps))
+    lo = gl.load(offsets_ptr + g, mask=g <= E, other=0)
+    hi = gl.where(g == E, LK, gl.load(offsets_ptr + g + 1, mask=g < E, other=0))
+    return gl.associative_scan(gl.cdiv(hi - lo, BLOCK_M), 0, _add)
+
+
+@gluon.jit
+def _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(group, first row, end of the group's rows, first column) of output tile ``tile``,
+    numbered as ``grouped_gemm.row_tile`` numbers them (the m-tiles of every group end to
+    end, n fastest)."""
+    m = tile // n_tiles
+    before = tile_end <= m  # the groups whose m-tiles all come before this one
+    grp = gl.sum(before.to(gl.int32), axis=0)
+    first_tile = gl.max(gl.where(before, tile_end, 0), axis=0)
+    lo = gl.load(offsets_ptr + gl.minimum(grp, E))
+    hi = gl.where(grp < E, gl.load(offsets_ptr + grp + 1, mask=grp < E, other=0), LK)
+    return grp, lo + (m - first_tile) * BLOCK_M, hi, (tile % n_tiles) * BLOCK_N
+
+
+@gluon.jit
+def _row_offsets(a_row_ids_ptr, row0, row_end, stride_am, GATHER_A: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
+    """Element offsets in A of a tile's rows (0 past the group's end), laid out as the A copy needs them."""
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _copy_layout(BLOCK_K, num_warps)))
+    if GATHER_A:
+        ids = gl.load(a_row_ids_ptr + rows, mask=rows < row_end, other=0)
+    else:
+        ids = gl.where(rows < row_end, rows, 0)
+    return ids.to(gl.int64) * stride_am
+
+
+@gluon.jit
+def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, slot, tile_end, n_tiles, k_steps,
+             p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
+             GATHER_A: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
+    """Starts the copies of step ``p_k`` of tile ``p_tile`` into ring slot ``slot`` and
+    moves on to the next step, or to the program's next tile (its schedule and row
+    offsets computed now, a step before its first copies need them). Past the last
+    expert tile (the sentinel group comes last) it starts nothing."""
+    if p_grp < E:
+        layout: gl.constexpr = _copy_layout(BLOCK_K, num_warps)
+        rows = p_row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        ks = p_k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+        _async_load(a_ring.index(slot), a_ptr + p_offs[:, None] + ks[None, :],
+                    mask=(rows < p_end)[:, None] & (ks < K)[None, :])
+        bar = bars.index(slot)
+        mbarrier.expect(bar, b_desc.block_type.nbytes)
+        if B_KMAJOR:
+            _tma_load(b_desc, [p_grp, p_n0, p_k * BLOCK_K], bar, b_ring.index(slot))
+        else:
+            _tma_load(b_desc, [p_grp, p_k * BLOCK_K, p_n0], bar, b_ring.index(slot))
+        p_k += 1
+        if p_k == k_steps:
+            p_k = 0
+            p_tile += gl.num_programs(0)
+            p_grp, p_row0, p_end, p_n0 = _row_tile(p_tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N)
+            p_offs = _row_offsets(a_row_ids_ptr, p_row0, p_end, stride_am, GATHER_A, BLOCK_M, BLOCK_K, num_warps)
+    return p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs
+
+
+@gluon.jit
+def _row_gemm_kernel(
+    a_ptr, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr,
+    LK, E, N, K,
+    stride_am, stride_bias, stride_om,
+    GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    # Ring of NUM_STAGES slots: step c in the MMA, step c - 1 possibly still in it (one
+    # asynchronous wgmma stays in flight), steps c + 1 .. c + AHEAD landing.
+    AHEAD: gl.constexpr = NUM_STAGES - 2
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_N, num_warps)
+    a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
+    b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(bars.index(s), count=1)
+
+    tile_end = _tile_ends(offsets_ptr, E, LK, BLOCK_M, GROUPS, num_warps)
+    n_tiles = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    total = gl.max(tile_end, axis=0) * n_tiles
+
+    # The producer walks this program's tiles and their steps AHEAD steps before the MMA.
+    p_tile = gl.program_id(0)
+    p_k = 0
+    p_grp, p_row0, p_end, p_n0 = _row_tile(p_tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N)
+    p_offs = _row_offsets(a_row_ids_ptr, p_row0, p_end, stride_am, GATHER_A, BLOCK_M, BLOCK_K, num_warps)
+    # One commit group per step, empty when nothing is left to copy, so that "all but
+    # AHEAD - 1 groups landed" always means "step c landed".
+    for s in gl.static_range(AHEAD):
+        p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _produce(
+            a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, s, tile_end, n_tiles, k_steps,
+            p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
+            GATHER_A, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, num_warps)
+        cp.commit_group()
+
+    step = 0  # steps consumed by this program: its ring slot and its barrier's phase
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        if grp < E:  # sentinel tiles store zeros
+            if HAS_BIAS:
+                # Loaded now, a few columns per thread (in the accumulator's layout every
+                # thread would hold 64 of them and their addresses), added after the K loop.
+                bias_cols = n0 + gl.arange(0, BLOCK_N, layout=_vector_layout(num_warps))
+                bias = gl.load(bias_ptr + grp * stride_bias + bias_cols, mask=bias_cols < N, other=0.0)
+            for _ in range(k_steps):
+                slot = step % NUM_STAGES
+                cp.wait_group(AHEAD - 1)  # this thread's A copies of this step have landed
+                fence_async_shared()  # ... and are visible to wgmma (async proxy) once every thread passes the barrier
+                mbarrier.wait(bars.index(slot), (step // NUM_STAGES) & 1)
+                # Every thread's copies have landed, and every warpgroup's MMA of step - 2 is
+                # done (each waited for it in the step before): its slot is refilled below.
+                _cta_barrier()
+                b = b_ring.index(slot).reshape(b_desc.block_type.shape[1:])
+                if B_KMAJOR:
+                    b = b.permute((1, 0))
+                acc = warpgroup_mma(a_ring.index(slot), b, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _produce(
+                    a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, (step + AHEAD) % NUM_STAGES,
+                    tile_end, n_tiles, k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
+                    GATHER_A, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, num_warps)
+                cp.commit_group()
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if HAS_BIAS:
+                acc += gl.convert_layout(bias.to(gl.float32), gl.SliceLayout(0, acc_layout))[None, :]
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        gl.store(out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+    cp.wait_group(0)
+
+
+def _weight_view(b: torch.Tensor, transposed: bool):
+    """The weight stack as TMA reads it, a view whose last dimension is contiguous: [E, N, K]
+    when K is the contiguous one (``(view, True)``), else [E, K, N]; None where neither is."""
+    E, N, K = linear_dims(b, transposed)
+    strides = linear_strides(b, transposed)
+    if strides.reduction == 1:
+        return b.as_strided((E, N, K), (strides.expert, strides.output, 1)), True
+    if strides.output == 1:
+        return b.as_strided((E, K, N), (strides.expert, strides.reduction, 1)), False
+    return None, False
+
+
+def applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, transposed: bool) -> bool:
+    """Whether ``launch_row_gemm`` handles these operands (else the portable kernel does)."""
+    if not (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and out.dtype == a.dtype):
+        return False
+    if not _is_hopper(a.device.index if a.device.index is not None else torch.cuda.current_device()):
+        return False
+    _, N, K = linear_dims(b, transposed)
+    view, _ = _weight_view(b, transposed)
+    aligned = K > 0 and all(n % 16 == 0 for n in (K, N, a.stride(0), out.stride(0)))
+    weight_tma = (view is not None and all(s * view.element_size() % 16 == 0 for s in view.stride()[:2])
+                  and view.data_ptr() % 16 == 0)
+    return (aligned and weight_tma and a.stride(1) == 1 and out.stride(1) == 1
+            and a.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0)
+
+
+def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmTile = TILE):
+    """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) over every routed row, B an expert
+    weight stack in ``transposed`` layout (``layouts``), as
+    ``triton_experts.launch_gathered_gemm``; ``tile`` is (M, N, K block, warps, stages)
+    with M = 16 * warps."""
+    if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
+        raise ValueError(f"moeblaze gluon row GEMM: block_m must be 16 * num_warps and num_stages at least 3, "
+                         f"got {tile}")
+    LK, N = out.shape
+    E, _, K = linear_dims(b, transposed)
+    if out.numel() == 0:
+        return
+    view, kmajor = _weight_view(b, transposed)
+    block = [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n]
+    gl_dtype = gl.bfloat16 if b.dtype == torch.bfloat16 else gl.float16
+    b_desc = TensorDescriptor.from_tensor(view, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+    max_tiles = (triton.cdiv(LK, tile.block_m) + E + 1) * triton.cdiv(N, tile.block_n)
+    _row_gemm_kernel[(gg.num_programs(a.device, max_tiles),)](
+        a, b_desc, bias, a_row_ids, offsets, out, LK, E, N, K,
+        a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0),
+        GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None, B_KMAJOR=kmajor,
+        GROUPS=triton.next_power_of_2(E + 1), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        NUM_STAGES=tile.num_stages, num_warps=tile.num_warps,
+    )

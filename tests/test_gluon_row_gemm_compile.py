@@ -1,0 +1,71 @@
+"""The Gluon row GEMM (``kernels.gluon_row_gemm``) compiles for Hopper on any machine, as
+tests/test_gluon_compile.py checks for the weight gradients: both weight layouts, both
+16-bit dtypes, with and without the gather and the bias. What it computes is checked on
+the GPU (tests/test_gpu.py)."""
+
+import re
+import subprocess
+
+import pytest
+
+from test_gluon_compile import _compile_for_hopper
+
+#: The shared memory one sm_90 block can use (227 KB).
+MAX_SHARED = 232448
+
+
+def _descriptor_type(dtype, block):
+    """The signature type of a tensor-descriptor argument, as the JIT writes it."""
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for(block, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
+    return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
+
+
+def _spill_bytes(ptx, tmp_path):
+    """Bytes that ptxas spills compiling ``ptx`` for sm_90a."""
+    import triton
+
+    source = tmp_path / "kernel.ptx"
+    source.write_text(ptx)
+    report = subprocess.run([triton.knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", str(source), "-o",
+                             str(tmp_path / "kernel.cubin")], capture_output=True, text=True, check=True).stderr
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill", report))
+
+
+@pytest.mark.parametrize("gather,bias", [(True, True), (False, False)])
+@pytest.mark.parametrize("k_contiguous", [True, False], ids=["k_contiguous", "n_contiguous"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, tmp_path):
+    from moeblaze_ops.kernels import gluon_row_gemm
+
+    tile = gluon_row_gemm.TILE
+    block = [1, tile.block_n, tile.block_k] if k_contiguous else [1, tile.block_k, tile.block_n]
+    signature = {"a_ptr": f"*{dtype}", "b_desc": _descriptor_type(dtype, block), "bias_ptr": f"*{dtype}",
+                 "a_row_ids_ptr": "*i32", "offsets_ptr": "*i32", "out_ptr": f"*{dtype}",
+                 **{name: "i32" for name in ["LK", "E", "N", "K", "stride_am", "stride_bias", "stride_om"]}}
+    constexprs = dict(GATHER_A=gather, HAS_BIAS=bias, B_KMAJOR=k_contiguous, GROUPS=16, BLOCK_M=tile.block_m,
+                      BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
+                      num_warps=tile.num_warps)
+    if not gather:
+        constexprs["a_row_ids_ptr"] = None
+    if not bias:
+        constexprs["bias_ptr"] = None
+    aligned = ["a_ptr", "bias_ptr", "a_row_ids_ptr", "offsets_ptr", "out_ptr", "N", "K", "stride_am", "stride_bias",
+               "stride_om"]
+    try:
+        kernel = _compile_for_hopper(gluon_row_gemm._row_gemm_kernel, signature, constexprs, tile.num_warps,
+                                     aligned=[name for name in aligned if name not in constexprs])
+    except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
+        pytest.skip(f"no ptxas: {error}")
+    ptx = kernel.asm["ptx"]
+    # The pipeline it is written for: A rows by 16-byte cp.async, B tiles by TMA from the
+    # 3-D weight descriptor, asynchronous wgmma over the whole N tile, the ring within
+    # the block's shared memory, and no register spills.
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
+    assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.mbarrier::complete_tx::bytes", ptx)
+    ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
+    ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
+    assert ring <= kernel.metadata.shared <= MAX_SHARED
+    assert _spill_bytes(ptx, tmp_path) == 0

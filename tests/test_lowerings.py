@@ -1,0 +1,165 @@
+"""The Inductor lowerings (``moeblaze_ops.lowerings``): registered on import, falling back to
+the ops' own kernels where the templates do not apply (CPU, here in CI), and on the GPU
+compiled into template kernels whose epilogue takes the layer's pointwise consumers."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moeblaze_ops import moe_experts, settings
+from moeblaze_ops.testing import make_layer, rel_err
+
+LAYER_ARGS = ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")
+GRAD_ARGS = ("x", "topk_weights", "w_gate_up", "w_down")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def residual_moe(x, topk_ids, topk_weights, w_gate_up, w_down, residual):
+    return residual + moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down)
+
+
+def test_registered_when_inductor_is_imported():
+    """``import moeblaze_ops`` registers nothing with Inductor and does not import it;
+    the lowerings are in Inductor's table once its lowering module is imported."""
+    code = ("import sys, torch, moeblaze_ops\n"
+            "assert 'torch._inductor.lowering' not in sys.modules\n"
+            "from torch._inductor.lowering import lowerings\n"
+            "ops = torch.ops.moeblaze\n"
+            "assert ops.expert_up.default in lowerings and ops.expert_down.default in lowerings\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_cpu_falls_back_to_the_ops(seed):
+    """On CPU the lowering calls the ops' own kernels: the compiled graph calls both ops
+    and matches eager, forward and backward."""
+    from torch._inductor.utils import run_and_get_code
+
+    layer = make_layer(24, 16, 8, 4, 2, seed=seed)
+    residual = torch.randn_like(layer["x"])
+    args = [layer[k] for k in LAYER_ARGS] + [residual]
+    torch._dynamo.reset()
+    out, (code,) = run_and_get_code(torch.compile(residual_moe, fullgraph=True), *args)
+    assert "torch.ops.moeblaze.expert_up.default(" in code
+    assert "torch.ops.moeblaze.expert_down.default(" in code
+    assert rel_err(out, residual_moe(*args)) < 1e-6
+
+
+# --------------------------------------------------------------------------- GPU: the templates
+
+
+def _gpu_layer(seed, L=300, d=256, I=192, E=8, K=2, dtype=torch.bfloat16, **kwargs):
+    layer = make_layer(L, d, I, E, K, dtype=dtype, seed=seed, **kwargs)
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in layer.items()}
+
+
+def _reference(layer, residual=None):
+    """The float64 layer on the CPU (``moe_experts`` runs the portable kernels there)."""
+    args = {k: (v.detach().cpu().double() if isinstance(v, torch.Tensor) and v.is_floating_point() else
+                v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in layer.items()}
+    out = moe_experts(**args)
+    return out if residual is None else out + residual.cpu().double()
+
+
+def _compiled_code(fn, *args, **compile_kwargs):
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    out, codes = run_and_get_code(torch.compile(fn, fullgraph=True, **compile_kwargs), *args)
+    return out, "\n".join(codes)
+
+
+@gpu
+@pytest.mark.parametrize("column_slab", [None, 128])
+def test_templates_run_the_layer(column_slab, seed):
+    """The compiled layer is made of the moeblaze templates (up GEMM, activation, down GEMM,
+    combine), with nothing falling back to the ops, and matches the float64 layer."""
+    layer = _gpu_layer(seed)
+    with settings.override(column_slab=column_slab, poison=True):
+        out, code = _compiled_code(moe_experts, *[layer[k] for k in LAYER_ARGS])
+    for name in ("triton_moeblaze_row_gemm", "triton_moeblaze_activation", "triton_moeblaze_combine"):
+        assert name in code
+    assert "torch.ops.moeblaze.expert_up.default(" not in code
+    assert "torch.ops.moeblaze.expert_down.default(" not in code
+    assert rel_err(out, _reference(layer)) < 1e-2
+
+
+@gpu
+def test_residual_add_fuses_into_the_combine(seed):
+    """``residual + moe(x)`` with one column slab: the add runs in the combine template's
+    epilogue, so the graph has no pointwise kernel of its own."""
+    layer = _gpu_layer(seed)
+    residual = torch.randn_like(layer["x"])
+    with settings.override(column_slab=None):
+        out, code = _compiled_code(residual_moe, *[layer[k] for k in LAYER_ARGS], residual)
+    assert "triton_moeblaze_combine" in code
+    assert "triton_poi" not in code and "triton_red" not in code
+    assert rel_err(out, _reference(layer, residual)) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("case", ["bias_transposed", "clamped_interleaved", "fp32", "sentinels_empty_experts"])
+def test_templates_cover_the_layer_variants(case, seed):
+    kwargs = {"bias_transposed": dict(bias=True, transposed=True),
+              "clamped_interleaved": dict(activation="clamped_swiglu", interleaved=True),
+              "fp32": dict(dtype=torch.float32),
+              "sentinels_empty_experts": dict(E=16, routing="skewed", sentinel_frac=0.2)}[case]
+    layer = _gpu_layer(seed, **kwargs)
+    with settings.override(poison=True):
+        out, code = _compiled_code(lambda layer: moe_experts(**layer), layer)
+    assert "triton_moeblaze_row_gemm" in code
+    tol = 1e-5 if kwargs.get("dtype") == torch.float32 else 1e-2
+    assert rel_err(out, _reference(layer)) < tol
+
+
+@gpu
+def test_compiled_training_step_matches_eager(seed):
+    """Forward and backward through the compiled layer (dynamic token count, two sizes):
+    the gradients match eager's."""
+    def loss_fn(x, topk_ids, topk_weights, w_gate_up, w_down):
+        out = moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down)
+        return (out.float() ** 2).mean()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True, dynamic=True)
+    for L in (200, 333):
+        layer = _gpu_layer(seed + L, L=L)
+        results = []
+        for fn in (compiled, loss_fn):
+            args = {k: layer[k].detach().clone().requires_grad_(k in GRAD_ARGS) for k in LAYER_ARGS}
+            fn(**args).backward()
+            results.append([args[k].grad for k in GRAD_ARGS])
+        for g, ref in zip(*results):
+            assert rel_err(g, ref) < 2e-2
+
+
+@gpu
+def test_max_autotune_compiles(seed):
+    layer = _gpu_layer(seed)
+    out, code = _compiled_code(moe_experts, *[layer[k] for k in LAYER_ARGS], mode="max-autotune-no-cudagraphs")
+    assert "triton_moeblaze_row_gemm" in code
+    assert rel_err(out, _reference(layer)) < 1e-2
+
+
+@gpu
+def test_reduce_overhead_records_cuda_graphs_without_syncs(seed):
+    """mode="reduce-overhead": the graph is captured (an error otherwise), and no step syncs
+    with the host."""
+    import torch._inductor.config as inductor_config
+
+    layer = _gpu_layer(seed)
+    args = [layer[k] for k in LAYER_ARGS]
+    torch._dynamo.reset()
+    with inductor_config.patch({"triton.cudagraph_or_error": True}):
+        fn = torch.compile(moe_experts, fullgraph=True, mode="reduce-overhead")
+        for _ in range(3):
+            fn(*args)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = fn(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert rel_err(out, _reference(layer)) < 1e-2
