@@ -60,7 +60,7 @@ def _reference(layer, residual=None):
     args = {k: (v.detach().cpu().double() if isinstance(v, torch.Tensor) and v.is_floating_point() else
                 v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in layer.items()}
     out = moe_experts(**args)
-    return out if residual is None else out + residual.cpu().double()
+    return (out if residual is None else out + residual.cpu().double()).cuda()
 
 
 def _compiled_code(fn, *args, **compile_kwargs):

@@ -44,6 +44,7 @@ TILE = GemmTile(128, 256, 64, 8, 4)
 
 @gluon.constexpr_function
 def _vector_layout(num_warps):
+    """A 1-D vector spread over every thread."""
     return gl.BlockedLayout([1], [32], [num_warps], [0])
 
 
@@ -53,9 +54,16 @@ def _groups_layout(groups, num_warps):
     return gl.BlockedLayout([max(1, groups // 32)], [32], [num_warps], [0])
 
 
+# Combine functions of the schedule's scan and reductions: ``gl.sum`` and ``gl.max`` wrap
+# ``tl`` functions, which do not compile under TRITON_INTERPRET=1 (set on CPU test machines).
 @gluon.jit
 def _add(x, y):
     return x + y
+
+
+@gluon.jit
+def _max(x, y):
+    return gl.maximum(x, y)
 
 
 @gluon.jit
@@ -76,8 +84,8 @@ def _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M: gl.constexpr
     end, n fastest)."""
     m = tile // n_tiles
     before = tile_end <= m  # the groups whose m-tiles all come before this one
-    grp = gl.sum(before.to(gl.int32), axis=0)
-    first_tile = gl.max(gl.where(before, tile_end, 0), axis=0)
+    grp = gl.reduce(before.to(gl.int32), 0, _add)
+    first_tile = gl.reduce(gl.where(before, tile_end, 0), 0, _max)
     lo = gl.load(offsets_ptr + gl.minimum(grp, E))
     hi = gl.where(grp < E, gl.load(offsets_ptr + grp + 1, mask=grp < E, other=0), LK)
     return grp, lo + (m - first_tile) * BLOCK_M, hi, (tile % n_tiles) * BLOCK_N
@@ -149,7 +157,7 @@ def _row_gemm_kernel(
     tile_end = _tile_ends(offsets_ptr, E, LK, BLOCK_M, GROUPS, num_warps)
     n_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
-    total = gl.max(tile_end, axis=0) * n_tiles
+    total = gl.reduce(tile_end, 0, _max) * n_tiles
 
     # The producer walks this program's tiles and their steps AHEAD steps before the MMA.
     p_tile = gl.program_id(0)
@@ -171,8 +179,9 @@ def _row_gemm_kernel(
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         if grp < E:  # sentinel tiles store zeros
             if HAS_BIAS:
-                # Loaded now, a few columns per thread (in the accumulator's layout every
-                # thread would hold 64 of them and their addresses), added after the K loop.
+                # Loaded now, a column or so per thread, and added after the K loop: loaded in
+                # the accumulator's layout, every thread would hold BLOCK_N / 4 of them and
+                # their addresses while the whole accumulator is live.
                 bias_cols = n0 + gl.arange(0, BLOCK_N, layout=_vector_layout(num_warps))
                 bias = gl.load(bias_ptr + grp * stride_bias + bias_cols, mask=bias_cols < N, other=0.0)
             for _ in range(k_steps):
@@ -224,9 +233,10 @@ def applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, transposed: boo
         return False
     _, N, K = linear_dims(b, transposed)
     view, _ = _weight_view(b, transposed)
-    aligned = K > 0 and all(n % 16 == 0 for n in (K, N, a.stride(0), out.stride(0)))
-    weight_tma = (view is not None and all(s * view.element_size() % 16 == 0 for s in view.stride()[:2])
-                  and view.data_ptr() % 16 == 0)
+    aligned = all(n % 16 == 0 for n in (K, N, a.stride(0), out.stride(0)))
+    # TMA: every dimension non-empty, the start and the outer strides 16-byte aligned.
+    weight_tma = (view is not None and view.numel() > 0 and view.data_ptr() % 16 == 0
+                  and all(s * view.element_size() % 16 == 0 for s in view.stride()[:2]))
     return (aligned and weight_tma and a.stride(1) == 1 and out.stride(1) == 1
             and a.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0)
 
