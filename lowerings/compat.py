@@ -25,6 +25,7 @@ __all__ = [
     "register_lowering",
     "select_algorithm",
     "slice_view",
+    "static_int",
     "concat",
 ]
 
@@ -66,6 +67,13 @@ def fixed_layout(device, dtype, size):
 def hint(expr) -> int:
     """The concrete value Inductor assumes for a (possibly symbolic) size."""
     return int(V.graph.sizevars.optimization_hint(expr))
+
+
+def static_int(expr) -> int:
+    """A size the kernel is specialised to (its tile count, a constexpr): its value, with a
+    guard that recompiles the graph if it changes (under ``dynamic=True`` weight shapes are
+    symbols too)."""
+    return int(V.graph.sizevars.guard_int(expr))
 
 
 def slice_view(node, dim, start, end):

@@ -125,7 +125,7 @@ def row_gemm(kind, a, b, a_row_ids, offsets, bias, transposed, out_rows):
         templates.row_gemm.maybe_append_choice(
             choices, input_nodes=inputs, layout=layout, num_stages=tile.num_stages, num_warps=tile.num_warps,
             GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None, TRANSPOSED=transposed,
-            GROUPS=triton.next_power_of_2(int(E) + 1), PRECISION=repr(gg.precision(dtype)),
+            GROUPS=triton.next_power_of_2(compat.static_int(E) + 1), PRECISION=repr(gg.precision(dtype)),
             NUM_PROGRAMS=_num_programs(device, tile.programs_per_sm),
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
     gens = {len(inputs) - (2 if bias is not None else 1): _even_offsets(out_rows)}
@@ -159,7 +159,7 @@ def combine(rows, token_index_map, topk_weights, offsets):
     block_l, block_d = COMBINE_TILE
     choices = []
     templates.combine.maybe_append_choice(
-        choices, input_nodes=inputs, layout=layout, num_stages=1, num_warps=4, K=int(K),
+        choices, input_nodes=inputs, layout=layout, num_stages=1, num_warps=4, K=compat.static_int(K),
         NUM_PROGRAMS=_num_programs(device, 4), BLOCK_L=block_l, BLOCK_D=block_d)
     return compat.select_algorithm("moeblaze_combine", choices, inputs, layout)
 
@@ -189,7 +189,7 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
     d, I = (b_dim, a_dim) if transposed else (a_dim, b_dim)
     a = activation_pass(h, I, activation_code(activation), interleaved, alpha, limit)
     slabs = []
-    for c0, c1 in column_slabs(int(d)):
+    for c0, c1 in column_slabs(compat.static_int(d)):
         w = compat.slice_view(w_down, 2 if transposed else 1, c0, c1)
         b = compat.slice_view(b_down, 1, c0, c1) if b_down is not None else None
         rows = row_gemm("down", a, w, None, expert_offsets, b, transposed, h.get_size()[0])

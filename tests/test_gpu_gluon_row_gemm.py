@@ -1,0 +1,99 @@
+"""The Gluon row GEMM (``kernels.gluon_row_gemm``) on the GPU: every routed row against a float64
+reference, over ragged, empty and sentinel-only experts, both weight layouts, gather and
+bias or not, and column slabs (strided views)."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from moeblaze_ops.layouts import expert_matrix, out_feature_slice
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _expert_rows(counts, sentinels, device):
+    """int32 offsets of experts owning ``counts`` rows, and the routed row count LK."""
+    offsets = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    offsets[1:] = torch.tensor(counts).cumsum(0)
+    return offsets.to(device), int(offsets[-1]) + sentinels
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a capability 9 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transposed", [False, True], ids=["k_contiguous", "n_contiguous"])
+@pytest.mark.parametrize("gather,bias", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("counts,sentinels,K,N", [
+    ([300, 0, 1, 129, 0, 1000, 64, 0], 77, 2880, 2816),  # ragged, empty experts, sentinels
+    ([0, 0, 1500, 0], 0, 2880, 2816),  # every row on one expert, no sentinel
+    ([0, 0, 0], 33, 64, 144),  # only sentinel rows
+    ([37 * (i % 5) for i in range(40)], 200, 1408, 2880),  # 40 experts: GROUPS 64, K of the down projection
+    ([1, 2, 3], 5, 16, 16),  # a single step, a single partial tile each
+])
+def test_gluon_row_gemm_matches_float64(counts, sentinels, K, N, gather, bias, transposed, dtype, seed):
+    from moeblaze_ops.kernels import gluon_row_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    E = len(counts)
+    offsets, LK = _expert_rows(counts, sentinels, "cuda")
+    T = 513  # token rows the gather reads from
+    a = torch.randn(T if gather else LK, K, device="cuda", dtype=dtype, generator=g)
+    a_row_ids = None
+    if gather:
+        a_row_ids = torch.randint(0, T, (LK,), device="cuda", dtype=torch.int32, generator=g)
+    shape = (E, K, N) if transposed else (E, N, K)
+    w = (torch.randn(shape, device="cuda", dtype=dtype, generator=g) / K ** 0.5)
+    b = torch.randn(E, N, device="cuda", dtype=dtype, generator=g) if bias else None
+    out = torch.full((LK, N), float("nan"), device="cuda", dtype=dtype)  # unwritten rows show
+    assert gluon_row_gemm.applies(a, w, out, transposed)
+
+    gluon_row_gemm.launch_row_gemm(a, a_row_ids, w, b, offsets, out, transposed)
+    torch.cuda.synchronize()
+
+    rows = a[a_row_ids.long()] if gather else a
+    bounds = offsets.tolist()
+    assert not out.isnan().any()
+    assert (out[bounds[E]:] == 0).all()  # sentinel rows
+    for e in range(E):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue
+        ref = rows[lo:hi].double() @ expert_matrix(w, e, transposed).double()
+        if bias:
+            ref += b[e].double()
+        assert rel_err(out[lo:hi], ref) < 1e-2, f"expert {e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a capability 9 GPU")
+@pytest.mark.parametrize("transposed", [False, True], ids=["k_contiguous", "n_contiguous"])
+def test_gluon_row_gemm_column_slab(transposed, seed):
+    """A column slab of the weights into a column slab of the output (as the down
+    projection's ``column_slab`` runs it): strided views, same result."""
+    from moeblaze_ops.kernels import gluon_row_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    counts, K, N, c0, c1 = [200, 0, 333, 90], 1408, 2880, 1024, 2048
+    E = len(counts)
+    offsets, LK = _expert_rows(counts, 40, "cuda")
+    a = torch.randn(LK, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    shape = (E, K, N) if transposed else (E, N, K)
+    w = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) / K ** 0.5
+    b = torch.randn(E, N, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = torch.full((LK, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    w_slab, b_slab, out_slab = out_feature_slice(w, c0, c1, transposed), b[:, c0:c1], out[:, c0:c1]
+    assert gluon_row_gemm.applies(a, w_slab, out_slab, transposed)
+
+    gluon_row_gemm.launch_row_gemm(a, None, w_slab, b_slab, offsets, out_slab, transposed)
+    torch.cuda.synchronize()
+
+    bounds = offsets.tolist()
+    assert out[:, :c0].isnan().all() and out[:, c1:].isnan().all()  # nothing outside the slab
+    assert (out_slab[bounds[E]:] == 0).all()
+    for e in range(E):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo < hi:
+            ref = a[lo:hi].double() @ expert_matrix(w_slab, e, transposed).double() + b_slab[e].double()
+            assert rel_err(out_slab[lo:hi], ref) < 1e-2, f"expert {e}"
