@@ -83,6 +83,24 @@ def _row_gemm_tiles(kind, dtype, device):
     return candidates
 
 
+def _tma_ready(w, tile) -> bool:
+    """Whether a TMA descriptor can read weight ``w``'s tiles: the last dimension contiguous,
+    the other strides and the start 16-byte aligned, a box at most 256 wide (as
+    ``grouped_gemm.weight_operand`` asks of the eager kernels' host descriptors)."""
+    size = w.get_dtype().itemsize
+    strides = [_as_int(s) for s in w.get_stride()]
+    offset = _as_int(w.get_layout().offset)
+    return (strides[2] == 1 and all(s is not None and s * size % 16 == 0 for s in strides[:2])
+            and offset is not None and offset * size % 16 == 0 and max(tile.block_k, tile.block_n) <= 256)
+
+
+def _as_int(expr):
+    try:
+        return int(expr)
+    except TypeError:
+        return None
+
+
 def _num_programs(device, per_sm=1):
     return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -120,11 +138,13 @@ def row_gemm(kind, a, b, a_row_ids, offsets, bias, transposed, out_rows):
     if bias is not None:
         inputs.append(compat.realized(bias))
     layout = compat.fixed_layout(device, dtype, [out_rows, n_out])
+    kmajor = b.get_stride()[1 if transposed else 2] == 1
     choices = []
     for tile in _row_gemm_tiles(kind, dtype, device):
         templates.row_gemm.maybe_append_choice(
             choices, input_nodes=inputs, layout=layout, num_stages=tile.num_stages, num_warps=tile.num_warps,
             GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None, TRANSPOSED=transposed,
+            B_TMA=kind in settings.current().weight_tma and _tma_ready(b, tile), B_KMAJOR=kmajor,
             GROUPS=triton.next_power_of_2(compat.static_int(E) + 1), PRECISION=repr(gg.precision(dtype)),
             NUM_PROGRAMS=_num_programs(device, tile.programs_per_sm),
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)

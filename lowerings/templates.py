@@ -39,13 +39,23 @@ from moeblaze_ops.kernels.triton_experts import gathered_gemm_tile
     N = {{size(None, 1)}}
     E = {{size("b_ptr", 0)}}
     REDUCTION = {{size("a_ptr", 1)}}
+{%- if B_TMA %}
+    # A device-side descriptor of the weight as it lies: the copy engine zero-fills past
+    # each expert's own edges.
+    b_src = tl.make_tensor_descriptor(
+        b_ptr, shape=[{{size("b_ptr", 0)}}, {{size("b_ptr", 1)}}, {{size("b_ptr", 2)}}],
+        strides=[{{stride("b_ptr", 0)}}, {{stride("b_ptr", 1)}}, 1],
+        block_shape={{"[1, BLOCK_N, BLOCK_K]" if B_KMAJOR else "[1, BLOCK_K, BLOCK_N]"}})
+{%- else %}
+    b_src = b_ptr
+{%- endif %}
     total = gg.num_row_tiles(offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS)
     for tile in range(tl.program_id(0), total, tl.num_programs(0)):
         rows, rmask, cols, cmask, acc = gathered_gemm_tile(
-            tile, a_ptr, b_ptr, {{"bias_ptr" if HAS_BIAS else "None"}}, {{"a_row_ids_ptr" if GATHER_A else "None"}},
+            tile, a_ptr, b_src, {{"bias_ptr" if HAS_BIAS else "None"}}, {{"a_row_ids_ptr" if GATHER_A else "None"}},
             offsets_ptr, LK, E, N, REDUCTION, {{stride("a_ptr", 0)}}, {{stride("a_ptr", 1)}},
             {{stride("b_ptr", 0)}}, {{stride("b_ptr", 1 if TRANSPOSED else 2)}}, {{stride("b_ptr", 2 if TRANSPOSED else 1)}},
-            {{stride("bias_ptr", 0) if HAS_BIAS else 0}}, GATHER_A, HAS_BIAS, False, False, GROUPS, PRECISION,
+            {{stride("bias_ptr", 0) if HAS_BIAS else 0}}, GATHER_A, HAS_BIAS, B_TMA, B_KMAJOR, GROUPS, PRECISION,
             BLOCK_M, BLOCK_N, BLOCK_K)
         idx_m = rows.to(INDEX_DTYPE)[:, None]
         idx_n = cols[None, :]

@@ -35,6 +35,7 @@ __all__ = [
     "GemmTile",
     "KernelSettings",
     "GEMM_KINDS",
+    "GLUON_KINDS",
     "TILE_TABLE",
     "current",
     "override",
@@ -44,6 +45,8 @@ __all__ = [
 #: The GEMMs of the layer: the forward up and down projections, the backward's dH
 #: (activation gradient), dX rows, and the two weight gradients.
 GEMM_KINDS = ("up", "down", "dh", "dx", "wgrad_down", "wgrad_up")
+#: The kinds that have a Gluon kernel for Hopper besides their ``tl`` one.
+GLUON_KINDS = ("up", "down", "dx", "wgrad_down", "wgrad_up")
 
 
 @dataclass(frozen=True)
@@ -104,8 +107,9 @@ class KernelSettings:
         h_tma: read h through TMA tensor descriptors where TMA allows it (the down GEMM).
         weight_tma: the GEMM kinds that read weight tiles through TMA descriptors where
             they can ("up", "dh", "dx" have the option).
-        gluon: the GEMM kinds that run their Gluon kernel (an asynchronous cp.async and
-            wgmma pipeline for Hopper, ``kernels.gluon_wgrad``) where it applies: 16-bit
+        gluon: the GEMM kinds (of ``GLUON_KINDS``) that run their Gluon kernel, an
+            asynchronous cp.async/TMA and wgmma pipeline for Hopper (``kernels.gluon_wgrad``,
+            ``kernels.gluon_row_gemm``), where it applies: 16-bit
             CUDA tensors on capability 9 with column counts and row strides that are
             multiples of 16. The other kinds, and every other case, run the portable
             ``tl`` kernels. "wgrad_down" and "wgrad_up" have one.
@@ -147,9 +151,10 @@ class KernelSettings:
                 object.__setattr__(self, "tiles", {**self.tiles, kind: GemmTile(*tile)})
         object.__setattr__(self, "weight_tma", frozenset(self.weight_tma))
         object.__setattr__(self, "gluon", frozenset(self.gluon))
-        if not self.gluon <= set(GEMM_KINDS):
-            raise ValueError(f"moeblaze settings: gluon has unknown GEMM kinds {sorted(self.gluon - set(GEMM_KINDS))}; "
-                             f"known: {GEMM_KINDS}")
+        if not self.gluon <= set(GLUON_KINDS):
+            raise ValueError(f"moeblaze settings: gluon has GEMM kinds without a Gluon kernel "
+                             f"{sorted(self.gluon - set(GLUON_KINDS))}; "
+                             f"those with one: {GLUON_KINDS}")
         if self.column_slab is not None and self.column_slab < 1:
             raise ValueError(f"moeblaze settings: column_slab must be positive or None, got {self.column_slab}")
         if self.dispatch_sort_chunk < 16 or self.dispatch_sort_chunk & (self.dispatch_sort_chunk - 1):

@@ -1,4 +1,5 @@
-"""Times the row GEMMs (up: gathered x @ W_gate_up; down: act(h) @ W_down) through the
+"""Times the row GEMMs (up: gathered x @ W_gate_up; down: act(h) @ W_down; dx: dH @ W_gate_up^T)
+through the
 Gluon kernel and the portable ``tl`` kernel on the same inputs, and checks they agree.
 
     python3 scripts/compare_row_gemm.py [--configs olmoe mixtral]
@@ -26,12 +27,15 @@ def main():
         eti, offsets, _ = torch.ops.moeblaze.dispatch(ids, E)
         LK = eti.shape[0]
         act = torch.randn(LK, I, device="cuda", dtype=x.dtype)
-        for kind, a, row_ids, w, n in (("up", x, eti, w_gate_up, 2 * I), ("down", act, None, w_down, d)):
+        grad_h = torch.randn(LK, 2 * I, device="cuda", dtype=x.dtype)
+        for kind, a, row_ids, w, n, transposed in (("up", x, eti, w_gate_up, 2 * I, False),
+                                                   ("down", act, None, w_down, d, False),
+                                                   ("dx", grad_h, None, w_gate_up, d, True)):
             outs, times = [], []
             for launch in (gluon_row_gemm.launch_row_gemm, triton_experts.launch_gathered_gemm):
                 out = torch.empty(LK, n, device="cuda", dtype=x.dtype)
                 extra = () if launch is gluon_row_gemm.launch_row_gemm else (kind,)
-                run = lambda: launch(a, row_ids, w, None, offsets, out, False, *extra)  # noqa: E731
+                run = lambda: launch(a, row_ids, w, None, offsets, out, transposed, *extra)  # noqa: E731
                 times.append(triton.testing.do_bench(run, warmup=10, rep=50))
                 outs.append(out)
             flops = 2 * LK * n * a.shape[1]

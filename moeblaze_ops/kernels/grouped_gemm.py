@@ -23,6 +23,8 @@ TMA descriptors and when they apply.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import triton
 import triton.language as tl
@@ -223,6 +225,23 @@ def launch_row_gemm(kernel, tile: GemmTile, dtype: torch.dtype, device: torch.de
     kernel[grid](**kwargs, GROUPS=triton.next_power_of_2(E + 1), PRECISION=precision(dtype),
                  BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
                  num_stages=tile.num_stages)
+
+
+#: The module of each GEMM kind's Gluon kernel (``settings.gluon`` names the kinds that run it).
+_GLUON_MODULES = {"up": "gluon_row_gemm", "down": "gluon_row_gemm", "dx": "gluon_row_gemm",
+                  "wgrad_down": "gluon_wgrad", "wgrad_up": "gluon_wgrad"}
+
+
+def gluon_kernels(kind: str, t: torch.Tensor):
+    """The Gluon kernel module GEMM ``kind`` runs on tensors like ``t``, or None: where
+    ``settings.gluon`` names the kind and ``t`` is on CUDA (the module is imported then, and
+    never where this Triton has no Gluon). The module's ``applies`` has the last word."""
+    if kind not in settings.current().gluon or not t.is_cuda or kind not in _GLUON_MODULES:
+        return None
+    try:
+        return importlib.import_module(f"{__package__}.{_GLUON_MODULES[kind]}")
+    except ImportError:
+        return None
 
 
 def _descriptor(t: torch.Tensor, block):

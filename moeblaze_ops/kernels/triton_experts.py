@@ -123,7 +123,13 @@ def _activation_kernel(h_ptr, a_ptr, LK, I, alpha, limit, stride_hm, stride_am,
 def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
     """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) over every routed row, with B an
     expert weight stack in ``transposed`` layout read as [E, in, out] (``layouts``);
-    ``kind`` picks the tile and whether B comes through TMA."""
+    ``kind`` picks the tile, whether B comes through TMA, and the Gluon kernel where
+    ``settings.gluon`` names it and it applies."""
+    gluon = gg.gluon_kernels(kind, a)
+    if gluon is not None and gluon.applies(a, b, out, transposed):
+        gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed,
+                              settings.current().tiles.get(kind, gluon.TILE))
+        return
     LK, N = out.shape
     E, _, reduction = linear_dims(b, transposed)
     tile = gg.tile_config(kind, a)

@@ -166,16 +166,6 @@ def _expert_row_sum_kernel(rows_ptr, row_ids_ptr, row_weights_ptr, offsets_ptr, 
 # --------------------------------------------------------------------------- launchers
 
 @functools.lru_cache(maxsize=None)
-def _gluon_wgrad():
-    """The Gluon weight-gradient module, or None where this Triton has no Gluon (imported
-    on first use with CUDA tensors: the portable path never needs it)."""
-    try:
-        from . import gluon_wgrad
-    except ImportError:
-        return None
-    return gluon_wgrad
-
-
 def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
     """grad_w_pq[e] = rows_e^T @ gathered[row_ids_e] for every expert e, with expert e's
     rows ``[offsets[e], offsets[e+1])``: ``rows`` is [L*K, P] in expert order, ``gathered``
@@ -183,12 +173,10 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
     ``kind`` ("wgrad_up" or "wgrad_down") picks the tile, and the Gluon kernel where
     ``settings.gluon`` names it and it applies."""
     E, P, Q = grad_w_pq.shape
-    if kind in settings.current().gluon and rows.is_cuda:
-        gluon_wgrad = _gluon_wgrad()
-        if gluon_wgrad is not None and gluon_wgrad.applies(rows, gathered):
-            gluon_wgrad.launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq,
-                                     settings.current().tiles.get(kind, gluon_wgrad.TILE))
-            return
+    gluon = gg.gluon_kernels(kind, rows)
+    if gluon is not None and gluon.applies(rows, gathered):
+        gluon.launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, settings.current().tiles.get(kind, gluon.TILE))
+        return
     tile = gg.tile_config(kind, rows)
     tiles = E * triton.cdiv(P, tile.block_m) * triton.cdiv(Q, tile.block_n)
     _wgrad_kernel[(gg.num_programs(rows.device, tiles, tile.programs_per_sm),)](
