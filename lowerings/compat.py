@@ -14,6 +14,7 @@ from torch._inductor import select_algorithm as _select
 from torch._inductor.virtualized import V
 
 __all__ = [
+    "DonatedBuffer",
     "SymbolicGridFn",
     "TensorBox",
     "TritonTemplate",
@@ -32,6 +33,7 @@ __all__ = [
 TritonTemplate = _select.TritonTemplate
 SymbolicGridFn = _select.SymbolicGridFn
 TensorBox = ir.TensorBox
+DonatedBuffer = ir.DonatedBuffer
 register_lowering = _lowering.register_lowering
 lowerings = _lowering.lowerings
 

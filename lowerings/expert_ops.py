@@ -215,3 +215,32 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         rows = row_gemm("down", a, w, None, expert_offsets, b, transposed, h.get_size()[0])
         slabs.append(combine(rows, token_index_map, topk_weights, expert_offsets))
     return slabs[0] if len(slabs) == 1 else compat.concat(slabs, 1)
+
+
+# --------------------------------------------------------------------------- backward: dH over h
+
+
+def _donated_and_last_use(node, position) -> bool:
+    """Whether ``node`` (FX argument ``position`` of the op being lowered) is a saved tensor
+    the compiled backward owns (a buffer AOTAutograd donated: not visible to the user, and
+    its graph refuses ``retain_graph``) that nothing reads after this op."""
+    fx_arg = V.graph.current_node.args[position]
+    if not isinstance(fx_arg, torch.fx.Node) or len(fx_arg.users) != 1:
+        return False
+    while not isinstance(node, compat.DonatedBuffer) and hasattr(node, "data"):
+        node = node.data
+    return isinstance(node, compat.DonatedBuffer)
+
+
+@compat.register_lowering(_ops.expert_down_backward.default, type_promotion_kind=None)
+def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
+                         b_down, activation, transposed, interleaved, alpha, limit, need_weight_grad=True):
+    """The op's own kernels; where h is donated and read by nothing else, its in-place form,
+    which writes dH over h (as eager autograd does): h and dH never exist at once."""
+    overwrite = _donated_and_last_use(h, 1) and h.get_layout().is_contiguous()
+    args = (grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
+            activation, transposed, interleaved, alpha, limit, need_weight_grad)
+    if not overwrite:
+        return compat.fallback(_ops.expert_down_backward.default, *args)
+    grad_w, grad_b, grad_tw = compat.fallback(_ops.expert_down_backward_.default, *args)
+    return h, grad_w, grad_b, grad_tw

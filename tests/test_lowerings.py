@@ -50,6 +50,37 @@ def test_cpu_falls_back_to_the_ops(seed):
     assert rel_err(out, residual_moe(*args)) < 1e-6
 
 
+def _loss(x, topk_ids, topk_weights, w_gate_up, w_down):
+    out = moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down)
+    return (out.float() ** 2).mean()
+
+
+def _grads(fn, layer, **backward_kwargs):
+    args = {k: layer[k].detach().clone().requires_grad_(k in GRAD_ARGS) for k in LAYER_ARGS}
+    loss = fn(**args)
+    loss.backward(**backward_kwargs)
+    return loss, [args[k].grad for k in GRAD_ARGS]
+
+
+@pytest.mark.slow
+def test_compiled_backward_writes_dh_over_h(seed):
+    """The compiled backward runs the in-place form of expert_down_backward on the h that
+    AOTAutograd donated to it (h and dH never both exist, as in eager), with eager's
+    gradients; a second backward through that graph is refused rather than reading the
+    overwritten h."""
+    from torch._inductor.utils import run_and_get_code
+
+    layer = make_layer(24, 16, 8, 4, 2, seed=seed)
+    torch._dynamo.reset()
+    compiled = torch.compile(_loss, fullgraph=True)
+    (_, grads), codes = run_and_get_code(lambda: _grads(compiled, layer))
+    assert any("torch.ops.moeblaze.expert_down_backward_.default(" in code for code in codes)
+    for g, ref in zip(grads, _grads(_loss, layer)[1]):
+        assert rel_err(g, ref) < 1e-6
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        _grads(compiled, layer, retain_graph=True)
+
+
 # --------------------------------------------------------------------------- GPU: the templates
 
 
@@ -121,21 +152,32 @@ def test_templates_cover_the_layer_variants(case, seed):
 def test_compiled_training_step_matches_eager(seed):
     """Forward and backward through the compiled layer (dynamic token count, two sizes):
     the gradients match eager's."""
-    def loss_fn(x, topk_ids, topk_weights, w_gate_up, w_down):
-        out = moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down)
-        return (out.float() ** 2).mean()
-
     torch._dynamo.reset()
-    compiled = torch.compile(loss_fn, fullgraph=True, dynamic=True)
+    compiled = torch.compile(_loss, fullgraph=True, dynamic=True)
     for L in (200, 333):
         layer = _gpu_layer(seed + L, L=L)
-        results = []
-        for fn in (compiled, loss_fn):
-            args = {k: layer[k].detach().clone().requires_grad_(k in GRAD_ARGS) for k in LAYER_ARGS}
-            fn(**args).backward()
-            results.append([args[k].grad for k in GRAD_ARGS])
-        for g, ref in zip(*results):
+        for g, ref in zip(_grads(compiled, layer)[1], _grads(_loss, layer)[1]):
             assert rel_err(g, ref) < 2e-2
+
+
+@gpu
+def test_compiled_training_peak_at_most_eager(seed):
+    """One compiled forward + backward peaks no higher than eager's: dH is written over h
+    in both."""
+    layer = _gpu_layer(seed, L=4096, d=512, I=1024, E=16, K=4)
+    torch._dynamo.reset()
+    compiled = torch.compile(_loss, fullgraph=True)
+    _grads(compiled, layer)  # compiles
+
+    def peak(fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _grads(fn, layer)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    assert peak(compiled) <= peak(_loss) * 1.02
 
 
 @gpu
