@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's one call (about 8 minutes): run-to-run equality of every gradient over
-# seeds, the GPU tests, then the benchmark, forward and train modes. Results land in
+# seeds, the GPU tests (kernels, Gluon kernels, Inductor lowerings), then the benchmark,
+# forward and train modes, moeblaze eager and compiled beside the peers. Results land in
 # ${OUT:-gpu_out}/: log.txt (everything printed), forward/ and train/ (bench.md, bench.json).
 #   bash scripts/gpu_check.sh [extra bench args...]
 # Env: SKIP_DETERMINISM=1, SKIP_GPU_TESTS=1, SKIP_BENCH=1, SKIP_TRAIN=1 leave parts out;
@@ -17,6 +18,9 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# A source checkout on PYTHONPATH (no install): the package's lowerings are the repo's
+# top-level lowerings/, which an install maps to moeblaze_ops.lowerings.
+[ -e moeblaze_ops/lowerings ] || ln -s ../lowerings moeblaze_ops/lowerings
 if [ -d .whl ]; then
   # module:wheel-name pairs; xdist runs the GPU tests in several processes (most of their
   # time is Triton compiling, which is CPU work).
@@ -40,7 +44,7 @@ if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
   echo "== GPU tests" | tee -a "$LOG"
   workers=()
   PYTHONPATH=$PYTHONPATH python3 -c "import xdist" 2>/dev/null && workers=(-n "${GPU_TEST_WORKERS:-6}")
-  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rf --tb=short --durations=8 "${workers[@]}" \
+  python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_gluon_row_gemm.py tests/test_lowerings.py -p no:cacheprovider -rf --tb=short --durations=8 "${workers[@]}" \
     ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} 2>&1 | tee -a "$LOG" | tail -15
 fi
 if [ "${CPU_SUITE:-0}" = 1 ]; then
@@ -49,12 +53,12 @@ if [ "${CPU_SUITE:-0}" = 1 ]; then
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "== bench forward" | tee -a "$LOG"
-  python3 -m moeblaze_ops.bench --out "$OUT/forward" --skip hf_eager moeblaze_compiled \
+  python3 -m moeblaze_ops.bench --out "$OUT/forward" --skip hf_eager \
     --configs olmoe qwen3_a3b conf3 conf4 mixtral "$@" 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   echo "== bench train" | tee -a "$LOG"
-  python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train" --skip hf_eager moeblaze_compiled \
+  python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train" --skip hf_eager moeblaze_recompute_compiled \
     --configs qwen3_100m olmoe qwen3_a3b conf3 conf4 mixtral "$@" 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${SWITCHES:-0}" = 1 ]; then

@@ -16,7 +16,11 @@ LAYER_ARGS = ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")
 GRAD_ARGS = ("x", "topk_weights", "w_gate_up", "w_down")
 #: What each template's kernel source imports: the eager kernels' tile functions.
 TEMPLATE_HELPERS = ("import gathered_gemm_tile", "import activate", "import combine_tile")
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def gpu(test):
+    """A GPU test: marked ``gpu`` (scripts/gpu_check.sh selects them) and skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 def residual_moe(x, topk_ids, topk_weights, w_gate_up, w_down, residual):
