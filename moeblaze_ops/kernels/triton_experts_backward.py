@@ -18,7 +18,6 @@ Every kernel is deterministic: fixed reduction orders, no float atomics.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -165,7 +164,7 @@ def _expert_row_sum_kernel(rows_ptr, row_ids_ptr, row_weights_ptr, offsets_ptr, 
 
 # --------------------------------------------------------------------------- launchers
 
-@functools.lru_cache(maxsize=None)
+
 def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
     """grad_w_pq[e] = rows_e^T @ gathered[row_ids_e] for every expert e, with expert e's
     rows ``[offsets[e], offsets[e+1])``: ``rows`` is [L*K, P] in expert order, ``gathered``
