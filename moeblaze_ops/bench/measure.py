@@ -162,6 +162,10 @@ def bench_train(ctx, names):
 
         for peer, fn, _ in _runnable(ctx, peers(*inputs, train=True), step):
             ms = time_ms(lambda fn=fn: step(fn), ctx.device)
+            # From no gradients, as a training step starts after zero_grad(set_to_none=True):
+            # the gradients' allocation counts, whichever peer ran before.
+            for t in (x, w, w_gate_up, w_down):
+                t.grad = None
             mem = peak_bytes(lambda fn=fn: step(fn), ctx.device)
             out, act = activation_bytes(fn, exclude=[x, w_gate_up, w_down])
             del out
