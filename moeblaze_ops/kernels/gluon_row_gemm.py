@@ -25,17 +25,13 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..layouts import linear_dims, linear_strides
 from ..settings import GemmTile
 from . import grouped_gemm as gg
-from .gluon_wgrad import _acc_layout, _async_load, _copy_layout, _cta_barrier, _is_hopper
-
-# The TMA load, renamed after triton 3.6 (``async_copy_global_to_shared``, then ``async_load``).
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+from .gluon_common import async_load, copy_layout, cta_barrier, on_hopper, tma_load, wgmma_acc_layout
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 of K per
 #: step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
@@ -95,7 +91,7 @@ def _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M: gl.constexpr
 def _row_offsets(a_row_ids_ptr, row0, row_end, stride_am, GATHER_A: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
     """Element offsets in A of a tile's rows (0 past the group's end), laid out as the A copy needs them."""
-    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _copy_layout(BLOCK_K, num_warps)))
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout(BLOCK_K, num_warps)))
     if GATHER_A:
         ids = gl.load(a_row_ids_ptr + rows, mask=rows < row_end, other=0)
     else:
@@ -113,17 +109,17 @@ def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, sl
     offsets computed now, a step before its first copies need them). Past the last
     expert tile (the sentinel group comes last) it starts nothing."""
     if p_grp < E:
-        layout: gl.constexpr = _copy_layout(BLOCK_K, num_warps)
+        layout: gl.constexpr = copy_layout(BLOCK_K, num_warps)
         rows = p_row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
         ks = p_k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-        _async_load(a_ring.index(slot), a_ptr + p_offs[:, None] + ks[None, :],
+        async_load(a_ring.index(slot), a_ptr + p_offs[:, None] + ks[None, :],
                     mask=(rows < p_end)[:, None] & (ks < K)[None, :])
         bar = bars.index(slot)
         mbarrier.expect(bar, b_desc.block_type.nbytes)
         if B_KMAJOR:
-            _tma_load(b_desc, [p_grp, p_n0, p_k * BLOCK_K], bar, b_ring.index(slot))
+            tma_load(b_desc, [p_grp, p_n0, p_k * BLOCK_K], bar, b_ring.index(slot))
         else:
-            _tma_load(b_desc, [p_grp, p_k * BLOCK_K, p_n0], bar, b_ring.index(slot))
+            tma_load(b_desc, [p_grp, p_k * BLOCK_K, p_n0], bar, b_ring.index(slot))
         p_k += 1
         if p_k == k_steps:
             p_k = 0
@@ -146,7 +142,7 @@ def _row_gemm_kernel(
     # asynchronous wgmma stays in flight), steps c + 1 .. c + AHEAD landing.
     AHEAD: gl.constexpr = NUM_STAGES - 2
     dtype: gl.constexpr = a_ptr.dtype.element_ty
-    acc_layout: gl.constexpr = _acc_layout(BLOCK_N, num_warps)
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
     b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -191,7 +187,7 @@ def _row_gemm_kernel(
                 mbarrier.wait(bars.index(slot), (step // NUM_STAGES) & 1)
                 # Every thread's copies have landed, and every warpgroup's MMA of step - 2 is
                 # done (each waited for it in the step before): its slot is refilled below.
-                _cta_barrier()
+                cta_barrier()
                 b = b_ring.index(slot).reshape(b_desc.block_type.shape[1:])
                 if B_KMAJOR:
                     b = b.permute((1, 0))
@@ -229,7 +225,7 @@ def applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, transposed: boo
     """Whether ``launch_row_gemm`` handles these operands (else the portable kernel does)."""
     if not (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and out.dtype == a.dtype):
         return False
-    if not _is_hopper(a.device.index if a.device.index is not None else torch.cuda.current_device()):
+    if not on_hopper(a):
         return False
     _, N, K = linear_dims(b, transposed)
     view, _ = _weight_view(b, transposed)

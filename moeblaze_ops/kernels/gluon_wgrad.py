@@ -17,8 +17,6 @@ else takes the portable kernel.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -28,35 +26,18 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ..settings import GemmTile
 from . import grouped_gemm as gg
-
-# Builtins renamed after triton 3.6: the masked cp.async (``async_copy_global_to_shared``,
-# then ``async_load``) and the CTA barrier (``thread_barrier``, then ``barrier``).
-_async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
-_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+from .gluon_common import async_load, copy_layout, cta_barrier, on_hopper, wgmma_acc_layout
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 rows of the
 #: reduction per step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
 TILE = GemmTile(128, 256, 64, 8, 4)
 
 
-@gluon.constexpr_function
-def _copy_layout(cols, num_warps):
-    """Registers of a [rows, cols] cp.async source: 8 contiguous 16-bit elements (16 bytes) per thread."""
-    per_row = min(32, cols // 8)
-    return gl.BlockedLayout([1, 8], [32 // per_row, per_row], [num_warps, 1], [1, 0])
-
-
-@gluon.constexpr_function
-def _acc_layout(block_q, num_warps):
-    """The wgmma accumulator: warps stacked along P, 16 rows each, the whole Q tile wide."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_q, 16])
-
-
 @gluon.jit
 def _load_ids(row_ids_ptr, r0, hi, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
     """The gathered rows of reduction step [r0, r0 + BLOCK_R) (0 past ``hi``), laid out as
     the B copy needs them."""
-    rb = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, _copy_layout(BLOCK_Q, num_warps)))
+    rb = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, copy_layout(BLOCK_Q, num_warps)))
     return gl.load(row_ids_ptr + rb, mask=rb < hi, other=0).to(gl.int64)
 
 
@@ -65,15 +46,15 @@ def _issue_step(rows_ptr, gathered_ptr, ids, a_slot, b_slot, r0, hi, p0, q0, P, 
                 BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
     """Starts the copies of reduction step [r0, r0 + BLOCK_R) into one ring slot: A
     [BLOCK_R, BLOCK_P] and B [BLOCK_R, BLOCK_Q], B's rows ``ids`` (``_load_ids``)."""
-    a_layout: gl.constexpr = _copy_layout(BLOCK_P, num_warps)
-    b_layout: gl.constexpr = _copy_layout(BLOCK_Q, num_warps)
+    a_layout: gl.constexpr = copy_layout(BLOCK_P, num_warps)
+    b_layout: gl.constexpr = copy_layout(BLOCK_Q, num_warps)
     ra = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, a_layout))
     pa = p0 + gl.arange(0, BLOCK_P, layout=gl.SliceLayout(0, a_layout))
-    _async_load(a_slot, rows_ptr + ra.to(gl.int64)[:, None] * stride_rm + pa[None, :],
+    async_load(a_slot, rows_ptr + ra.to(gl.int64)[:, None] * stride_rm + pa[None, :],
                 mask=(ra < hi)[:, None] & (pa < P)[None, :])
     rb = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, b_layout))
     qb = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, b_layout))
-    _async_load(b_slot, gathered_ptr + ids[:, None] * stride_gm + qb[None, :],
+    async_load(b_slot, gathered_ptr + ids[:, None] * stride_gm + qb[None, :],
                 mask=(rb < hi)[:, None] & (qb < Q)[None, :])
 
 
@@ -89,7 +70,7 @@ def _wgrad_kernel(
     # asynchronous wgmma stays in flight), steps i + 1 .. i + AHEAD landing.
     AHEAD: gl.constexpr = NUM_STAGES - 2
     dtype: gl.constexpr = rows_ptr.dtype.element_ty
-    acc_layout: gl.constexpr = _acc_layout(BLOCK_Q, num_warps)
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_Q, num_warps)
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_P],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_P], dtype))
     b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
@@ -105,7 +86,7 @@ def _wgrad_kernel(
         hi = gl.load(offsets_ptr + e + 1)
         steps = gl.cdiv(hi - lo, BLOCK_R)
         # The previous tile's MMAs (every warpgroup's) are done before its slots are refilled.
-        _cta_barrier()
+        cta_barrier()
         # One commit group per step, empty past the last, so that "all but AHEAD - 1 groups
         # landed" always means "step i landed".
         for i in gl.static_range(AHEAD):
@@ -123,7 +104,7 @@ def _wgrad_kernel(
             cp.wait_group(AHEAD - 1)  # this thread's copies of step i have landed
             # Every thread's copies of step i have landed, and every warpgroup's MMA of step
             # i - 2 is done (each waited for it in the step before): its slot is free.
-            _cta_barrier()
+            cta_barrier()
             fence_async_shared()  # cp.async writes (generic proxy) before wgmma reads (async proxy)
             slot = i % NUM_STAGES
             acc = warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc, is_async=True)
@@ -143,16 +124,11 @@ def _wgrad_kernel(
     cp.wait_group(0)
 
 
-@functools.lru_cache(maxsize=None)
-def _is_hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
 def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
     """Whether ``launch_wgrad`` handles these operands (else the portable kernel does)."""
     if not (rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16) and gathered.dtype == rows.dtype):
         return False
-    if not _is_hopper(rows.device.index if rows.device.index is not None else torch.cuda.current_device()):
+    if not on_hopper(rows):
         return False
     aligned = all(n % 16 == 0 for n in (rows.shape[1], gathered.shape[1], rows.stride(0), gathered.stride(0)))
     return (aligned and rows.stride(1) == 1 and gathered.stride(1) == 1

@@ -1,0 +1,43 @@
+"""What the Gluon kernels for Hopper share: the register layouts of their copies and
+accumulators, the builtins renamed between Triton releases, and the device check."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import tma
+
+# Builtins renamed after triton 3.6: the masked cp.async (``async_copy_global_to_shared``,
+# then ``async_load``), the CTA barrier (``thread_barrier``, then ``barrier``) and the TMA
+# load (``async_copy_global_to_shared``, then ``async_load``).
+async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.constexpr_function
+def copy_layout(cols, num_warps):
+    """Registers of a [rows, cols] cp.async source: 8 contiguous 16-bit elements (16 bytes) per thread."""
+    per_row = min(32, cols // 8)
+    return gl.BlockedLayout([1, 8], [32 // per_row, per_row], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def wgmma_acc_layout(cols, num_warps):
+    """The wgmma accumulator: warps stacked along the rows, 16 rows each, ``cols`` wide."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
+
+
+@functools.lru_cache(maxsize=None)
+def is_hopper(index: int) -> bool:
+    """Whether CUDA device ``index`` is a Hopper (capability 9) GPU."""
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def on_hopper(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on a Hopper GPU."""
+    return t.is_cuda and is_hopper(t.device.index if t.device.index is not None else torch.cuda.current_device())
