@@ -9,6 +9,12 @@ scripts change it for a block of code with ``override``::
 Nothing else changes what a kernel does: no module global is flipped from outside and
 no environment variable is read, except the one escape hatch below.
 
+Compiled graphs (``torch.compile``, ``moeblaze_ops.lowerings``) read the settings when
+they compile, and keep them: Dynamo does not guard on them, and Inductor's graph caches
+(in the process and on disk) do not key on them. Set them before the first compile, or
+compile again after ``torch._dynamo.reset()`` with the FX graph cache off
+(``TORCHINDUCTOR_FX_GRAPH_CACHE=0``) to compare settings in compiled code.
+
 Escape hatch: ``MOEBLAZE_BACKEND=torch`` runs every op on the portable PyTorch kernels
 (read once, on the first kernel launch of the process, not at import), for ruling the
 Triton kernels out when a result looks wrong.
