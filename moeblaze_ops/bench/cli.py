@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import json
 import time
@@ -126,6 +127,16 @@ def _measure(args, ctx, changes):
     return result, text
 
 
+def _fresh_compiles(when: bool):
+    """Inductor's FX graph cache off (``when``), so that compiled peers compile under the
+    settings in force; a no-op context otherwise."""
+    if not when:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(fx_graph_cache=False)
+
+
 def main(argv=None):
     """Runs the benchmark with command-line arguments ``argv`` (``sys.argv[1:]`` by default)."""
     parser = _parser()
@@ -137,7 +148,9 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    with settings.override(**changes):
+    # Inductor's FX graph cache does not key on moeblaze's settings: with --set, a compiled
+    # peer could load a graph that another run compiled under other settings.
+    with settings.override(**changes), _fresh_compiles(bool(changes)):
         result, text = _measure(args, ctx, changes)
     (out / "bench.json").write_text(json.dumps(result, indent=1, default=_jsonable))
     (out / "bench.md").write_text("\n".join(text) + "\n")
