@@ -16,7 +16,6 @@ from torch._inductor.virtualized import V
 __all__ = [
     "DonatedBuffer",
     "SymbolicGridFn",
-    "TensorBox",
     "TritonTemplate",
     "contiguous",
     "fallback",
@@ -32,7 +31,6 @@ __all__ = [
 
 TritonTemplate = _select.TritonTemplate
 SymbolicGridFn = _select.SymbolicGridFn
-TensorBox = ir.TensorBox
 DonatedBuffer = ir.DonatedBuffer
 register_lowering = _lowering.register_lowering
 lowerings = _lowering.lowerings

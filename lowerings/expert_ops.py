@@ -84,14 +84,11 @@ def _row_gemm_tiles(kind, dtype, device):
 
 
 def _tma_ready(w, tile) -> bool:
-    """Whether a TMA descriptor can read weight ``w``'s tiles: the last dimension contiguous,
-    the other strides and the start 16-byte aligned, a box at most 256 wide (as
-    ``grouped_gemm.weight_operand`` asks of the eager kernels' host descriptors)."""
+    """``grouped_gemm.weight_tma_fits`` for a weight node (sizes that are symbols: no)."""
     size = w.get_dtype().itemsize
-    strides = [_as_int(s) for s in w.get_stride()]
     offset = _as_int(w.get_layout().offset)
-    return (strides[2] == 1 and all(s is not None and s * size % 16 == 0 for s in strides[:2])
-            and offset is not None and offset * size % 16 == 0 and max(tile.block_k, tile.block_n) <= 256)
+    return gg.weight_tma_fits([_as_int(s) for s in w.get_stride()], size, None if offset is None else offset * size,
+                              tile)
 
 
 def _as_int(expr):
@@ -99,10 +96,6 @@ def _as_int(expr):
         return int(expr)
     except TypeError:
         return None
-
-
-def _num_programs(device, per_sm=1):
-    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # --------------------------------------------------------------------------- valid inputs for autotuning
@@ -146,7 +139,7 @@ def row_gemm(kind, a, b, a_row_ids, offsets, bias, transposed, out_rows):
             GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None, TRANSPOSED=transposed,
             B_TMA=kind in settings.current().weight_tma and _tma_ready(b, tile), B_KMAJOR=kmajor,
             GROUPS=triton.next_power_of_2(compat.static_int(E) + 1), PRECISION=repr(gg.precision(dtype)),
-            NUM_PROGRAMS=_num_programs(device, tile.programs_per_sm),
+            NUM_PROGRAMS=gg.num_programs(device, None, tile.programs_per_sm),
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
     gens = {len(inputs) - (2 if bias is not None else 1): _even_offsets(out_rows)}
     if a_row_ids is not None:
@@ -165,7 +158,7 @@ def activation_pass(h, I, act, interleaved, alpha, limit):
         choices, input_nodes=[h], layout=layout, num_stages=1, num_warps=4, ACT=int(act), INTERLEAVED=interleaved,
         ALPHA=float(alpha), LIMIT=float(limit),
         FAST_ACT=settings.current().fast_activation and dtype != torch.float32,
-        NUM_PROGRAMS=_num_programs(device, 4), BLOCK_M=block_m, BLOCK_K=block_k)
+        NUM_PROGRAMS=gg.num_programs(device, None, 4), BLOCK_M=block_m, BLOCK_K=block_k)
     return compat.select_algorithm("moeblaze_activation", choices, [h], layout)
 
 
@@ -180,7 +173,7 @@ def combine(rows, token_index_map, topk_weights, offsets):
     choices = []
     templates.combine.maybe_append_choice(
         choices, input_nodes=inputs, layout=layout, num_stages=1, num_warps=4, K=compat.static_int(K),
-        NUM_PROGRAMS=_num_programs(device, 4), BLOCK_L=block_l, BLOCK_D=block_d)
+        NUM_PROGRAMS=gg.num_programs(device, None, 4), BLOCK_L=block_l, BLOCK_D=block_d)
     return compat.select_algorithm("moeblaze_combine", choices, inputs, layout)
 
 

@@ -24,6 +24,7 @@ TMA descriptors and when they apply.
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 import torch
 import triton
@@ -210,10 +211,11 @@ def tile_config(kind: str, t: torch.Tensor) -> GemmTile:
     return settings.pick_tile(kind, t.dtype, t.device)
 
 
-def num_programs(device: torch.device, max_tiles: int, per_sm: int = 1) -> int:
-    """The persistent grid: ``per_sm`` programs per SM, no more than there are tiles."""
+def num_programs(device: torch.device, max_tiles: Optional[int], per_sm: int = 1) -> int:
+    """The persistent grid: ``per_sm`` programs per SM, no more than there are tiles (no cap
+    where ``max_tiles`` is None: a count not known when the grid is chosen)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(per_sm * sms, max_tiles))
+    return max(1, per_sm * sms if max_tiles is None else min(per_sm * sms, max_tiles))
 
 
 def launch_row_gemm(kernel, tile: GemmTile, dtype: torch.dtype, device: torch.device, n_cols: int, **kwargs):
@@ -264,16 +266,22 @@ def h_operand(h: torch.Tensor, act: int, interleaved: bool, I: int, block_m: int
     return _descriptor(h, [block_m, width]), True
 
 
+def weight_tma_fits(strides, element_size: int, start_byte: Optional[int], tile: GemmTile) -> bool:
+    """Whether a TMA descriptor can read [block_k, block_n] tiles of a 3-D weight with these
+    strides (in elements; None where unknown) starting at byte ``start_byte``: the last
+    dimension contiguous, the other strides and the start 16-byte aligned (column slabs of
+    a weight are such views), a box at most 256 wide."""
+    return (strides[2] == 1 and all(s is not None and s * element_size % 16 == 0 for s in strides[:2])
+            and start_byte is not None and start_byte % 16 == 0 and max(tile.block_k, tile.block_n) <= 256)
+
+
 def weight_operand(w: torch.Tensor, stride_reduction: int, tile: GemmTile, kind: str):
     """A weight as GEMM ``kind`` reads its [block_k, block_n] B tiles: ``(source, through_tma,
     reduction_contiguous)``; a 3-D TMA descriptor where ``kind`` is in
     ``settings.weight_tma`` and TMA allows it, else the tensor."""
     kmajor = stride_reduction == 1
-    # TMA: the last dimension contiguous, the other strides and the start 16-byte aligned
-    # (column slabs of a weight are such views).
-    aligned = (w.stride(2) == 1 and all(s * w.element_size() % 16 == 0 for s in w.stride()[:2])
-               and w.data_ptr() % 16 == 0 and max(tile.block_k, tile.block_n) <= 256)
-    if not (kind in settings.current().weight_tma and aligned):
+    if not (kind in settings.current().weight_tma
+            and weight_tma_fits(w.stride(), w.element_size(), w.data_ptr(), tile)):
         return w, False, kmajor
     block = [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n]
     return _descriptor(w, block), True, kmajor
