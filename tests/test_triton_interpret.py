@@ -180,19 +180,27 @@ def test_dispatch_sorted_kernels_bitwise(L, K, E, routing, sentinel_frac, chunk,
 
 
 def test_training_steps_keep_no_tensor_alive(seed):
-    """Steps of forward + backward through the Triton kernels leave nothing behind: the
-    tensors alive after the third step are those alive after the first (a kernel launcher
-    that kept its arguments, in a cache say, would leak a step's buffers every step)."""
+    """Steps of forward + backward through the Triton kernels leave nothing behind: no tensor
+    made during the second step is still alive after the third (a kernel launcher that kept
+    its arguments, in a cache say, would keep a step's buffers every step). Tensors are
+    followed by weak reference, so objects other tests leave to the collector do not count."""
     import gc
+    import weakref
 
     layer = make_layer(40, 16, 8, 4, 2, seed=seed, requires_grad=True)
 
     def live_tensors():
         gc.collect()
-        return sum(1 for o in gc.get_objects() if torch.is_tensor(o))
+        return [o for o in gc.get_objects() if torch.is_tensor(o)]
 
-    counts = []
-    for _ in range(3):
+    def step():
         moe_experts(**layer).square().sum().backward()
-        counts.append(live_tensors())
-    assert counts[2] == counts[0]
+
+    step()  # the first step creates the gradients, which later steps accumulate into
+    before = {id(t) for t in live_tensors()}
+    step()
+    made = [weakref.ref(t) for t in live_tensors() if id(t) not in before]
+    step()
+    gc.collect()
+    alive = [r() for r in made if r() is not None]
+    assert not alive, [tuple(t.shape) for t in alive]
