@@ -1,7 +1,20 @@
-"""``moe_experts``: the experts of an MoE layer in one call, composed of the moeblaze ops."""
+"""``moe_experts``: the experts of an MoE layer in one call, composed of the moeblaze ops.
+
+Three routes run the same kernels:
+
+- traced (``torch.compile``, ``torch.export``): the ops and their autograd formulas,
+  which Inductor lowers to templates (``moeblaze_ops.lowerings``);
+- eager, plain CPU/CUDA tensors and no active mode: autograd nodes of this module
+  (``_UpNode`` and ``_DownNode``, or ``_RecomputedLayer``) that call the backend's kernels
+  directly (``_KernelCalls``): no dispatcher round trip per step, and no value check of
+  the index arrays the layer's own ``dispatch`` made;
+- eager otherwise (tensor subclasses, torch function or dispatch modes, other devices):
+  the same nodes calling the ops (``_OpCalls``), which those see.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -9,6 +22,7 @@ from torch import Tensor
 
 from .activations import clamped_swiglu_defaults
 from .checks import check_moe_experts
+from .kernels import backward_backend, forward_backend
 
 
 def moe_experts(
@@ -57,8 +71,9 @@ def moe_experts(
         overwrite_h: in eager autograd, let backward write dH over the h it kept rather
             than into a second [L*K, N] tensor (the same memory saving for the default
             mode). A second backward through the same graph (``retain_graph=True``)
-            still works: it recomputes h (one more GEMM). Compiled graphs keep the two
-            apart (Inductor would copy h before writing over it).
+            still works: it recomputes h (one more GEMM). Compiled graphs decide for
+            themselves: Inductor's lowering writes dH over h where AOTAutograd donated
+            h to the backward.
 
     Not supported, with a clear error: ``torch.func`` transforms (``grad``, ``vmap``,
     ``jacrev``, ...; torch's custom-op autograd does not run under them: use
@@ -84,8 +99,6 @@ def moe_experts(
     if x.dim() > 2:  # flatten leading dimensions: [..., d] -> [L, d]
         x2, ids, tw = x.flatten(0, -2), topk_ids.flatten(0, -2), topk_weights.flatten(0, -2)
     E, _, d = check_moe_experts(x2, ids, tw, w_gate_up, w_down, b_gate_up, b_down, activation, transposed)
-    ops = torch.ops.moeblaze
-    eti, offsets, tim = ops.dispatch(ids, E)
     # alpha and limit are clamped_swiglu's alone, and default to None rather than to floats:
     # torch.compile makes a float argument of the function it compiles a symbol, then
     # restarts its analysis to specialise it. Constants keep the graph free of them.
@@ -95,96 +108,228 @@ def moe_experts(
     if activation != "clamped_swiglu" or limit is None:
         limit = default_limit
     args = (activation, transposed, interleaved, alpha, limit)
-    if recompute:
-        out = _RecomputedExperts.apply(x2, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args)
+    if torch.compiler.is_compiling():
+        calls = _OP_CALLS  # the ops and their autograd formulas, which Inductor lowers (lowerings/)
     else:
-        h = ops.expert_up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
-        # Under torch.compile Inductor would copy h before a declared in-place write.
-        if overwrite_h and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            out = _OverwritingDown.apply(h, w_down, b_down, tw, eti, offsets, tim, args,
-                                         (x2, w_gate_up, b_gate_up, transposed))
-        else:
-            out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
+        calls = _KERNEL_CALLS if _plain(x2, ids, tw, w_gate_up, w_down, b_gate_up, b_down) else _OP_CALLS
+    eti, offsets, tim = calls.dispatch(ids, E)
+    if recompute:
+        out = _RecomputedLayer.apply(x2, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args, calls)
+    elif calls is _OP_CALLS and (torch.compiler.is_compiling() or not overwrite_h):
+        # Traced, the ops' own formulas; Inductor's lowering writes dH over h where
+        # AOTAutograd donated h to the backward (lowerings/expert_ops.py).
+        h = calls.up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+        out = calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)
+    else:
+        h = _UpNode.apply(x2, w_gate_up, b_gate_up, eti, offsets, tim, transposed, calls)
+        out = _DownNode.apply(h, w_down, b_down, tw, eti, offsets, tim, args, calls,
+                              (x2, w_gate_up, b_gate_up) if overwrite_h else None)
     return out.reshape(*lead, d)
 
 
-class _RecomputedExperts(torch.autograd.Function):
-    """expert_up + expert_down whose backward recomputes h instead of keeping it."""
+def _plain(*tensors) -> bool:
+    """Whether an eager call may run the kernels directly: CPU or CUDA tensors of plain
+    types, and no torch function or dispatch mode active (subclasses such as DTensor and
+    FakeTensor, and modes such as FlopCounterMode or selective checkpointing, must see the
+    ops)."""
+    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+        return False
+    if tensors[0].device.type not in ("cpu", "cuda"):
+        return False
+    return all(t is None or type(t) is Tensor or type(t) is torch.nn.Parameter for t in tensors)
+
+
+class _OpCalls:
+    """The layer's steps as calls of the ``torch.ops.moeblaze`` ops: what modes, tensor
+    subclasses and a second differentiation (``create_graph``) must see."""
 
     @staticmethod
-    def forward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args):
-        activation, transposed, interleaved, alpha, limit = args
+    def dispatch(ids, E):
+        return torch.ops.moeblaze.dispatch(ids, E)
+
+    @staticmethod
+    def up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed):
+        return torch.ops.moeblaze.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+
+    @staticmethod
+    def down(h, w_down, eti, offsets, tim, tw, b_down, args):
+        return torch.ops.moeblaze.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
+
+    @staticmethod
+    def down_backward(grad_out, h, w_down, eti, offsets, tim, tw, b_down, args, need_w, in_place):
         ops = torch.ops.moeblaze
-        h = ops.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
-        return ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, activation, transposed, interleaved,
-                               alpha, limit)
+        if not in_place:
+            return ops.expert_down_backward(grad_out, h, w_down, eti, offsets, tim, tw, b_down, *args, need_w)
+        return (h, *ops.expert_down_backward_(grad_out, h, w_down, eti, offsets, tim, tw, b_down, *args, need_w))
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args = inputs
-        ctx.save_for_backward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim)
-        ctx.args = args
+    def down_backward_recompute(grad_out, x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, args,
+                                need_w):
+        # One op: under torch.compile the partitioner would merge a separate expert_up with
+        # the forward's identical call and save h after all.
+        return torch.ops.moeblaze.expert_down_backward_recompute(grad_out, x, w_gate_up, w_down, eti, offsets, tim,
+                                                                 tw, b_gate_up, b_down, *args, need_w)
 
     @staticmethod
-    def backward(ctx, grad_out):
-        x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim = ctx.saved_tensors
-        activation, transposed, interleaved, alpha, limit = ctx.args
-        ops = torch.ops.moeblaze
-        need = ctx.needs_input_grad  # x, w_gate_up, w_down, b_gate_up, b_down, tw, ...
-        has_bgu, has_bd = b_gate_up is not None, b_down is not None
-        # One op recomputes h and writes dH over it (see its docstring for why one op).
-        grad_h, grad_w_down, grad_b_down, grad_tw = ops.expert_down_backward_recompute(
-            grad_out, x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, activation, transposed,
-            interleaved, alpha, limit, need[2] or (has_bd and need[4]))
-        need_x, need_wgu = need[0], need[1] or (has_bgu and need[3])
-        grad_x = grad_w_gate_up = grad_b_gate_up = None
-        if need_x or need_wgu:
-            grad_x, grad_w_gate_up, grad_b_gate_up = ops.expert_up_backward(
-                grad_h, x, w_gate_up, eti, offsets, tim, has_bgu, transposed, need_x, need_wgu)
-        keep = lambda g, i, present=True: g if present and need[i] else None  # noqa: E731
-        return (keep(grad_x, 0), keep(grad_w_gate_up, 1), keep(grad_w_down, 2), keep(grad_b_gate_up, 3, has_bgu),
-                keep(grad_b_down, 4, has_bd), keep(grad_tw, 5), None, None, None, None)
+    def up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed, need_x, need_w):
+        return torch.ops.moeblaze.expert_up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed,
+                                                     need_x, need_w)
 
 
-class _OverwritingDown(torch.autograd.Function):
-    """expert_down whose backward writes dH over the h it kept (plain eager autograd, where
-    h is the layer's own): the gradient for h is h itself, afterwards.
+class _KernelCalls:
+    """The same steps straight to the backend's kernels, for plain eager tensors: no trip
+    through the dispatcher and the custom-op wrappers (tens of microseconds a call, which
+    small layers pay on every step), and no check of index arrays: this layer's own
+    ``dispatch`` made them. ``moe_experts`` checked every argument already. In a profile
+    the steps carry the ops' names."""
+
+    @staticmethod
+    def dispatch(ids, E):
+        with _profiled("moeblaze::dispatch"):
+            return forward_backend(ids).dispatch(ids, E)
+
+    @staticmethod
+    def up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed):
+        with _profiled("moeblaze::expert_up"):
+            return forward_backend(x).expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+
+    @staticmethod
+    def down(h, w_down, eti, offsets, tim, tw, b_down, args):
+        with _profiled("moeblaze::expert_down"):
+            return forward_backend(h).expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
+
+    @staticmethod
+    def down_backward(grad_out, h, w_down, eti, offsets, tim, tw, b_down, args, need_w, in_place):
+        with _profiled("moeblaze::expert_down_backward"):
+            return backward_backend(h).expert_down_backward(grad_out, h, w_down, eti, offsets, tim, tw, b_down,
+                                                            *args, in_place=in_place, need_weight_grad=need_w)
+
+    @staticmethod
+    def down_backward_recompute(grad_out, x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, args,
+                                need_w):
+        h = _KernelCalls.up(x, w_gate_up, eti, offsets, tim, b_gate_up, args[1])
+        return _KernelCalls.down_backward(grad_out, h, w_down, eti, offsets, tim, tw, b_down, args, need_w, True)
+
+    @staticmethod
+    def up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed, need_x, need_w):
+        with _profiled("moeblaze::expert_up_backward"):
+            return backward_backend(x).expert_up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bias,
+                                                          transposed, need_x, need_w)
+
+
+_OP_CALLS, _KERNEL_CALLS = _OpCalls(), _KernelCalls()
+
+
+def _profiled(name):
+    """A profiler range named ``name`` while a profiler runs, else nothing (a range costs
+    an op call of its own)."""
+    return torch.autograd.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else _NO_RANGE
+
+
+_NO_RANGE = contextlib.nullcontext()
+
+
+def _up_backward(calls, grad_h, x, w_gate_up, eti, offsets, tim, has_bgu, transposed, need_x, need_wgu, need_bgu):
+    """``(grad_x, grad_w_gate_up, grad_b_gate_up)``, None where not needed."""
+    if not (need_x or need_wgu or (has_bgu and need_bgu)):
+        return None, None, None
+    grad_x, grad_w, grad_b = calls.up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bgu, transposed,
+                                               need_x, need_wgu or (has_bgu and need_bgu))
+    return grad_x if need_x else None, grad_w if need_wgu else None, grad_b if has_bgu and need_bgu else None
+
+
+def _backward_calls(ctx):
+    """A backward that builds a graph (``create_graph``) runs the ops, whose autograd
+    refuses a second differentiation clearly."""
+    return _OP_CALLS if torch.is_grad_enabled() else ctx.calls
+
+
+class _UpNode(torch.autograd.Function):
+    """``expert_up`` in eager autograd, through ``calls``. Its own node, apart from the
+    down projection's: the down weight gradients are accumulated before its backward
+    allocates the up projection's."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate_up, b_gate_up, eti, offsets, tim, transposed, calls):
+        ctx.save_for_backward(x, w_gate_up, eti, offsets, tim)
+        ctx.has_bias, ctx.transposed, ctx.calls = b_gate_up is not None, transposed, calls
+        return calls.up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        x, w_gate_up, eti, offsets, tim = ctx.saved_tensors
+        need = ctx.needs_input_grad  # x, w_gate_up, b_gate_up, ...
+        grads = _up_backward(_backward_calls(ctx), grad_h, x, w_gate_up, eti, offsets, tim, ctx.has_bias,
+                             ctx.transposed, need[0], need[1], need[2])
+        return (*grads, None, None, None, None, None)
+
+
+class _DownNode(torch.autograd.Function):
+    """``expert_down`` in eager autograd, through ``calls``. Given ``up`` (the up
+    projection's x, w_gate_up and b_gate_up: ``overwrite_h``), its backward writes dH over
+    the h it kept, which is the layer's own: the gradient for h is h itself, afterwards.
 
     A second backward through the same graph (``retain_graph=True``) finds h overwritten
-    and recomputes it from ``up`` (the up projection's inputs, which its own autograd node
-    keeps anyway): one more GEMM for the rare second pass, nothing more kept for the first.
+    and recomputes it from ``up`` (which the up projection's node keeps anyway): one more
+    GEMM for the rare second pass, nothing more kept for the first.
     """
 
     @staticmethod
-    def forward(ctx, h, w_down, b_down, tw, eti, offsets, tim, args, up):
+    def forward(ctx, h, w_down, b_down, tw, eti, offsets, tim, args, calls, up):
         ctx.save_for_backward(h, w_down, b_down, tw, eti, offsets, tim)
-        ctx.args = args
-        ctx.up = up
-        ctx.overwritten = False
-        return torch.ops.moeblaze.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
+        ctx.args, ctx.calls, ctx.up, ctx.overwritten = args, calls, up, False
+        return calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)
 
     @staticmethod
     def backward(ctx, grad_out):
         h, w_down, b_down, tw, eti, offsets, tim = ctx.saved_tensors
-        ops = torch.ops.moeblaze
+        calls = _backward_calls(ctx)
         if ctx.overwritten:  # a second backward: the saved h holds the first one's dH
-            x, w_gate_up, b_gate_up, transposed = ctx.up
+            x, w_gate_up, b_gate_up = ctx.up
             with torch.no_grad():
-                h = ops.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+                h = calls.up(x, w_gate_up, eti, offsets, tim, b_gate_up, ctx.args[1])
         need = ctx.needs_input_grad  # h, w_down, b_down, tw, ...
         has_b = b_down is not None
         need_w = need[1] or (has_b and need[2])
-        if torch.is_grad_enabled():
-            # create_graph: the functional op, whose autograd says that double backward is unsupported.
-            grad_h, grad_w, grad_b, grad_tw = ops.expert_down_backward(
-                grad_out, h, w_down, eti, offsets, tim, tw, b_down, *ctx.args, need_w)
+        if ctx.up is None or torch.is_grad_enabled():
+            grad_h, grad_w, grad_b, grad_tw = calls.down_backward(grad_out, h, w_down, eti, offsets, tim, tw, b_down,
+                                                                  ctx.args, need_w, False)
         else:
-            # The write over h is deliberate and this Function tracks it (``overwritten``), so
-            # h keeps its version: a second backward may unpack it, and then recomputes it.
+            # The write over h is deliberate and tracked (``overwritten``), so h keeps its
+            # version: a second backward may unpack it, and then recomputes it.
             with torch.autograd._unsafe_preserve_version_counter(h):
-                grad_w, grad_b, grad_tw = ops.expert_down_backward_(
-                    grad_out, h, w_down, eti, offsets, tim, tw, b_down, *ctx.args, need_w)
-            grad_h = h
+                grad_h, grad_w, grad_b, grad_tw = calls.down_backward(grad_out, h, w_down, eti, offsets, tim, tw,
+                                                                      b_down, ctx.args, need_w, True)
             ctx.overwritten = True
         return (grad_h if need[0] else None, grad_w if need[1] else None, grad_b if has_b and need[2] else None,
-                grad_tw if need[3] else None, None, None, None, None, None)
+                grad_tw if need[3] else None, None, None, None, None, None, None)
+
+
+class _RecomputedLayer(torch.autograd.Function):
+    """expert_up + expert_down whose backward recomputes h instead of keeping it, and
+    writes dH over the recomputed h (every route, traced too)."""
+
+    @staticmethod
+    def forward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args, calls):
+        h = calls.up(x, w_gate_up, eti, offsets, tim, b_gate_up, args[1])
+        return calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args, calls = inputs
+        ctx.save_for_backward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim)
+        ctx.args, ctx.calls = args, calls
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim = ctx.saved_tensors
+        calls = _backward_calls(ctx)
+        need = ctx.needs_input_grad  # x, w_gate_up, w_down, b_gate_up, b_down, tw, ...
+        has_bgu, has_bd = b_gate_up is not None, b_down is not None
+        grad_h, grad_wd, grad_bd, grad_tw = calls.down_backward_recompute(
+            grad_out, x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, ctx.args,
+            need[2] or (has_bd and need[4]))
+        grad_x, grad_wgu, grad_bgu = _up_backward(calls, grad_h, x, w_gate_up, eti, offsets, tim, has_bgu,
+                                                  ctx.args[1], need[0], need[1], need[3])
+        return (grad_x, grad_wgu, grad_wd if need[2] else None, grad_bgu, grad_bd if has_bd and need[4] else None,
+                grad_tw if need[5] else None, None, None, None, None, None)

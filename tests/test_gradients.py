@@ -1,5 +1,7 @@
 """gradcheck in float64, and parity of outputs and every gradient with the reference."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -222,3 +224,52 @@ def test_overwrite_h_under_activation_checkpointing(use_reentrant, seed):
         grads.append([t.grad for t in inputs])
     for name, a, b in zip(names, *grads):
         assert torch.equal(a, b), name
+
+
+class _SeesOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that only records the moeblaze ops it sees: with it active,
+    ``moe_experts`` must route through the ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func.overloadpacket).startswith("moeblaze."):
+            self.ops.add(str(func.overloadpacket).split(".")[1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", [{}, {"overwrite_h": False}, {"recompute": True}],
+                         ids=["default", "kept_apart", "recompute"])
+def test_kernel_route_matches_op_route(mode, seed):
+    """Plain eager tensors run the kernels without the ops; a dispatch mode (as a subclass
+    would) makes the layer run the ops. Outputs and every gradient agree bit for bit, in a
+    first and a second backward through the graph."""
+    layer = make_layer(41, 8, 4, 5, 3, dtype=torch.float32, routing="skewed", bias=True, seed=seed,
+                       activation="clamped_swiglu", layout="transposed_interleaved", tw_dtype=torch.float32)
+    names = _grad_inputs(layer)
+    g = torch.randn(41, 8, generator=torch.Generator().manual_seed(seed + 1))
+    runs = []
+    for seen in (None, _SeesOps()):
+        inputs = {k: (v.clone().requires_grad_(True) if k in names else v) for k, v in layer.items()}
+        with seen or contextlib.nullcontext():
+            out = moe_experts(**inputs, **mode)
+            first = torch.autograd.grad(out, [inputs[k] for k in names], g, retain_graph=True)
+            second = torch.autograd.grad(out, [inputs[k] for k in names], g)
+        runs.append((out, *first, *second))
+        if seen is not None:
+            assert {"dispatch", "expert_up", "expert_down", "expert_up_backward"} <= seen.ops, seen.ops
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_kernel_route_shows_op_names_in_profiles(seed):
+    """The kernel route names its steps after the ops in a profiler trace."""
+    layer = make_layer(9, 8, 4, 3, 2, dtype=torch.float32, seed=seed, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        moe_experts(**layer).sum().backward()
+    names = {e.key for e in prof.key_averages()}
+    expected = {"moeblaze::dispatch", "moeblaze::expert_up", "moeblaze::expert_down",
+                "moeblaze::expert_down_backward", "moeblaze::expert_up_backward"}
+    assert expected <= names, expected - names
