@@ -1,33 +1,67 @@
-"""Where the host time of a small forward + backward goes (GPU): wall time per step, then
-the Python functions by own time under cProfile.
+"""Where the host time of a small forward + backward goes: wall time per step, then the
+Python functions by own time under cProfile.
 
     python scripts/host_overhead.py [--config qwen3_100m] [--steps 200] [--rows 30]
+    python scripts/host_overhead.py --no-kernels --device cpu --config tiny
 
 Small layers are launch-bound: the device finishes each kernel before the host has
 launched the next, so every microsecond here is a microsecond of the step.
+
+``--no-kernels`` replaces every kernel of the chosen backend by one that returns the
+outputs its first call computed: what is left is moeblaze's own Python (checks, autograd
+nodes, op dispatch), measurable on any machine.
 """
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import time
 
 import torch
 
 import moeblaze_ops
+from moeblaze_ops import kernels
 from moeblaze_ops.bench import CONFIGS, make_inputs
+
+KERNEL_FIELDS = ("dispatch", "expert_up", "expert_down", "expert_up_backward", "expert_down_backward")
+
+
+def without_kernels(backend):
+    """``backend`` whose kernels replay their first call's outputs and whose index checks
+    do nothing."""
+    def replay(fn):
+        first = []
+
+        def call(*args, **kwargs):
+            if not first:
+                first.append(fn(*args, **kwargs))
+            return first[0]
+        return call
+
+    return dataclasses.replace(backend, **{f: replay(getattr(backend, f)) for f in KERNEL_FIELDS},
+                               check_index_values=lambda *a: None, check_backward_index_values=lambda *a: None)
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--config", default="qwen3_100m", choices=list(CONFIGS))
+    p.add_argument("--config", default="qwen3_100m", choices=[*CONFIGS, "tiny"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rows", type=int, default=30)
+    p.add_argument("--no-kernels", action="store_true", help="time moeblaze's Python alone (see above)")
     a = p.parse_args()
-    x, ids, w, wgu, wd = make_inputs(*CONFIGS[a.config])
+    shape = (64, 32, 16, 8, 2) if a.config == "tiny" else CONFIGS[a.config]
+    x, ids, w, wgu, wd = make_inputs(*shape, device=a.device)
+    if a.no_kernels:
+        kernels.TORCH = without_kernels(kernels.TORCH)
+        if x.is_cuda:
+            replayed = without_kernels(kernels.triton_backend())
+            kernels.triton_backend = lambda: replayed
     for t in (x, w, wgu, wd):
         t.requires_grad_(True)
     g = torch.randn_like(x)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
 
     def step():
         moeblaze_ops.moe_experts(x, ids, w, wgu, wd).backward(g)
@@ -35,12 +69,13 @@ def main():
     def steps(n):
         for _ in range(n):
             step()
-        torch.cuda.synchronize()
+        sync()
 
     steps(10)
     t0 = time.perf_counter()
     steps(a.steps)
-    print(f"{a.config}: {(time.perf_counter() - t0) / a.steps * 1e3:.3f} ms per forward + backward (wall)")
+    kind = "without kernels" if a.no_kernels else "(wall)"
+    print(f"{a.config} on {a.device}: {(time.perf_counter() - t0) / a.steps * 1e6:.1f} us per forward + backward {kind}")
     prof = cProfile.Profile()
     prof.runcall(steps, a.steps)
     pstats.Stats(prof).sort_stats("tottime").print_stats(a.rows)
