@@ -201,21 +201,39 @@ def test_training_step_in_cuda_graph(seed, triton_bwd):
             assert rel_err(p, e) <= 1e-3, f"replay {i} seed={seed}"
 
 
-@pytest.mark.parametrize("K", [1, 2, 8])
-def test_invalid_id_flags(K, seed):
-    """The device-side id check: flags raised exactly for negative and repeated ids."""
-    from moeblaze_ops.kernels.triton_dispatch import invalid_id_flags
+@pytest.mark.parametrize("family", ["onehot", "sorted"])
+@pytest.mark.parametrize("K", [1, 2, 3, 8])
+def test_invalid_id_flags(K, family, seed):
+    """The device-side id check, folded into the dispatch kernels of either family: flags
+    raised exactly for negative and repeated ids, also in a token whose K rows straddle the
+    first chunk edge (K = 3), its bad id past the edge."""
+    from moeblaze_ops.kernels.triton_dispatch import _chunk_size, invalid_id_flags
 
     g = torch.Generator().manual_seed(seed)
-    ids = make_topk_ids(4096, K, 64, generator=g)
-    assert invalid_id_flags(ids.cuda(), 64).tolist() == [0, 0]
-    bad = ids.clone()
-    bad[17, 0] = -3
-    assert invalid_id_flags(bad.cuda(), 64).tolist() == [1, 0]
-    if K > 1:
+    L, E = 4096, 64
+    ids = make_topk_ids(L, K, E, generator=g)
+    with settings.override(dispatch_sorted_min_bins=1 if family == "sorted" else None):
+        edge = settings.current().dispatch_sort_chunk if family == "sorted" else _chunk_size(L * K)
+        assert invalid_id_flags(ids.cuda(), E).tolist() == [0, 0]
         bad = ids.clone()
-        bad[4000, K - 1] = bad[4000, 0]
-        assert invalid_id_flags(bad.cuda(), 64).tolist() == [0, 1]
+        bad[17, 0] = -3
+        assert invalid_id_flags(bad.cuda(), E).tolist() == [1, 0]
+        if K > 1:
+            bad = ids.clone()
+            bad[4000, K - 1] = bad[4000, 0]
+            assert invalid_id_flags(bad.cuda(), E).tolist() == [0, 1]
+            bad = ids.clone()
+            bad[:, :2] = E + 1  # sentinels may repeat
+            assert invalid_id_flags(bad.cuda(), E).tolist() == [0, 0]
+        if edge % K:
+            token = edge // K
+            bad = ids.clone()
+            bad[token, K - 1] = -1
+            assert invalid_id_flags(bad.cuda(), E).tolist() == [1, 0]
+            bad = ids.clone()
+            bad[token, K - 1] = bad[token, 0]
+            assert invalid_id_flags(bad.cuda(), E).tolist() == [0, 1]
+        assert invalid_id_flags(ids.to(torch.int32).cuda(), E).tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("on", [True, False])

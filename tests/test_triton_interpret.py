@@ -92,15 +92,33 @@ def test_backward_kernels_skip_frozen(trainable, recompute, seed):
                        recompute=recompute)
 
 
-@pytest.mark.parametrize("K", [1, 2, 3, 8])
-@pytest.mark.parametrize("defect", ["none", "negative", "repeat", "repeated_sentinel", "both"])
-def test_invalid_id_flags(K, defect, seed):
-    """The CUDA path's id check (one Triton pass) against a plain Python reading of the ids."""
-    from conftest import make_topk_ids
+#: The dispatch kernel families: one-hot tiles (chunks of 64 rows at these sizes), sorted
+#: chunks of 16 rows (many chunk edges) and of 128 (padding past the last row).
+DISPATCH_FAMILIES = {"onehot": dict(dispatch_sorted_min_bins=None),
+                     "sorted16": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=16),
+                     "sorted128": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=128)}
+
+
+def _check_id_flags(ids, E):
+    """The id flags of the checked dispatch against a plain Python reading of the ids."""
     from moeblaze_ops.kernels.triton_dispatch import invalid_id_flags
 
+    rows = ids.tolist()
+    expected = [int(any(i < 0 for r in rows for i in r)),
+                int(any(len([i for i in r if 0 <= i < E]) != len({i for i in r if 0 <= i < E}) for r in rows))]
+    assert invalid_id_flags(ids, E).tolist() == expected
+
+
+@pytest.mark.parametrize("family", DISPATCH_FAMILIES)
+@pytest.mark.parametrize("K", [1, 2, 3, 8])
+@pytest.mark.parametrize("defect", ["none", "negative", "repeat", "repeated_sentinel", "both"])
+def test_invalid_id_flags(K, defect, family, seed):
+    """The CUDA path's id check (folded into the dispatch kernels of either family) against
+    a plain Python reading of the ids."""
+    from conftest import make_topk_ids
+
     g = torch.Generator().manual_seed(seed)
-    E, L = 9, 70
+    E, L = 9, 70 if family == "onehot" else 35  # sorting is slow in the interpreter
     ids = make_topk_ids(L, K, E, generator=g)
     row = int(torch.randint(0, L, (1,), generator=g))
     if defect in ("negative", "both"):
@@ -109,10 +127,39 @@ def test_invalid_id_flags(K, defect, seed):
         ids[(row + 1) % L, K - 1] = ids[(row + 1) % L, 0].clamp(min=0)
     if defect == "repeated_sentinel" and K > 1:
         ids[row, :2] = E + 1  # sentinels may repeat
-    rows = ids.tolist()
-    expected = [int(any(i < 0 for r in rows for i in r)),
-                int(any(len([i for i in r if 0 <= i < E]) != len({i for i in r if 0 <= i < E}) for r in rows))]
-    assert invalid_id_flags(ids, E).tolist() == expected
+    with settings.override(**DISPATCH_FAMILIES[family]):
+        _check_id_flags(ids, E)
+        if defect == "repeated_sentinel":  # valid ids: the checked dispatch's arrays are the portable one's
+            from moeblaze_ops.kernels import torch_dispatch, triton_dispatch
+
+            for got, want in zip(triton_dispatch.dispatch_checked(ids, E), torch_dispatch.dispatch(ids, E)):
+                assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", DISPATCH_FAMILIES)
+@pytest.mark.parametrize("K,dtype", [(3, torch.int64), (5, torch.int32)])
+@pytest.mark.parametrize("defect", ["negative", "repeat"])
+def test_invalid_id_flags_straddling_token(K, dtype, defect, family, seed):
+    """A defect in the token whose K rows cross the first chunk edge, its bad id past the
+    edge: the chunk of the token's first row reads on into the next chunk and flags it, and
+    dispatch_checked fails with the op's message."""
+    import re
+
+    from conftest import make_topk_ids
+    from moeblaze_ops.checks import id_value_messages
+    from moeblaze_ops.kernels.triton_dispatch import _chunk_size, dispatch_checked
+
+    E, L = 9, 70
+    ids = make_topk_ids(L, K, E, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    edge = DISPATCH_FAMILIES[family].get("dispatch_sort_chunk") or _chunk_size(L * K)
+    token = edge // K
+    assert token * K < edge < (token + 1) * K < L * K
+    ids[token, K - 1] = -1 if defect == "negative" else ids[token, 0]
+    negative, repeated = id_value_messages("dispatch")
+    with settings.override(**DISPATCH_FAMILIES[family]):
+        _check_id_flags(ids, E)
+        with pytest.raises(RuntimeError, match=re.escape(negative if defect == "negative" else repeated)):
+            dispatch_checked(ids, E)
 
 
 @pytest.mark.parametrize("on", [True, False])

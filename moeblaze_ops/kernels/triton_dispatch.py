@@ -2,7 +2,7 @@
 
 The flat routed rows ``j = i*K + k`` are cut into chunks, one program per chunk. Each
 chunk's counts live in one row of a ``[chunks, BINS + 1]`` table: one column per expert
-(``BINS`` is E rounded up to a power of two) and a last column for the sentinel ids.
+(``BINS`` is E rounded up to a power of two) and a column for the sentinel ids.
 
 1. ``_chunk_histogram``: each program counts its rows per expert by summing a one-hot
    tile, and its sentinel rows.
@@ -27,8 +27,12 @@ How a program ranks its rows picks one of two kernel families for steps 1 and 3
   length into the table. O(log^2 chunk) work per row, no barrier in the scatter; not a
   global sort, and the result is the same ranking in flat order.
 
-``dispatch_checked`` adds the data checks of the ids (``invalid_id_flags``), read by
-``torch._assert_async`` on the device: no host sync.
+``dispatch_checked`` folds the data checks of the ids into these launches: the histogram
+also checks the tokens whose first row ``i*K`` lies in its chunk (each token once, also
+when its K rows straddle a chunk edge) and writes two more columns, a negative id and a
+real expert id repeated in one token's row (``[chunks, BINS + 3]``); the column scan sums
+them with the counts, and the scatter's program 0 turns the totals into ``ok`` flags that
+``torch._assert_async`` reads on the device: no host sync, no extra reduction.
 """
 
 from __future__ import annotations
@@ -53,7 +57,33 @@ def _keys(ids_ptr, rows, LK, E):
 
 
 @triton.jit
-def _chunk_histogram(ids_ptr, counts_ptr, LK, E, CHUNK, BINS: tl.constexpr, SUB: tl.constexpr):
+def _owned_token_flags(ids_ptr, flags_ptr, chunk, CHUNK, LK, E, K: tl.constexpr, TOKENS: tl.constexpr):
+    """Writes ``[negative, repeated]`` of the tokens this chunk owns, those whose first row
+    ``i*K`` it holds: a negative id, a real expert id repeated in the token's row (every
+    pair k < k2, unrolled; sentinels >= E may repeat). A token straddling the chunk's end
+    is read past it, so every token is checked by exactly one program."""
+    first_row = chunk.to(tl.int64) * CHUNK
+    first = (first_row + K - 1) // K
+    end = (tl.minimum(first_row + CHUNK, LK) + K - 1) // K
+    negative = tl.zeros((TOKENS,), dtype=tl.int32)
+    repeated = tl.zeros((TOKENS,), dtype=tl.int32)
+    for t in range(first, end, TOKENS):
+        toks = t + tl.arange(0, TOKENS)
+        inside = toks < end
+        row = ids_ptr + toks * K
+        for k in tl.static_range(K):
+            a = tl.load(row + k, mask=inside, other=0)
+            negative |= (a < 0).to(tl.int32)
+            for k2 in tl.static_range(k + 1, K):
+                b = tl.load(row + k2, mask=inside, other=0)
+                repeated |= ((a == b) & (a >= 0) & (a < E) & inside).to(tl.int32)
+    tl.store(flags_ptr, tl.max(negative, axis=0))
+    tl.store(flags_ptr + 1, tl.max(repeated, axis=0))
+
+
+@triton.jit
+def _chunk_histogram(ids_ptr, counts_ptr, LK, E, CHUNK, WIDTH, BINS: tl.constexpr, SUB: tl.constexpr,
+                     K: tl.constexpr, CHECK_IDS: tl.constexpr, TOKENS: tl.constexpr):
     chunk = tl.program_id(0)
     bins = tl.arange(0, BINS)
     acc = tl.zeros((BINS,), dtype=tl.int32)
@@ -62,9 +92,11 @@ def _chunk_histogram(ids_ptr, counts_ptr, LK, E, CHUNK, BINS: tl.constexpr, SUB:
         key = _keys(ids_ptr, chunk * CHUNK + s + tl.arange(0, SUB), LK, E)
         acc += tl.sum((key[:, None] == bins[None, :]).to(tl.int32), axis=0)
         sentinels += tl.sum((key == SENTINEL).to(tl.int32), axis=0)
-    row = counts_ptr + chunk * (BINS + 1)
+    row = counts_ptr + chunk * WIDTH
     tl.store(row + bins, acc)
     tl.store(row + BINS, sentinels)
+    if CHECK_IDS:
+        _owned_token_flags(ids_ptr, row + BINS + 1, chunk, CHUNK, LK, E, K, TOKENS)
 
 
 @triton.jit
@@ -83,9 +115,10 @@ def _column_scan(counts_ptr, totals_ptr, NUM_CHUNKS, WIDTH, COLS: tl.constexpr, 
 
 
 @triton.jit
-def _expert_starts(totals_ptr, offsets_ptr, E, chunk, BINS: tl.constexpr):
+def _expert_starts(totals_ptr, offsets_ptr, ok_ptr, E, chunk, BINS: tl.constexpr, CHECK_IDS: tl.constexpr):
     """Where each expert's rows start (expert_offsets[:BINS]) and where the sentinels start
-    (expert_offsets[E]), from the column totals; program 0 writes expert_offsets."""
+    (expert_offsets[E]), from the column totals; program 0 writes expert_offsets, and ``ok``
+    (1 where no chunk flagged a negative id, a repeated id) when checking the ids."""
     bins = tl.arange(0, BINS)
     totals = tl.load(totals_ptr + bins)
     expert_start = tl.cumsum(totals, axis=0) - totals
@@ -93,24 +126,29 @@ def _expert_starts(totals_ptr, offsets_ptr, E, chunk, BINS: tl.constexpr):
     if chunk == 0:
         tl.store(offsets_ptr + bins, expert_start, mask=bins < E)
         tl.store(offsets_ptr + E, real_rows)
+        if CHECK_IDS:
+            flags = tl.arange(0, 2)
+            tl.store(ok_ptr + flags, (tl.load(totals_ptr + BINS + 1 + flags) == 0).to(tl.int32))
     return expert_start, real_rows
 
 
 @triton.jit
-def _chunk_firsts(starts_ptr, totals_ptr, offsets_ptr, E, chunk, BINS: tl.constexpr):
+def _chunk_firsts(starts_ptr, totals_ptr, offsets_ptr, ok_ptr, E, chunk, WIDTH, BINS: tl.constexpr,
+                  CHECK_IDS: tl.constexpr):
     """Where this chunk's first row of each expert goes (``[BINS]``), and its first
     sentinel row: the chunk's scanned table row plus each column's start."""
-    expert_start, real_rows = _expert_starts(totals_ptr, offsets_ptr, E, chunk, BINS)
-    row = starts_ptr + chunk * (BINS + 1)
+    expert_start, real_rows = _expert_starts(totals_ptr, offsets_ptr, ok_ptr, E, chunk, BINS, CHECK_IDS)
+    row = starts_ptr + chunk * WIDTH
     return tl.load(row + tl.arange(0, BINS)) + expert_start, tl.load(row + BINS) + real_rows
 
 
 @triton.jit
-def _chunk_scatter(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_ptr, LK, E, K, CHUNK,
-                   BINS: tl.constexpr, SUB: tl.constexpr):
+def _chunk_scatter(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, ok_ptr, eti_ptr, tim_ptr, LK, E, K, CHUNK, WIDTH,
+                   BINS: tl.constexpr, SUB: tl.constexpr, CHECK_IDS: tl.constexpr):
     chunk = tl.program_id(0)
     bins = tl.arange(0, BINS)
-    carry, sentinel_carry = _chunk_firsts(starts_ptr, totals_ptr, offsets_ptr, E, chunk, BINS)
+    carry, sentinel_carry = _chunk_firsts(starts_ptr, totals_ptr, offsets_ptr, ok_ptr, E, chunk, WIDTH, BINS,
+                                          CHECK_IDS)
     for s in range(0, CHUNK, SUB):
         rows = chunk * CHUNK + s + tl.arange(0, SUB)
         key = _keys(ids_ptr, rows, LK, E)
@@ -152,59 +190,32 @@ def _sorted_runs(ids_ptr, chunk, LK, E, CHUNK: tl.constexpr, BINS: tl.constexpr)
 
 
 @triton.jit
-def _chunk_histogram_sorted(ids_ptr, counts_ptr, LK, E, CHUNK: tl.constexpr, BINS: tl.constexpr):
+def _chunk_histogram_sorted(ids_ptr, counts_ptr, LK, E, WIDTH, CHUNK: tl.constexpr, BINS: tl.constexpr,
+                            K: tl.constexpr, CHECK_IDS: tl.constexpr, TOKENS: tl.constexpr):
     chunk = tl.program_id(0)
-    row = counts_ptr + chunk * (BINS + 1)
+    row = counts_ptr + chunk * WIDTH
     tl.store(row + tl.arange(0, BINS), tl.zeros((BINS,), dtype=tl.int32))
     tl.store(row + BINS, 0)
     tl.debug_barrier()  # the zeros land before the runs' counts
     col, _, rank, ends = _sorted_runs(ids_ptr, chunk, LK, E, CHUNK, BINS)
-    tl.store(row + col, rank + 1, mask=ends & (col <= BINS))  # one writer per column
+    # One writer per column. Negative ids and padding (column BINS + 1) write nothing: the
+    # table's column BINS + 1 is the negative-id flag's when checking.
+    tl.store(row + col, rank + 1, mask=ends & (col <= BINS))
+    if CHECK_IDS:
+        _owned_token_flags(ids_ptr, row + BINS + 1, chunk, CHUNK, LK, E, K, TOKENS)
 
 
 @triton.jit
-def _chunk_scatter_sorted(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, eti_ptr, tim_ptr, LK, E, K,
-                          CHUNK: tl.constexpr, BINS: tl.constexpr):
+def _chunk_scatter_sorted(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, ok_ptr, eti_ptr, tim_ptr, LK, E, K, WIDTH,
+                          CHUNK: tl.constexpr, BINS: tl.constexpr, CHECK_IDS: tl.constexpr):
     chunk = tl.program_id(0)
-    first, sentinel_first = _chunk_firsts(starts_ptr, totals_ptr, offsets_ptr, E, chunk, BINS)
+    first, sentinel_first = _chunk_firsts(starts_ptr, totals_ptr, offsets_ptr, ok_ptr, E, chunk, WIDTH, BINS,
+                                          CHECK_IDS)
     col, rows, rank, _ = _sorted_runs(ids_ptr, chunk, LK, E, CHUNK, BINS)
     pos = tl.where(col == BINS, sentinel_first, tl.gather(first, tl.minimum(col, BINS - 1), 0)) + rank
     valid = col <= BINS
     tl.store(tim_ptr + rows, pos, mask=valid)
     tl.store(eti_ptr + pos, (rows // K).to(tl.int32), mask=valid)
-
-
-@triton.jit
-def _check_ids(ids_ptr, flags_ptr, L, E, K: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Each program writes its own two flags: a negative id in its tokens, a real expert id
-    repeated in one of its tokens' rows (every pair k < k2, unrolled). No atomics."""
-    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    inside = toks < L
-    row = ids_ptr + toks.to(tl.int64) * K
-    negative = tl.zeros((BLOCK_T,), dtype=tl.int32)
-    repeated = tl.zeros((BLOCK_T,), dtype=tl.int32)
-    for k in tl.static_range(K):
-        a = tl.load(row + k, mask=inside, other=0)
-        negative |= (a < 0).to(tl.int32)
-        for k2 in tl.static_range(k + 1, K):
-            b = tl.load(row + k2, mask=inside, other=0)
-            repeated |= ((a == b) & (a >= 0) & (a < E) & inside).to(tl.int32)
-    tl.store(flags_ptr + tl.program_id(0) * 2, tl.max(negative, axis=0))
-    tl.store(flags_ptr + tl.program_id(0) * 2 + 1, tl.max(repeated, axis=0))
-
-
-def invalid_id_flags(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``[negative, repeated]`` (int32, on the ids' device): 1 where some id is negative, where
-    some token's row repeats a real expert id. One pass over the ids, no sort, no atomics."""
-    L, K = topk_ids.shape
-    if L * K == 0:
-        return torch.zeros(2, dtype=torch.int32, device=topk_ids.device)
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    BLOCK_T = 256
-    blocks = triton.cdiv(L, BLOCK_T)
-    flags = torch.empty(blocks, 2, dtype=torch.int32, device=topk_ids.device)
-    _check_ids[(blocks,)](ids, flags, L, num_experts, K=K, BLOCK_T=BLOCK_T)
-    return flags.amax(dim=0)
 
 
 @triton.jit
@@ -245,8 +256,10 @@ def _chunk_size(LK: int) -> int:
     return max(SUB, min(8192, triton.next_power_of_2(triton.cdiv(LK, 1024))))
 
 
-def dispatch(topk_ids: torch.Tensor, num_experts: int):
-    """The index arrays of a routing (``moeblaze_ops.dispatch``), without the id checks."""
+def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool):
+    """``(expert_token_indices, expert_offsets, token_index_map, ok)``; ``ok`` (int32 ``[2]``,
+    None without ``check_ids``) is 1 where no id is negative, where no token's row repeats
+    a real expert id."""
     L, K = topk_ids.shape
     LK = L * K
     dev = topk_ids.device
@@ -261,31 +274,47 @@ def dispatch(topk_ids: torch.Tensor, num_experts: int):
     if sorted_ and (BINS + 2) * chunk > 2**31:
         raise ValueError(f"dispatch: {E} experts are too many for sorted chunks of {chunk} rows")
     num_chunks = max(1, triton.cdiv(LK, chunk))
-    counts = torch.empty(num_chunks, BINS + 1, dtype=torch.int32, device=dev)
-    totals = torch.empty(BINS + 1, dtype=torch.int32, device=dev)
+    width = BINS + 3 if check_ids else BINS + 1  # the two flag columns after the sentinel column
+    counts = torch.empty(num_chunks, width, dtype=torch.int32, device=dev)
+    totals = torch.empty(width, dtype=torch.int32, device=dev)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     eti = torch.empty(LK, dtype=torch.int32, device=dev)
     tim = torch.empty(LK, dtype=torch.int32, device=dev)
+    ok = torch.empty(2, dtype=torch.int32, device=dev) if check_ids else None
+    # K == 0 has no rows and no tokens to check; K is a constexpr (the unrolled pairs).
+    check = dict(K=max(K, 1), CHECK_IDS=check_ids, TOKENS=min(128, triton.next_power_of_2(chunk // max(K, 1) + 1)))
     grid = (num_chunks,)
     if sorted_:
-        _chunk_histogram_sorted[grid](ids, counts, LK, E, CHUNK=chunk, BINS=BINS, num_warps=8)
+        _chunk_histogram_sorted[grid](ids, counts, LK, E, width, CHUNK=chunk, BINS=BINS, **check, num_warps=8)
     else:
-        _chunk_histogram[grid](ids, counts, LK, E, chunk, BINS=BINS, SUB=SUB)
+        _chunk_histogram[grid](ids, counts, LK, E, chunk, width, BINS=BINS, SUB=SUB, **check)
     cols = 32
-    _column_scan[(triton.cdiv(BINS + 1, cols),)](counts, totals, num_chunks, BINS + 1, COLS=cols, ROWS=64)
+    _column_scan[(triton.cdiv(width, cols),)](counts, totals, num_chunks, width, COLS=cols, ROWS=64)
     if sorted_:
-        _chunk_scatter_sorted[grid](ids, counts, totals, offsets, eti, tim, LK, E, K, CHUNK=chunk, BINS=BINS,
-                                    num_warps=8)
+        _chunk_scatter_sorted[grid](ids, counts, totals, offsets, ok, eti, tim, LK, E, K, width, CHUNK=chunk,
+                                    BINS=BINS, CHECK_IDS=check_ids, num_warps=8)
     else:
-        _chunk_scatter[grid](ids, counts, totals, offsets, eti, tim, LK, E, K, chunk, BINS=BINS, SUB=SUB)
-    return eti, offsets, tim
+        _chunk_scatter[grid](ids, counts, totals, offsets, ok, eti, tim, LK, E, K, chunk, width, BINS=BINS, SUB=SUB,
+                             CHECK_IDS=check_ids)
+    return eti, offsets, tim, ok
+
+
+def dispatch(topk_ids: torch.Tensor, num_experts: int):
+    """The index arrays of a routing (``moeblaze_ops.dispatch``), without the id checks."""
+    return _dispatch(topk_ids, num_experts, check_ids=False)[:3]
+
+
+def invalid_id_flags(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[negative, repeated]`` (int32, on the ids' device): 1 where some id is negative, where
+    some token's row repeats a real expert id, as the checked dispatch finds them."""
+    return 1 - _dispatch(topk_ids, num_experts, check_ids=True)[3]
 
 
 def dispatch_checked(topk_ids: torch.Tensor, num_experts: int):
-    """``dispatch`` with the data checks of the ids made on the device: a bad id fails the
-    next synchronizing call with the op's message."""
+    """``dispatch`` with the data checks of the ids made on the device, in the same launches:
+    a bad id fails the next synchronizing call with the op's message."""
     negative, repeated = id_value_messages("dispatch")
-    flags = invalid_id_flags(topk_ids, num_experts)
-    torch._assert_async(flags[0] == 0, negative)
-    torch._assert_async(flags[1] == 0, repeated)
-    return dispatch(topk_ids, num_experts)
+    eti, offsets, tim, ok = _dispatch(topk_ids, num_experts, check_ids=True)
+    torch._assert_async(ok[0], negative)
+    torch._assert_async(ok[1], repeated)
+    return eti, offsets, tim
