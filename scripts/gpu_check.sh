@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU machine's one call (about 8 minutes): run-to-run equality of every gradient over
-# seeds, the GPU tests (kernels, Gluon kernels, Inductor lowerings), then the benchmark,
+# seeds, the GPU tests (kernels, Gluon kernels, Inductor lowerings), the host time of a
+# small layer (scripts/host_overhead.py), then the benchmark,
 # forward and train modes, moeblaze eager and compiled beside the peers. Results land in
 # ${OUT:-gpu_out}/: log.txt (everything printed), forward/ and train/ (bench.md, bench.json).
 #   bash scripts/gpu_check.sh [extra bench args...]
-# Env: SKIP_DETERMINISM=1, SKIP_GPU_TESTS=1, SKIP_BENCH=1, SKIP_TRAIN=1 leave parts out;
+# Env: SKIP_DETERMINISM=1, SKIP_GPU_TESTS=1, SKIP_HOST=1, SKIP_BENCH=1, SKIP_TRAIN=1 leave parts out;
 # GPU_TESTS_K=<pytest -k expr> picks GPU tests; CPU_SUITE=1 adds the CPU suite on that
 # machine's torch (a compatibility check, 3 more minutes); PROFILE=1 adds
 # scripts/profile_step.py (kernel and host time per step) into $OUT/profile.txt;
@@ -50,6 +51,12 @@ fi
 if [ "${CPU_SUITE:-0}" = 1 ]; then
   echo "== CPU suite on this machine's torch" | tee -a "$LOG"
   python3 -m pytest -q -m "not gpu" -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -4
+fi
+if [ "${SKIP_HOST:-0}" != 1 ]; then
+  echo "== host time of the 100M example's layer (wall, then moeblaze's Python alone)" | tee -a "$LOG"
+  for flag in "" --no-kernels; do
+    python3 scripts/host_overhead.py --config qwen3_100m --rows 0 $flag 2>>"$LOG" | head -1 | tee -a "$LOG"
+  done
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "== bench forward" | tee -a "$LOG"
