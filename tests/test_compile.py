@@ -147,3 +147,27 @@ def test_hf_model_compiles_in_one_analysis(seed):
     compiled = torch.compile(model, backend=counter, fullgraph=True)(ids).logits
     assert counter.frame_count == 1
     assert rel_err(compiled, eager) < 1e-5
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_keeps_the_ops(strict, seed):
+    """torch.export (strict: through Dynamo; non-strict: through a dispatch mode) records
+    the moeblaze ops, and the exported program computes what eager does."""
+    layer = make_layer(16, 8, 4, 4, 2, seed=seed)
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w_gate_up = torch.nn.Parameter(layer["w_gate_up"])
+            self.w_down = torch.nn.Parameter(layer["w_down"])
+
+        def forward(self, x, topk_ids, topk_weights):
+            return moe_experts(x, topk_ids, topk_weights, self.w_gate_up, self.w_down)
+
+    module, args = Experts(), (layer["x"], layer["topk_ids"], layer["topk_weights"])
+    program = torch.export.export(module, args, strict=strict)
+    ops = [str(n.target) for n in program.graph.nodes if str(n.target).startswith("moeblaze.")]
+    assert ops == ["moeblaze.dispatch.default", "moeblaze.expert_up.default", "moeblaze.expert_down.default"]
+    fresh = make_layer(16, 8, 4, 4, 2, seed=seed + 1)
+    args = (fresh["x"], fresh["topk_ids"], fresh["topk_weights"])
+    assert torch.equal(program.module()(*args), module(*args))
