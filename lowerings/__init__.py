@@ -25,3 +25,10 @@ def register(_module=None) -> bool:
     from . import expert_ops  # noqa: F401  (registers on import)
 
     return True
+
+
+# Inductor's lowering table first: its import runs ``register`` through moeblaze_ops' import
+# hook (once the table's module has finished importing), so a direct import of a submodule
+# (``templates``, ``compat``) finds the lowerings registered, and the registration never
+# meets ``compat`` half-imported (compat imports the table itself).
+import torch._inductor.lowering  # noqa: E402,F401

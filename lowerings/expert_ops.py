@@ -1,4 +1,4 @@
-"""The lowerings of ``moeblaze::expert_up`` and ``moeblaze::expert_down`` to the templates.
+"""The lowerings of the expert ops to the templates.
 
 - ``expert_up``: one ``row_gemm`` (A rows gathered from x through the dispatch's
   ``expert_token_indices``) writing h.
@@ -8,6 +8,10 @@
   each token's K rows into it. With one slab the combine's ``store_output`` writes the
   layer output, and Inductor fuses its pointwise consumers into that epilogue; with more,
   Inductor's ``cat`` joins the slabs (and takes the pointwise consumers).
+- ``expert_up_backward``, where ``settings.backward_templates`` has "dx": grad_x as the
+  down projection's pattern on dH (``row_gemm`` per slab, then an unweighted
+  ``combine``); the weight gradients stay the op's kernels.
+- ``expert_down_backward``: the op's kernels, in place over h where h is donated to it.
 
 Each lowering falls back to the op's own kernel (an extern call, as for an op without a
 lowering) where the templates do not apply: tensors not on CUDA, float64,
@@ -162,19 +166,40 @@ def activation_pass(h, I, act, interleaved, alpha, limit):
     return compat.select_algorithm("moeblaze_activation", choices, [h], layout)
 
 
-def combine(rows, token_index_map, topk_weights, offsets):
-    """out[i] = sum_k topk_weights[i, k] * rows[token_index_map[i*K + k]]: [L, cols]."""
-    L, K = topk_weights.get_size()
-    inputs = [compat.realized(rows), compat.contiguous(token_index_map), compat.realized(topk_weights),
-              compat.contiguous(offsets)]
+def combine(rows, token_index_map, offsets, num_tokens, topk_weights=None):
+    """out[i] = sum_k w[i, k] * rows[token_index_map[i*K + k]]: [num_tokens, cols]; unit
+    weights without ``topk_weights`` (the input gradient's sum of each token's dX rows)."""
+    L = num_tokens
+    K = compat.static_int(topk_weights.get_size()[1] if topk_weights is not None
+                          else token_index_map.get_size()[0] // L)
+    inputs = [compat.realized(rows), compat.contiguous(token_index_map)]
+    if topk_weights is not None:
+        inputs.append(compat.realized(topk_weights))
+    inputs.append(compat.contiguous(offsets))
     dtype, device = rows.get_dtype(), rows.get_device()
     layout = compat.fixed_layout(device, dtype, [L, rows.get_size()[1]])
     block_l, block_d = COMBINE_TILE
     choices = []
     templates.combine.maybe_append_choice(
-        choices, input_nodes=inputs, layout=layout, num_stages=1, num_warps=4, K=compat.static_int(K),
-        NUM_PROGRAMS=gg.num_programs(device, None, 4), BLOCK_L=block_l, BLOCK_D=block_d)
+        choices, input_nodes=inputs, layout=layout, num_stages=1, num_warps=4, K=K,
+        WEIGHTED=topk_weights is not None, NUM_PROGRAMS=gg.num_programs(device, None, 4), BLOCK_L=block_l,
+        BLOCK_D=block_d)
     return compat.select_algorithm("moeblaze_combine", choices, inputs, layout)
+
+
+def combined_rows(kind, a, b, offsets, token_index_map, num_tokens, transposed, out_dim, topk_weights=None,
+                  bias=None):
+    """``combine`` of the routed rows A_r @ B_e (+ bias_e), made one column slab at a time
+    (``settings.column_slab``, as the eager kernels make their [L*K, d] scratch): the
+    forward's down projection (A = act(h)) and backward's dX (A = dH). ``out_dim`` is the
+    dimension of B that holds the output columns."""
+    slabs = []
+    for c0, c1 in column_slabs(compat.static_int(b.get_size()[out_dim])):
+        w = compat.slice_view(b, out_dim, c0, c1)
+        bias_slab = compat.slice_view(bias, 1, c0, c1) if bias is not None else None
+        rows = row_gemm(kind, a, w, None, offsets, bias_slab, transposed, a.get_size()[0])
+        slabs.append(combine(rows, token_index_map, offsets, num_tokens, topk_weights))
+    return slabs[0] if len(slabs) == 1 else compat.concat(slabs, 1)
 
 
 # --------------------------------------------------------------------------- the lowerings
@@ -198,19 +223,33 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         return compat.fallback(_ops.expert_down.default, h, w_down, expert_token_indices, expert_offsets,
                                token_index_map, topk_weights, b_down, activation, transposed, interleaved,
                                alpha, limit)
-    _, a_dim, b_dim = w_down.get_size()
-    d, I = (b_dim, a_dim) if transposed else (a_dim, b_dim)
-    a = activation_pass(h, I, activation_code(activation), interleaved, alpha, limit)
-    slabs = []
-    for c0, c1 in column_slabs(compat.static_int(d)):
-        w = compat.slice_view(w_down, 2 if transposed else 1, c0, c1)
-        b = compat.slice_view(b_down, 1, c0, c1) if b_down is not None else None
-        rows = row_gemm("down", a, w, None, expert_offsets, b, transposed, h.get_size()[0])
-        slabs.append(combine(rows, token_index_map, topk_weights, expert_offsets))
-    return slabs[0] if len(slabs) == 1 else compat.concat(slabs, 1)
+    out_dim = 2 if transposed else 1  # w_down is [E, d, I], or [E, I, d] when transposed
+    a = activation_pass(h, w_down.get_size()[3 - out_dim], activation_code(activation), interleaved, alpha, limit)
+    return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],
+                         transposed, out_dim, topk_weights, b_down)
 
 
-# --------------------------------------------------------------------------- backward: dH over h
+# --------------------------------------------------------------------------- backward
+
+
+@compat.register_lowering(_ops.expert_up_backward.default, type_promotion_kind=None)
+def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, has_bias,
+                       transposed, need_input_grad=True, need_weight_grad=True):
+    """grad_x as templates where ``settings.backward_templates`` has "dx": each routed row's
+    dH @ W_e (the up weight read the other way round: ``row_gemm`` with the layout
+    flipped), each token's K rows summed with unit weights (``combine``), in column slabs.
+    The weight gradients stay the op's kernels (Gluon on Hopper), called for them alone."""
+    args = (grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, has_bias, transposed)
+    if not (need_input_grad and "dx" in settings.current().backward_templates
+            and _templates_apply(x, index_positions=(3, 4)) and compat.static_int(x.get_size()[0]) != 0):
+        return compat.fallback(_ops.expert_up_backward.default, *args, need_input_grad, need_weight_grad)
+    out_dim = 1 if transposed else 2  # the d of w_gate_up [E, N, d], or of [E, d, N] when transposed
+    grad_x = combined_rows("dx", compat.contiguous(grad_h), w_gate_up, expert_offsets, token_index_map,
+                           x.get_size()[0], not transposed, out_dim)
+    _, grad_w, grad_b = compat.fallback(_ops.expert_up_backward.default, *args, False, need_weight_grad)
+    return grad_x, grad_w, grad_b
+
+
 
 
 def _donated_and_last_use(node, position) -> bool:

@@ -3,10 +3,12 @@ kernels' own ``@triton.jit`` tile functions, ending in Inductor's ``store_output
 
 - ``row_gemm``: out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e), one tile at a time from
   ``triton_experts.gathered_gemm_tile``: the up projection (A rows gathered from x) and
-  the down projection (A = act(h), in expert order).
+  the down projection (A = act(h), in expert order), and the dX rows of backward (A =
+  dH, B the up projection's weight read the other way round).
 - ``activation``: a = act(h), from ``grouped_gemm.load_h_pair`` and ``activate``.
 - ``combine``: out[i] = sum_k w[i, k] * rows[token_index_map[i*K + k]] in the order
-  k = 0..K-1, from ``triton_combine.combine_tile``.
+  k = 0..K-1, from ``triton_combine.combine_tile``; unit weights without ``WEIGHTED``
+  (the input gradient's sum of each token's dX rows).
 
 ``store_output`` is where Inductor fuses the pointwise consumers of the output (a residual
 add, a scale, a cast) into the kernel's epilogue. Every template runs ``NUM_PROGRAMS``
@@ -89,7 +91,8 @@ from moeblaze_ops.kernels.triton_activations import activate
 _COMBINE = r"""
 from moeblaze_ops.kernels.triton_combine import combine_tile
 
-{{def_kernel("rows_ptr", "tim_ptr", "weights_ptr", "offsets_ptr")}}
+{%- set inputs = ["rows_ptr", "tim_ptr"] + (["weights_ptr"] if WEIGHTED else []) + ["offsets_ptr"] %}
+{{def_kernel(*inputs)}}
     L = {{size(None, 0)}}
     D = {{size(None, 1)}}
     E = {{size("offsets_ptr", 0)}} - 1
@@ -100,9 +103,9 @@ from moeblaze_ops.kernels.triton_combine import combine_tile
         cols = (tile % d_tiles) * BLOCK_D + tl.arange(0, BLOCK_D)
         tmask = toks < L
         cmask = cols < D
-        acc = combine_tile(rows_ptr, tim_ptr, weights_ptr, real_rows, toks, tmask, cols, cmask,
-                           {{stride("rows_ptr", 0)}}, {{stride("weights_ptr", 0)}}, {{stride("weights_ptr", 1)}}, K,
-                           True)
+        acc = combine_tile(rows_ptr, tim_ptr, {{"weights_ptr" if WEIGHTED else "None"}}, real_rows, toks, tmask, cols,
+                           cmask, {{stride("rows_ptr", 0)}}, {{stride("weights_ptr", 0) if WEIGHTED else 0}},
+                           {{stride("weights_ptr", 1) if WEIGHTED else 0}}, K, WEIGHTED)
         idx_m = toks.to(INDEX_DTYPE)[:, None]
         idx_n = cols[None, :]
         mask = tmask[:, None] & cmask[None, :]

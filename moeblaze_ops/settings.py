@@ -42,6 +42,7 @@ __all__ = [
     "KernelSettings",
     "GEMM_KINDS",
     "GLUON_KINDS",
+    "BACKWARD_TEMPLATE_KINDS",
     "TILE_TABLE",
     "current",
     "override",
@@ -53,6 +54,8 @@ __all__ = [
 GEMM_KINDS = ("up", "down", "dh", "dx", "wgrad_down", "wgrad_up")
 #: The kinds that have a Gluon kernel for Hopper besides their ``tl`` one.
 GLUON_KINDS = ("up", "down", "dx", "wgrad_down", "wgrad_up")
+#: The parts of the backward that compiled graphs can run as Inductor templates.
+BACKWARD_TEMPLATE_KINDS = ("dx",)
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,11 @@ class KernelSettings:
         dispatch_sorted_min_bins: dispatch ranks rows by sorted chunks from this many
             bins (E rounded up to a power of two); None: always by one-hot tiles.
         dispatch_sort_chunk: rows per sorted chunk.
+        backward_templates: the parts of the backward (of ``BACKWARD_TEMPLATE_KINDS``)
+            that compiled graphs run as Inductor templates instead of the ops' kernels:
+            "dx", the input gradient of the up projection (a ``row_gemm`` on dH and an
+            unweighted ``combine``, as the forward's down projection and combine). Empty
+            by default until measured on the GPU (docs/perf-notes.md).
     """
 
     backend: str = "auto"
@@ -145,6 +153,7 @@ class KernelSettings:
     column_slab: Optional[int] = 512
     dispatch_sorted_min_bins: Optional[int] = 128
     dispatch_sort_chunk: int = 1024
+    backward_templates: frozenset = frozenset()
 
     def __post_init__(self):
         if self.backend not in ("auto", "triton", "torch"):
@@ -161,6 +170,11 @@ class KernelSettings:
             raise ValueError(f"moeblaze settings: gluon has GEMM kinds without a Gluon kernel "
                              f"{sorted(self.gluon - set(GLUON_KINDS))}; "
                              f"those with one: {GLUON_KINDS}")
+        object.__setattr__(self, "backward_templates", frozenset(self.backward_templates))
+        if not self.backward_templates <= set(BACKWARD_TEMPLATE_KINDS):
+            raise ValueError(f"moeblaze settings: backward_templates has unknown parts "
+                             f"{sorted(self.backward_templates - set(BACKWARD_TEMPLATE_KINDS))}; "
+                             f"known: {BACKWARD_TEMPLATE_KINDS}")
         if self.column_slab is not None and self.column_slab < 1:
             raise ValueError(f"moeblaze settings: column_slab must be positive or None, got {self.column_slab}")
         if self.dispatch_sort_chunk < 16 or self.dispatch_sort_chunk & (self.dispatch_sort_chunk - 1):

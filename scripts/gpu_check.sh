@@ -10,6 +10,7 @@
 # machine's torch (a compatibility check, 3 more minutes); PROFILE=1 adds
 # scripts/profile_step.py (kernel and host time per step) into $OUT/profile.txt;
 # GPU_TEST_WORKERS=<n> sets the pytest-xdist processes (6; one GPU is shared);
+# BACKWARD_TEMPLATES=1 adds a compiled train run with settings.backward_templates={'dx'};
 # SWITCHES=1 measures the other side of each tuning switch (log only); EP=1 adds the
 # expert-parallel GPU tests and benchmark (2 GPUs: kind nvidia-h200-x2) into $OUT/ep/. Test
 # packages missing on the machine are installed from wheels in .whl/ when the call carries them.
@@ -67,6 +68,14 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   echo "== bench train" | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train" --skip hf_eager moeblaze_recompute_compiled \
     --configs qwen3_100m olmoe qwen3_a3b conf3 conf4 mixtral "$@" 2>>"$LOG" | tee -a "$LOG"
+fi
+if [ "${BACKWARD_TEMPLATES:-0}" = 1 ]; then
+  # The compiled backward with grad_x as templates (settings.backward_templates), against
+  # the same run's moeblaze_compiled rows above (the op's kernels).
+  echo "== train, compiled, backward_templates={'dx'}" | tee -a "$LOG"
+  python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train_dx_template" \
+    --skip hf_eager hf_grouped_mm moeblaze moeblaze_recompute moeblaze_recompute_compiled sonicmoe \
+    --set "backward_templates={'dx'}" --configs qwen3_100m olmoe mixtral 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${SWITCHES:-0}" = 1 ]; then
   # The other side of each tuning switch (docs/perf-notes.md), to compare with the
