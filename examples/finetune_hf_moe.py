@@ -6,6 +6,8 @@ experts run by moeblaze (or any other experts backend, side by side).
     python examples/finetune_hf_moe.py --family gpt_oss --size small --compile
     python examples/finetune_hf_moe.py --size 100m --device cuda --dtype bfloat16 --compile \\
         --experts-implementation moeblaze grouped_mm --steps 50
+    python examples/finetune_hf_moe.py --size 100m --device cuda --dtype bfloat16 --compile reduce-overhead \\
+        --experts-implementation moeblaze grouped_mm --steps 50
 
 Every backend starts from the same weights and sees the same batches; the script prints
 each one's loss curve, tokens/s and peak memory (CUDA), so they can be compared in one run.
@@ -37,6 +39,10 @@ SIZES = {
 }
 
 
+#: ``torch.compile`` modes ``--compile`` takes.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+
+
 def batches(steps, batch, seq, vocab, seed, corpus_size=64):
     """Batches drawn from a fixed corpus of random sequences: a small model memorises it,
     so the loss falls within a few dozen steps."""
@@ -60,7 +66,7 @@ def train(args, impl, initial_state):
     if args.compile:
         with torch.no_grad():  # transformers installs its output hooks on the first call
             model(torch.zeros(1, 8, dtype=torch.long, device=args.device))
-        run = torch.compile(model, fullgraph=True)
+        run = torch.compile(model, fullgraph=True, mode=args.compile)
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     losses, tokens, t0 = [], 0, None
@@ -71,6 +77,9 @@ def train(args, impl, initial_state):
                 torch.cuda.synchronize()
             t0, tokens = time.perf_counter(), 0
         ids = ids.to(args.device)
+        if args.compile == "reduce-overhead":
+            # A new step: the CUDA graphs may overwrite the previous step's outputs now.
+            torch.compiler.cudagraph_mark_step_begin()
         loss = run(ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -145,7 +154,10 @@ def build_parser():
     p.add_argument("--seq", type=_positive_int, default=64, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the synthetic batches")
-    p.add_argument("--compile", action="store_true", help="train torch.compile(model, fullgraph=True)")
+    p.add_argument("--compile", nargs="?", const="default", choices=COMPILE_MODES, metavar="MODE",
+                   help="train torch.compile(model, fullgraph=True, mode=MODE); MODE is one of "
+                        f"{', '.join(COMPILE_MODES)} (default when the flag has none; reduce-overhead "
+                        "replays CUDA graphs)")
     p.add_argument("--experts-implementation", nargs="+", default=["moeblaze"], choices=backends,
                    metavar="IMPL",
                    help=f"one or more experts backends, each trained from the same start: {', '.join(backends)} "
@@ -172,7 +184,8 @@ def main(argv=None):
     initial_state = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype)).state_dict()
     n_params = sum(t.numel() for t in initial_state.values())
     print(f"{args.family} ({args.size}, {n_params / 1e6:.1f}M parameters), {args.steps} steps of "
-          f"{args.batch}x{args.seq} tokens on {args.device}, {args.dtype}{', compiled' if args.compile else ''}")
+          f"{args.batch}x{args.seq} tokens on {args.device}, {args.dtype}"
+          f"{f', compiled ({args.compile})' if args.compile else ''}")
     results = {impl: train(args, impl, initial_state) for impl in args.experts_implementation}
     every = max(1, args.steps // 10)
     print("step  " + "  ".join(f"{impl:>12}" for impl in results))

@@ -10,6 +10,7 @@
 # machine's torch (a compatibility check, 3 more minutes); PROFILE=1 adds
 # scripts/profile_step.py (kernel and host time per step) into $OUT/profile.txt;
 # GPU_TEST_WORKERS=<n> sets the pytest-xdist processes (6; one GPU is shared);
+# EXAMPLE=1 adds the 100M example (eager, compiled, reduce-overhead; moeblaze and grouped_mm);
 # BACKWARD_TEMPLATES=1 adds a compiled train run with settings.backward_templates={'dx'};
 # SWITCHES=1 measures the other side of each tuning switch (log only); EP=1 adds the
 # expert-parallel GPU tests and benchmark (2 GPUs: kind nvidia-h200-x2) into $OUT/ep/. Test
@@ -68,6 +69,15 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   echo "== bench train" | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train" --skip hf_eager moeblaze_recompute_compiled \
     --configs qwen3_100m olmoe qwen3_a3b conf3 conf4 mixtral "$@" 2>>"$LOG" | tee -a "$LOG"
+fi
+if [ "${EXAMPLE:-0}" = 1 ]; then
+  # The 100M example (8 MoE layers), moeblaze against grouped_mm: eager, compiled, and
+  # compiled with CUDA graphs.
+  for mode in "" "--compile" "--compile reduce-overhead"; do
+    echo "== 100M example ${mode:-eager}" | tee -a "$LOG"
+    python3 examples/finetune_hf_moe.py --size 100m --device cuda --dtype bfloat16 --steps 40 --warmup 10 $mode \
+      --experts-implementation moeblaze grouped_mm 2>>"$LOG" | grep -E "parameters|tokens/s" | tee -a "$LOG"
+  done
 fi
 if [ "${BACKWARD_TEMPLATES:-0}" = 1 ]; then
   # The compiled backward with grad_x as templates (settings.backward_templates), against

@@ -143,9 +143,16 @@ def test_finetune_one_step_without_warmup(capsys):
     (["--warmup", "-1"], "argument --warmup: must be at least 0"),
     (["--experts-implementation", "moeblaze", "nope"], "argument --experts-implementation: invalid choice: 'nope'"),
     (["--device", "nonsense"], "argument --device: 'nonsense' is not a torch device"),
+    (["--compile", "fast"], "argument --compile: invalid choice: 'fast'"),
 ])
 def test_finetune_rejects_bad_flags(capsys, argv, message):
     assert message in argparse_error(capsys, example("finetune_hf_moe").main, argv)
+
+
+@pytest.mark.parametrize("argv,mode", [([], None), (["--compile"], "default"),
+                                       (["--compile", "reduce-overhead", "--steps", "4"], "reduce-overhead")])
+def test_finetune_compile_flag_takes_a_mode(argv, mode):
+    assert example("finetune_hf_moe").parse_args(argv).compile == mode
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
