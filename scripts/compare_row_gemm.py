@@ -1,6 +1,6 @@
 """Times the row GEMMs (up: gathered x @ W_gate_up; down: act(h) @ W_down; dx: dH @ W_gate_up^T)
-through the
-Gluon kernel and the portable ``tl`` kernel on the same inputs, and checks they agree.
+through the Gluon kernels (the warp-specialised one where A is not gathered, and the other)
+and the portable ``tl`` kernel on the same inputs, and checks they agree with ``tl``.
 
     python3 scripts/compare_row_gemm.py [--configs olmoe mixtral]
 """
@@ -10,6 +10,7 @@ import argparse
 import torch
 import triton.testing
 
+from moeblaze_ops import settings
 from moeblaze_ops.bench.configs import CONFIGS, make_inputs
 from moeblaze_ops.kernels import gluon_row_gemm, triton_experts
 from moeblaze_ops.testing import rel_err
@@ -19,8 +20,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="*", default=["olmoe", "mixtral"], choices=sorted(CONFIGS))
     args = parser.parse_args()
-    print("| config | GEMM | gluon ms | TFLOP/s | tl ms | TFLOP/s | rel diff |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| config | GEMM | kernel | ms | TFLOP/s | rel diff to tl |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name in args.configs:
         T, d, I, E, K = CONFIGS[name]
         x, ids, _, w_gate_up, w_down = make_inputs(T, d, I, E, K)
@@ -31,17 +32,23 @@ def main():
         for kind, a, row_ids, w, n, transposed in (("up", x, eti, w_gate_up, 2 * I, False),
                                                    ("down", act, None, w_down, d, False),
                                                    ("dx", grad_h, None, w_gate_up, d, True)):
-            outs, times = [], []
-            for launch in (gluon_row_gemm.launch_row_gemm, triton_experts.launch_gathered_gemm):
-                out = torch.empty(LK, n, device="cuda", dtype=x.dtype)
-                extra = () if launch is gluon_row_gemm.launch_row_gemm else (kind,)
-                run = lambda: launch(a, row_ids, w, None, offsets, out, transposed, *extra)  # noqa: E731
-                times.append(triton.testing.do_bench(run, warmup=10, rep=50))
-                outs.append(out)
-            flops = 2 * LK * n * a.shape[1]
-            print(f"| {name} | {kind} | {times[0]:.3f} | {flops / times[0] / 1e9:.0f} | {times[1]:.3f} | "
-                  f"{flops / times[1] / 1e9:.0f} | {rel_err(outs[0], outs[1].double()):.1e} |")
+            def gluon(out, warp_specialize):
+                with settings.override(gluon_warp_specialize=warp_specialize):
+                    gluon_row_gemm.launch_row_gemm(a, row_ids, w, None, offsets, out, transposed)
 
+            kernels = {"tl": lambda out: triton_experts.launch_gathered_gemm(a, row_ids, w, None, offsets, out,
+                                                                             transposed, kind),
+                       "gluon": lambda out: gluon(out, False)}
+            if row_ids is None:
+                kernels["gluon_ws"] = lambda out: gluon(out, True)
+            flops = 2 * LK * n * a.shape[1]
+            reference = None
+            for label, launch in kernels.items():
+                out = torch.empty(LK, n, device="cuda", dtype=x.dtype)
+                ms = triton.testing.do_bench(lambda: launch(out), warmup=10, rep=50)
+                reference = out.double() if reference is None else reference
+                print(f"| {name} | {kind} | {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | "
+                      f"{rel_err(out, reference):.1e} |")
 
 if __name__ == "__main__":
     main()

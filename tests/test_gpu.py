@@ -252,7 +252,8 @@ def test_weight_tma(layout, on, seed, triton_bwd):
 @pytest.mark.parametrize("choice", [{"activation_pass": False, "h_tma": True}, {"activation_pass": False, "h_tma": False},
                                     {"activation_pass": True}, {"fast_activation": True},
                                     {"fast_activation": False}, {"gluon": ("wgrad_down", "wgrad_up")},
-                                    {"gluon": settings.GLUON_KINDS}, {"gluon": ()}], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+                                    {"gluon": settings.GLUON_KINDS},
+                                    {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": False}, {"gluon": ()}], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("activation,layout", [("swiglu", "interleaved"), ("clamped_swiglu", "transposed"),
                                                ("silu", "concatenated")])
 def test_kernel_choices(choice, activation, layout, seed, triton_bwd):

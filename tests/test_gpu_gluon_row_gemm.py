@@ -1,11 +1,13 @@
 """The Gluon row GEMM (``kernels.gluon_row_gemm``) on the GPU: every routed row against a float64
 reference, over ragged, empty and sentinel-only experts, both weight layouts, gather and
-bias or not, and column slabs (strided views)."""
+bias or not, the warp-specialised kernel (A not gathered) and the other, and column slabs
+(strided views)."""
 
 import pytest
 import torch
 
 from conftest import rel_err
+from moeblaze_ops import settings
 from moeblaze_ops.layouts import expert_matrix, out_feature_slice
 
 
@@ -24,7 +26,9 @@ def _expert_rows(counts, sentinels, device):
 @pytest.mark.skipif(not _hopper(), reason="needs a capability 9 GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("transposed", [False, True], ids=["k_contiguous", "n_contiguous"])
-@pytest.mark.parametrize("gather,bias", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("gather,bias,warp_specialize", [
+    (True, True, False), (True, False, False),  # gathered rows: the cp.async kernel alone
+    (False, True, True), (False, False, True), (False, True, False), (False, False, False)])
 @pytest.mark.parametrize("counts,sentinels,K,N", [
     ([300, 0, 1, 129, 0, 1000, 64, 0], 77, 2880, 2816),  # ragged, empty experts, sentinels
     ([0, 0, 1500, 0], 0, 2880, 2816),  # every row on one expert, no sentinel
@@ -32,7 +36,8 @@ def _expert_rows(counts, sentinels, device):
     ([37 * (i % 5) for i in range(40)], 200, 1408, 2880),  # 40 experts: GROUPS 64, K of the down projection
     ([1, 2, 3], 5, 16, 16),  # a single step, a single partial tile each
 ])
-def test_gluon_row_gemm_matches_float64(counts, sentinels, K, N, gather, bias, transposed, dtype, seed):
+def test_gluon_row_gemm_matches_float64(counts, sentinels, K, N, gather, bias, warp_specialize, transposed, dtype,
+                                        seed):
     from moeblaze_ops.kernels import gluon_row_gemm
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -49,7 +54,8 @@ def test_gluon_row_gemm_matches_float64(counts, sentinels, K, N, gather, bias, t
     out = torch.full((LK, N), float("nan"), device="cuda", dtype=dtype)  # unwritten rows show
     assert gluon_row_gemm.applies(a, w, out, transposed)
 
-    gluon_row_gemm.launch_row_gemm(a, a_row_ids, w, b, offsets, out, transposed)
+    with settings.override(gluon_warp_specialize=warp_specialize):
+        gluon_row_gemm.launch_row_gemm(a, a_row_ids, w, b, offsets, out, transposed)
     torch.cuda.synchronize()
 
     rows = a[a_row_ids.long()] if gather else a
@@ -68,8 +74,9 @@ def test_gluon_row_gemm_matches_float64(counts, sentinels, K, N, gather, bias, t
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a capability 9 GPU")
+@pytest.mark.parametrize("warp_specialize", [True, False])
 @pytest.mark.parametrize("transposed", [False, True], ids=["k_contiguous", "n_contiguous"])
-def test_gluon_row_gemm_column_slab(transposed, seed):
+def test_gluon_row_gemm_column_slab(transposed, warp_specialize, seed):
     """A column slab of the weights into a column slab of the output (as the down
     projection's ``column_slab`` runs it): strided views, same result."""
     from moeblaze_ops.kernels import gluon_row_gemm
@@ -86,7 +93,8 @@ def test_gluon_row_gemm_column_slab(transposed, seed):
     w_slab, b_slab, out_slab = out_feature_slice(w, c0, c1, transposed), b[:, c0:c1], out[:, c0:c1]
     assert gluon_row_gemm.applies(a, w_slab, out_slab, transposed)
 
-    gluon_row_gemm.launch_row_gemm(a, None, w_slab, b_slab, offsets, out_slab, transposed)
+    with settings.override(gluon_warp_specialize=warp_specialize):
+        gluon_row_gemm.launch_row_gemm(a, None, w_slab, b_slab, offsets, out_slab, transposed)
     torch.cuda.synchronize()
 
     bounds = offsets.tolist()

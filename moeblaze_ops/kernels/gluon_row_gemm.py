@@ -12,6 +12,11 @@ shared-memory slots, while the tensor cores run the previous steps' asynchronous
 ``warpgroup_mma``. The copies run ahead across tile boundaries: the next tile's first steps
 land while this tile's epilogue stores.
 
+Where A is not gathered (the down projection on the activation pass's output, dX on dH)
+and ``settings.gluon_warp_specialize`` is on, ``_row_gemm_ws_kernel`` runs instead: one
+warp copies both operands by TMA (A from a 2-D descriptor at the tile's first row) and the
+MMA warpgroups only wait, multiply and store.
+
 Applies to 16-bit CUDA tensors on capability 9 whose K, N and row strides are multiples of
 16 elements (the 16-byte copies must not straddle a mask edge) and whose weight TMA can
 read (one of K, N contiguous, the other strides 16-byte aligned); everything else takes
@@ -29,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..layouts import linear_dims, linear_strides
+from .. import settings
 from ..settings import GemmTile
 from . import grouped_gemm as gg
 from .gluon_common import async_load, copy_layout, cta_barrier, on_hopper, tma_load, wgmma_acc_layout
@@ -36,6 +42,9 @@ from .gluon_common import async_load, copy_layout, cta_barrier, on_hopper, tma_l
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 of K per
 #: step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
 TILE = GemmTile(128, 256, 64, 8, 4)
+#: Registers per thread of the warp-specialised kernel's copy warp (it holds a schedule
+#: and a few indices); the MMA warpgroups get the rest.
+PRODUCER_REGS = 40
 
 
 @gluon.constexpr_function
@@ -209,6 +218,113 @@ def _row_gemm_kernel(
     cp.wait_group(0)
 
 
+# --------------------------------------------------------------------------- warp-specialised, A by TMA
+
+
+@gluon.jit
+def _ws_producer(a_desc, b_desc, offsets_ptr, a_ring, b_ring, ready, empty, LK, E, N, K,
+                 B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 BLOCK_K: gl.constexpr):
+    """The copy warp: for every step of this program's expert tiles (the schedule of
+    ``_row_tile``), waits until the MMA has released the step's ring slot, then starts the
+    TMA copies of its A tile (the rows from the tile's first; those past the expert's end
+    are computed and not stored) and B tile into it."""
+    NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
+    tile_end = _tile_ends(offsets_ptr, E, LK, BLOCK_M, GROUPS, 1)
+    n_tiles = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    total = gl.reduce(tile_end, 0, _max) * n_tiles
+    step = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        grp, row0, _, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N)
+        if grp < E:  # the sentinel tiles copy nothing
+            for k in range(k_steps):
+                slot = step % NUM_STAGES
+                # A fresh barrier has completed no phase: the first pass over the ring waits for nothing.
+                mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                tma_load(a_desc, [row0, k * BLOCK_K], bar, a_ring.index(slot))
+                if B_KMAJOR:
+                    tma_load(b_desc, [grp, n0, k * BLOCK_K], bar, b_ring.index(slot))
+                else:
+                    tma_load(b_desc, [grp, k * BLOCK_K, n0], bar, b_ring.index(slot))
+                step += 1
+
+
+@gluon.jit
+def _ws_consumer(a_ring, b_ring, ready, empty, bias_ptr, offsets_ptr, out_ptr, LK, E, N, K, stride_bias, stride_om,
+                 HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
+    """The MMA warpgroups: for every step, wait for its copies, run the asynchronous wgmma,
+    and release the slot of the step before once its wgmma is done (one stays in flight);
+    then the bias and the masked store of the tile's rows inside the expert."""
+    NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
+    tile_end = _tile_ends(offsets_ptr, E, LK, BLOCK_M, GROUPS, num_warps)
+    n_tiles = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    total = gl.reduce(tile_end, 0, _max) * n_tiles
+    step = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        if grp < E:  # sentinel tiles store zeros
+            if HAS_BIAS:
+                bias_cols = n0 + gl.arange(0, BLOCK_N, layout=_vector_layout(num_warps))
+                bias = gl.load(bias_ptr + grp * stride_bias + bias_cols, mask=bias_cols < N, other=0.0)
+            for k in range(k_steps):
+                slot = step % NUM_STAGES
+                mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
+                if B_KMAJOR:
+                    b = b_ring.index(slot).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+                else:
+                    b = b_ring.index(slot).reshape([BLOCK_K, BLOCK_N])
+                acc = warpgroup_mma(a_ring.index(slot), b, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                cta_barrier()  # both warpgroups' wgmma of the step before are done: release its slot
+                mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k > 0)
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            cta_barrier()
+            mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES))
+            if HAS_BIAS:
+                acc += gl.convert_layout(bias.to(gl.float32), gl.SliceLayout(0, acc_layout))[None, :]
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        gl.store(out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+
+
+@gluon.jit
+def _row_gemm_ws_kernel(
+    a_desc, b_desc, bias_ptr, offsets_ptr, out_ptr,
+    LK, E, N, K,
+    stride_bias, stride_om,
+    HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """``_row_gemm_kernel`` for A rows in expert order (no gather), warp-specialised: one
+    warp copies A and B tiles by TMA into the ring, the ``num_warps`` others run the
+    wgmma and the epilogue. The ring's slots go back and forth on two mbarriers each
+    (``ready``: the copies landed; ``empty``: the MMA is done with the slot)."""
+    dtype: gl.constexpr = a_desc.dtype
+    a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize([
+        (_ws_consumer, (a_ring, b_ring, ready, empty, bias_ptr, offsets_ptr, out_ptr, LK, E, N, K, stride_bias,
+                        stride_om, HAS_BIAS, B_KMAJOR, GROUPS, BLOCK_M, BLOCK_N, BLOCK_K, num_warps)),
+        (_ws_producer, (a_desc, b_desc, offsets_ptr, a_ring, b_ring, ready, empty, LK, E, N, K, B_KMAJOR, GROUPS,
+                        BLOCK_M, BLOCK_N, BLOCK_K)),
+    ], [1], [PRODUCER_REGS])
+
+
 def _weight_view(b: torch.Tensor, transposed: bool):
     """The weight stack as TMA reads it, a view whose last dimension is contiguous: [E, N, K]
     when K is the contiguous one (``(view, True)``), else [E, K, N]; None where neither is."""
@@ -254,10 +370,19 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     gl_dtype = gl.bfloat16 if b.dtype == torch.bfloat16 else gl.float16
     b_desc = TensorDescriptor.from_tensor(view, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
     max_tiles = (triton.cdiv(LK, tile.block_m) + E + 1) * triton.cdiv(N, tile.block_n)
-    _row_gemm_kernel[(gg.num_programs(a.device, max_tiles),)](
+    grid = (gg.num_programs(a.device, max_tiles),)
+    common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=triton.next_power_of_2(E + 1),
+                  BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
+                  num_warps=tile.num_warps)
+    if a_row_ids is None and settings.current().gluon_warp_specialize:
+        a_block = [tile.block_m, tile.block_k]
+        a_desc = TensorDescriptor.from_tensor(a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl_dtype))
+        _row_gemm_ws_kernel[grid](
+            a_desc, b_desc, bias, offsets, out, LK, E, N, K, bias.stride(0) if bias is not None else 0,
+            out.stride(0), PRODUCER_REGS=PRODUCER_REGS, **common)
+        return
+    _row_gemm_kernel[grid](
         a, b_desc, bias, a_row_ids, offsets, out, LK, E, N, K,
         a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0),
-        GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None, B_KMAJOR=kmajor,
-        GROUPS=triton.next_power_of_2(E + 1), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        NUM_STAGES=tile.num_stages, num_warps=tile.num_warps,
+        GATHER_A=a_row_ids is not None, **common,
     )
