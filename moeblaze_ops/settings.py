@@ -122,9 +122,9 @@ class KernelSettings:
             CUDA tensors on capability 9 with column counts and row strides that are
             multiples of 16. The other kinds, and every other case, run the portable
             ``tl`` kernels. "wgrad_down" and "wgrad_up" have one.
-        gluon_warp_specialize: the Gluon row GEMM, where its A rows are not gathered
-            ("down" on the activation pass, "dx"), splits into a TMA copy warp and the MMA
-            warpgroups (``gluon_row_gemm._row_gemm_ws_kernel``).
+        gluon_warp_specialize: the Gluon row GEMM splits into copy warps (a TMA warp where
+            its A rows are in expert order, a cp.async warpgroup where they are gathered)
+            and the MMA warpgroups (``gluon_row_gemm._row_gemm_ws_kernel``).
         activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
             [L*K, I]) rather than computing it in its prologue.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down

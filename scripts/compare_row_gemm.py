@@ -1,5 +1,5 @@
 """Times the row GEMMs (up: gathered x @ W_gate_up; down: act(h) @ W_down; dx: dH @ W_gate_up^T)
-through the Gluon kernels (the warp-specialised one where A is not gathered, and the other)
+through the Gluon kernels (the warp-specialised one and the other)
 and the portable ``tl`` kernel on the same inputs, and checks they agree with ``tl``.
 
     python3 scripts/compare_row_gemm.py [--configs olmoe mixtral]
@@ -38,9 +38,7 @@ def main():
 
             kernels = {"tl": lambda out: triton_experts.launch_gathered_gemm(a, row_ids, w, None, offsets, out,
                                                                              transposed, kind),
-                       "gluon": lambda out: gluon(out, False)}
-            if row_ids is None:
-                kernels["gluon_ws"] = lambda out: gluon(out, True)
+                       "gluon": lambda out: gluon(out, False), "gluon_ws": lambda out: gluon(out, True)}
             flops = 2 * LK * n * a.shape[1]
             reference = None
             for label, launch in kernels.items():

@@ -93,10 +93,10 @@ if [ "${GLUON_WS:-0}" = 1 ]; then
   # and tl, then the layer with the down and dX GEMMs on it (the defaults' rows are above).
   echo "== row GEMMs: gluon_ws, gluon, tl" | tee -a "$LOG"
   python3 scripts/compare_row_gemm.py --configs olmoe mixtral 2>>"$LOG" | tee -a "$LOG"
-  echo "== train, gluon={'wgrad_down','wgrad_up','down','dx'}" | tee -a "$LOG"
+  echo "== train, gluon={'wgrad_down','wgrad_up','up','down','dx'}" | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train_gluon_ws" \
     --skip hf_eager hf_grouped_mm moeblaze_compiled moeblaze_recompute moeblaze_recompute_compiled sonicmoe \
-    --set "gluon={'wgrad_down','wgrad_up','down','dx'}" --configs olmoe mixtral 2>>"$LOG" | tee -a "$LOG"
+    --set "gluon={'wgrad_down','wgrad_up','up','down','dx'}" --configs olmoe mixtral 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${SWITCHES:-0}" = 1 ]; then
   # The other side of each tuning switch (docs/perf-notes.md), to compare with the

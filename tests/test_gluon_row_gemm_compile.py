@@ -71,34 +71,45 @@ def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, 
     assert _spill_bytes(ptx, tmp_path) == 0
 
 
-@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("gather,bias", [(True, True), (False, True), (False, False)])
 @pytest.mark.parametrize("k_contiguous", [True, False], ids=["k_contiguous", "n_contiguous"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, bias, tmp_path):
+def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gather, bias, tmp_path):
     from moeblaze_ops.kernels import gluon_row_gemm
 
     tile = gluon_row_gemm.TILE
     block = [1, tile.block_n, tile.block_k] if k_contiguous else [1, tile.block_k, tile.block_n]
-    signature = {"a_desc": _descriptor_type(dtype, [tile.block_m, tile.block_k]),
-                 "b_desc": _descriptor_type(dtype, block), "bias_ptr": f"*{dtype}", "offsets_ptr": "*i32",
-                 "out_ptr": f"*{dtype}", **{name: "i32" for name in ["LK", "E", "N", "K", "stride_bias", "stride_om"]}}
-    constexprs = dict(HAS_BIAS=bias, B_KMAJOR=k_contiguous, GROUPS=16, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                      BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PRODUCER_REGS=gluon_row_gemm.PRODUCER_REGS,
-                      num_warps=tile.num_warps)
+    warps, regs = gluon_row_gemm.PRODUCER_GATHER if gather else gluon_row_gemm.PRODUCER_TMA
+    signature = {"a_src": f"*{dtype}" if gather else _descriptor_type(dtype, [tile.block_m, tile.block_k]),
+                 "b_desc": _descriptor_type(dtype, block), "bias_ptr": f"*{dtype}", "a_row_ids_ptr": "*i32",
+                 "offsets_ptr": "*i32", "out_ptr": f"*{dtype}",
+                 **{name: "i32" for name in ["LK", "E", "N", "K", "stride_am", "stride_bias", "stride_om"]}}
+    constexprs = dict(GATHER_A=gather, HAS_BIAS=bias, B_KMAJOR=k_contiguous, GROUPS=16, BLOCK_M=tile.block_m,
+                      BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PRODUCER_WARPS=warps,
+                      PRODUCER_REGS=regs, num_warps=tile.num_warps)
+    if not gather:
+        constexprs["a_row_ids_ptr"] = None
     if not bias:
         constexprs["bias_ptr"] = None
-    aligned = ["bias_ptr", "offsets_ptr", "out_ptr", "N", "K", "stride_bias", "stride_om"]
+    aligned = ["a_src", "bias_ptr", "a_row_ids_ptr", "offsets_ptr", "out_ptr", "N", "K", "stride_am", "stride_bias",
+               "stride_om"]
     try:
         kernel = _compile_for_hopper(gluon_row_gemm._row_gemm_ws_kernel, signature, constexprs, tile.num_warps,
-                                     aligned=[name for name in aligned if name not in constexprs])
+                                     aligned=[name for name in aligned if name not in constexprs
+                                              and not (name == "a_src" and not gather)])
     except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
         pytest.skip(f"no ptxas: {error}")
     ptx = kernel.asm["ptx"]
-    # Both operands by TMA (A from a 2-D descriptor, B from the 3-D one), no cp.async, the
-    # copy warp's registers cut back and the MMA warpgroups' raised, asynchronous wgmma.
-    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
+    # A gathered by 16-byte cp.async, each copy thread arriving on the slot's barrier when
+    # they land, or by TMA from a 2-D descriptor; B by TMA from the 3-D one; the copy
+    # warps' registers cut back and the MMA warpgroups' raised; asynchronous wgmma.
+    if gather:
+        assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
+        assert re.search(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)
+    else:
+        assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
+        assert "cp.async.cg" not in ptx
     assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
-    assert "cp.async.cg" not in ptx
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx)
     ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)

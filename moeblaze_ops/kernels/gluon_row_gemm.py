@@ -12,9 +12,9 @@ shared-memory slots, while the tensor cores run the previous steps' asynchronous
 ``warpgroup_mma``. The copies run ahead across tile boundaries: the next tile's first steps
 land while this tile's epilogue stores.
 
-Where A is not gathered (the down projection on the activation pass's output, dX on dH)
-and ``settings.gluon_warp_specialize`` is on, ``_row_gemm_ws_kernel`` runs instead: one
-warp copies both operands by TMA (A from a 2-D descriptor at the tile's first row) and the
+With ``settings.gluon_warp_specialize`` on, ``_row_gemm_ws_kernel`` runs instead: copy
+warps fill the ring (A by TMA from a 2-D descriptor at the tile's first row where its rows
+are in expert order, by a warpgroup's cp.async where they are gathered; B by TMA) and the
 MMA warpgroups only wait, multiply and store.
 
 Applies to 16-bit CUDA tensors on capability 9 whose K, N and row strides are multiples of
@@ -42,9 +42,11 @@ from .gluon_common import async_load, copy_layout, cta_barrier, on_hopper, tma_l
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 of K per
 #: step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
 TILE = GemmTile(128, 256, 64, 8, 4)
-#: Registers per thread of the warp-specialised kernel's copy warp (it holds a schedule
-#: and a few indices); the MMA warpgroups get the rest.
-PRODUCER_REGS = 40
+#: (warps, registers per thread) of the warp-specialised kernel's copy warps: one warp
+#: issuing TMA copies, or a warpgroup whose threads each copy 16-byte pieces of gathered
+#: rows (and hold their offsets); the MMA warpgroups get the rest of the register file.
+PRODUCER_TMA = (1, 40)
+PRODUCER_GATHER = (4, 88)
 
 
 @gluon.constexpr_function
@@ -218,33 +220,46 @@ def _row_gemm_kernel(
     cp.wait_group(0)
 
 
-# --------------------------------------------------------------------------- warp-specialised, A by TMA
+# --------------------------------------------------------------------------- warp-specialised
 
 
 @gluon.jit
-def _ws_producer(a_desc, b_desc, offsets_ptr, a_ring, b_ring, ready, empty, LK, E, N, K,
-                 B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_K: gl.constexpr):
-    """The copy warp: for every step of this program's expert tiles (the schedule of
-    ``_row_tile``), waits until the MMA has released the step's ring slot, then starts the
-    TMA copies of its A tile (the rows from the tile's first; those past the expert's end
-    are computed and not stored) and B tile into it."""
+def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, N, K,
+                 stride_am, GATHER_A: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr):
+    """The copy warps: for every step of this program's expert tiles (the schedule of
+    ``_row_tile``), wait until the MMA has released the step's ring slot, then start the
+    copies of its A and B tiles into it. B always by TMA; A by TMA from a 2-D descriptor at
+    the tile's first row (rows past the expert's end are multiplied and not stored), or,
+    gathered, by every copy thread's 16-byte cp.async, each thread arriving on the slot's
+    ``a_ready`` once its copies have landed."""
     NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
-    tile_end = _tile_ends(offsets_ptr, E, LK, BLOCK_M, GROUPS, 1)
+    tile_end = _tile_ends(offsets_ptr, E, LK, BLOCK_M, GROUPS, WARPS)
     n_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     total = gl.reduce(tile_end, 0, _max) * n_tiles
     step = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-        grp, row0, _, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N)
+        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N)
         if grp < E:  # the sentinel tiles copy nothing
+            if GATHER_A:
+                layout: gl.constexpr = copy_layout(BLOCK_K, WARPS)
+                rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+                offs = _row_offsets(a_row_ids_ptr, row0, row_end, stride_am, True, BLOCK_M, BLOCK_K, WARPS)
             for k in range(k_steps):
                 slot = step % NUM_STAGES
                 # A fresh barrier has completed no phase: the first pass over the ring waits for nothing.
                 mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
-                bar = ready.index(slot)
-                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma_load(a_desc, [row0, k * BLOCK_K], bar, a_ring.index(slot))
+                if GATHER_A:
+                    ks = k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+                    async_load(a_ring.index(slot), a_src + offs[:, None] + ks[None, :],
+                               mask=(rows < row_end)[:, None] & (ks < K)[None, :])
+                    cp.mbarrier_arrive(a_ready.index(slot), increment_count=False)
+                else:
+                    mbarrier.expect(a_ready.index(slot), a_src.block_type.nbytes)
+                    tma_load(a_src, [row0, k * BLOCK_K], a_ready.index(slot), a_ring.index(slot))
+                bar = b_ready.index(slot)
+                mbarrier.expect(bar, b_desc.block_type.nbytes)
                 if B_KMAJOR:
                     tma_load(b_desc, [grp, n0, k * BLOCK_K], bar, b_ring.index(slot))
                 else:
@@ -253,9 +268,10 @@ def _ws_producer(a_desc, b_desc, offsets_ptr, a_ring, b_ring, ready, empty, LK, 
 
 
 @gluon.jit
-def _ws_consumer(a_ring, b_ring, ready, empty, bias_ptr, offsets_ptr, out_ptr, LK, E, N, K, stride_bias, stride_om,
-                 HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
+def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, LK, E, N, K, stride_bias,
+                 stride_om, GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr,
+                 GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 num_warps: gl.constexpr):
     """The MMA warpgroups: for every step, wait for its copies, run the asynchronous wgmma,
     and release the slot of the step before once its wgmma is done (one stays in flight);
     then the bias and the masked store of the tile's rows inside the expert."""
@@ -275,7 +291,11 @@ def _ws_consumer(a_ring, b_ring, ready, empty, bias_ptr, offsets_ptr, out_ptr, L
                 bias = gl.load(bias_ptr + grp * stride_bias + bias_cols, mask=bias_cols < N, other=0.0)
             for k in range(k_steps):
                 slot = step % NUM_STAGES
-                mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
+                phase = (step // NUM_STAGES) & 1
+                mbarrier.wait(a_ready.index(slot), phase)
+                mbarrier.wait(b_ready.index(slot), phase)
+                if GATHER_A:
+                    fence_async_shared()  # cp.async wrote A through the generic proxy; wgmma reads through the async one
                 if B_KMAJOR:
                     b = b_ring.index(slot).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
                 else:
@@ -298,31 +318,37 @@ def _ws_consumer(a_ring, b_ring, ready, empty, bias_ptr, offsets_ptr, out_ptr, L
 
 @gluon.jit
 def _row_gemm_ws_kernel(
-    a_desc, b_desc, bias_ptr, offsets_ptr, out_ptr,
+    a_src, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr,
     LK, E, N, K,
-    stride_bias, stride_om,
-    HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
+    stride_am, stride_bias, stride_om,
+    GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """``_row_gemm_kernel`` for A rows in expert order (no gather), warp-specialised: one
-    warp copies A and B tiles by TMA into the ring, the ``num_warps`` others run the
-    wgmma and the epilogue. The ring's slots go back and forth on two mbarriers each
-    (``ready``: the copies landed; ``empty``: the MMA is done with the slot)."""
-    dtype: gl.constexpr = a_desc.dtype
-    a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
+    """``_row_gemm_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the A and B
+    tiles into the ring (``a_src`` a TMA descriptor of A, or A's pointer when its rows are
+    gathered), the ``num_warps`` others run the wgmma and the epilogue. Each ring slot has
+    three mbarriers: ``a_ready`` and ``b_ready`` (its copies landed) and ``empty`` (the
+    MMA is done with it)."""
+    dtype: gl.constexpr = out_ptr.dtype.element_ty
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+    a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_layout)
     b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    a_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=1)
+        # Gathered, every copy thread arrives on a_ready once its cp.async copies land.
+        mbarrier.init(a_ready.index(s), count=PRODUCER_WARPS * 32 if GATHER_A else 1)
+        mbarrier.init(b_ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
-        (_ws_consumer, (a_ring, b_ring, ready, empty, bias_ptr, offsets_ptr, out_ptr, LK, E, N, K, stride_bias,
-                        stride_om, HAS_BIAS, B_KMAJOR, GROUPS, BLOCK_M, BLOCK_N, BLOCK_K, num_warps)),
-        (_ws_producer, (a_desc, b_desc, offsets_ptr, a_ring, b_ring, ready, empty, LK, E, N, K, B_KMAJOR, GROUPS,
-                        BLOCK_M, BLOCK_N, BLOCK_K)),
-    ], [1], [PRODUCER_REGS])
+        (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, LK, E, N, K,
+                        stride_bias, stride_om, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BLOCK_M, BLOCK_N, BLOCK_K,
+                        num_warps)),
+        (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, N,
+                        K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 def _weight_view(b: torch.Tensor, transposed: bool):
@@ -374,12 +400,18 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=triton.next_power_of_2(E + 1),
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
                   num_warps=tile.num_warps)
-    if a_row_ids is None and settings.current().gluon_warp_specialize:
-        a_block = [tile.block_m, tile.block_k]
-        a_desc = TensorDescriptor.from_tensor(a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl_dtype))
+    if settings.current().gluon_warp_specialize:
+        gather = a_row_ids is not None
+        if gather:
+            a_src = a
+        else:
+            a_block = [tile.block_m, tile.block_k]
+            a_src = TensorDescriptor.from_tensor(a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl_dtype))
+        warps, regs = PRODUCER_GATHER if gather else PRODUCER_TMA
         _row_gemm_ws_kernel[grid](
-            a_desc, b_desc, bias, offsets, out, LK, E, N, K, bias.stride(0) if bias is not None else 0,
-            out.stride(0), PRODUCER_REGS=PRODUCER_REGS, **common)
+            a_src, b_desc, bias, a_row_ids, offsets, out, LK, E, N, K,
+            a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0),
+            GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **common)
         return
     _row_gemm_kernel[grid](
         a, b_desc, bias, a_row_ids, offsets, out, LK, E, N, K,
