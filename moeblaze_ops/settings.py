@@ -122,9 +122,11 @@ class KernelSettings:
             CUDA tensors on capability 9 with column counts and row strides that are
             multiples of 16. The other kinds, and every other case, run the portable
             ``tl`` kernels. "wgrad_down" and "wgrad_up" have one.
-        gluon_warp_specialize: the Gluon row GEMM splits into copy warps (a TMA warp where
-            its A rows are in expert order, a cp.async warpgroup where they are gathered)
-            and the MMA warpgroups (``gluon_row_gemm._row_gemm_ws_kernel``).
+        gluon_warp_specialize: the GEMM kinds (of ``GLUON_KINDS``) whose Gluon kernel, where
+            ``gluon`` runs it, is the warp-specialised one: copy warps fill the ring and
+            the MMA warpgroups only wait, multiply and store (``_row_gemm_ws_kernel``,
+            ``_wgrad_ws_kernel``). The weight gradients keep their other kernel until
+            the GPU has measured this one.
         activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
             [L*K, I]) rather than computing it in its prologue.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
@@ -150,7 +152,7 @@ class KernelSettings:
     h_tma: bool = True
     weight_tma: frozenset = frozenset({"up", "dh", "dx"})
     gluon: frozenset = frozenset({"wgrad_down", "wgrad_up"})
-    gluon_warp_specialize: bool = True
+    gluon_warp_specialize: frozenset = frozenset({"up", "down", "dx"})
     activation_pass: bool = True
     fast_activation: bool = True
     dh_fast_activation: bool = True
@@ -169,11 +171,12 @@ class KernelSettings:
             if not isinstance(tile, GemmTile):
                 object.__setattr__(self, "tiles", {**self.tiles, kind: GemmTile(*tile)})
         object.__setattr__(self, "weight_tma", frozenset(self.weight_tma))
-        object.__setattr__(self, "gluon", frozenset(self.gluon))
-        if not self.gluon <= set(GLUON_KINDS):
-            raise ValueError(f"moeblaze settings: gluon has GEMM kinds without a Gluon kernel "
-                             f"{sorted(self.gluon - set(GLUON_KINDS))}; "
-                             f"those with one: {GLUON_KINDS}")
+        for name in ("gluon", "gluon_warp_specialize"):
+            kinds = frozenset(getattr(self, name))
+            object.__setattr__(self, name, kinds)
+            if not kinds <= set(GLUON_KINDS):
+                raise ValueError(f"moeblaze settings: {name} has GEMM kinds without a Gluon kernel "
+                                 f"{sorted(kinds - set(GLUON_KINDS))}; those with one: {GLUON_KINDS}")
         object.__setattr__(self, "backward_templates", frozenset(self.backward_templates))
         if not self.backward_templates <= set(BACKWARD_TEMPLATE_KINDS):
             raise ValueError(f"moeblaze settings: backward_templates has unknown parts "

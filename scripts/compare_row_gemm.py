@@ -10,7 +10,6 @@ import argparse
 import torch
 import triton.testing
 
-from moeblaze_ops import settings
 from moeblaze_ops.bench.configs import CONFIGS, make_inputs
 from moeblaze_ops.kernels import gluon_row_gemm, triton_experts
 from moeblaze_ops.testing import rel_err
@@ -33,8 +32,8 @@ def main():
                                                    ("down", act, None, w_down, d, False),
                                                    ("dx", grad_h, None, w_gate_up, d, True)):
             def gluon(out, warp_specialize):
-                with settings.override(gluon_warp_specialize=warp_specialize):
-                    gluon_row_gemm.launch_row_gemm(a, row_ids, w, None, offsets, out, transposed)
+                gluon_row_gemm.launch_row_gemm(a, row_ids, w, None, offsets, out, transposed,
+                                               warp_specialize=warp_specialize)
 
             kernels = {"tl": lambda out: triton_experts.launch_gathered_gemm(a, row_ids, w, None, offsets, out,
                                                                              transposed, kind),

@@ -11,8 +11,9 @@
 # scripts/profile_step.py (kernel and host time per step) into $OUT/profile.txt;
 # GPU_TEST_WORKERS=<n> sets the pytest-xdist processes (6; one GPU is shared);
 # EXAMPLE=1 adds the 100M example (eager, compiled, reduce-overhead; moeblaze and grouped_mm);
-# GLUON_WS=1 times the warp-specialised Gluon row GEMM (scripts/compare_row_gemm.py) and
-# trains with it on the down and dX GEMMs; BACKWARD_TEMPLATES=1 adds a compiled train run with settings.backward_templates={'dx'};
+# GLUON_WS=1 times the warp-specialised Gluon kernels (scripts/compare_row_gemm.py,
+# scripts/tune_backward.py) and trains with every Gluon kernel warp-specialised;
+# BACKWARD_TEMPLATES=1 adds a compiled train run with settings.backward_templates={'dx'};
 # SWITCHES=1 measures the other side of each tuning switch (log only); EP=1 adds the
 # expert-parallel GPU tests and benchmark (2 GPUs: kind nvidia-h200-x2) into $OUT/ep/. Test
 # packages missing on the machine are installed from wheels in .whl/ when the call carries them.
@@ -89,14 +90,19 @@ if [ "${BACKWARD_TEMPLATES:-0}" = 1 ]; then
     --set "backward_templates={'dx'}" --configs qwen3_100m olmoe mixtral 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${GLUON_WS:-0}" = 1 ]; then
-  # The warp-specialised Gluon row GEMM: kernel by kernel against the other Gluon kernel
-  # and tl, then the layer with the down and dX GEMMs on it (the defaults' rows are above).
+  # The warp-specialised Gluon kernels: kernel by kernel against the other Gluon kernels
+  # and tl, then the layer with every GEMM on them (the defaults' rows are above).
   echo "== row GEMMs: gluon_ws, gluon, tl" | tee -a "$LOG"
   python3 scripts/compare_row_gemm.py --configs olmoe mixtral 2>>"$LOG" | tee -a "$LOG"
-  echo "== train, gluon={'wgrad_down','wgrad_up','up','down','dx'}" | tee -a "$LOG"
+  echo "== weight gradients: gluon warp-specialised or not, tl" | tee -a "$LOG"
+  python3 scripts/tune_backward.py --configs olmoe mixtral --kinds wgrad_down wgrad_up --tiles 128,256,64,8,4 \
+    2>>"$LOG" | tee -a "$LOG"
+  echo "== train, every Gluon kernel warp-specialised" | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train_gluon_ws" \
     --skip hf_eager hf_grouped_mm moeblaze_compiled moeblaze_recompute moeblaze_recompute_compiled sonicmoe \
-    --set "gluon={'wgrad_down','wgrad_up','up','down','dx'}" --configs olmoe mixtral 2>>"$LOG" | tee -a "$LOG"
+    --set "gluon={'wgrad_down','wgrad_up','up','down','dx'}" \
+    --set "gluon_warp_specialize={'wgrad_down','wgrad_up','up','down','dx'}" --configs olmoe mixtral \
+    2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${SWITCHES:-0}" = 1 ]; then
   # The other side of each tuning switch (docs/perf-notes.md), to compare with the

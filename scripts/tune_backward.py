@@ -1,7 +1,7 @@
 """Sweeps tile configs of the backward GEMM kernels on benchmark shapes (GPU).
 
     python scripts/tune_backward.py [--configs olmoe mixtral] [--kinds dh dx wgrad_down wgrad_up]
-        [--w-tma 0 1] [--dh-fast 0 1] [--gluon 0 1]
+        [--w-tma 0 1] [--dh-fast 0 1] [--gluon 0 1] [--ws 0 1]
 
 Each kernel is timed on its own (dh without the router-gradient reduce, dx with the
 unit-weight combine) next to a dense cuBLAS matmul of the same FLOPs: the ceiling to aim at.
@@ -89,8 +89,10 @@ def variants(kind, a):
                 for v in a.w_tma for f in a.dh_fast]
     if kind == "dx":
         return [(f"w_tma={v}", dict(weight_tma=w_tma(v))) for v in a.w_tma]
-    gluon = settings.current().gluon
-    return [(f"gluon={v}", dict(gluon=(gluon | {kind}) if v else (gluon - {kind}))) for v in a.gluon]
+    gluon, ws = settings.current().gluon, settings.current().gluon_warp_specialize
+    return [(f"gluon={v} ws={w}", dict(gluon=(gluon | {kind}) if v else (gluon - {kind}),
+                                       gluon_warp_specialize=(ws | {kind}) if w else (ws - {kind})))
+            for v in a.gluon for w in (a.ws if v else [0])]
 
 
 def main():
@@ -104,6 +106,8 @@ def main():
     p.add_argument("--dh-fast", nargs="*", type=int, default=[0, 1], help="dH epilogue with the approximate sigmoid")
     p.add_argument("--gluon", nargs="*", type=int, default=[1, 0],
                    help="weight gradients on the Gluon kernel (1) or the portable tl one (0)")
+    p.add_argument("--ws", nargs="*", type=int, default=[0, 1],
+                   help="the Gluon weight gradients warp-specialised (1) or not (0)")
     a = p.parse_args()
     for name in a.configs:
         T, d, I, E, K = CONFIGS[name]

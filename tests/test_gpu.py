@@ -253,7 +253,8 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                                     {"activation_pass": True}, {"fast_activation": True},
                                     {"fast_activation": False}, {"gluon": ("wgrad_down", "wgrad_up")},
                                     {"gluon": settings.GLUON_KINDS},
-                                    {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": False}, {"gluon": ()}], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+                                    {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": ()},
+                                    {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": settings.GLUON_KINDS}, {"gluon": ()}], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("activation,layout", [("swiglu", "interleaved"), ("clamped_swiglu", "transposed"),
                                                ("silu", "concatenated")])
 def test_kernel_choices(choice, activation, layout, seed, triton_bwd):
@@ -331,11 +332,11 @@ def test_index_arrays_checked_on_the_device(defect, seed):
 # ----------------------------------------------------------------------------- weight-gradient kernels
 
 
-@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "tl"])
+@pytest.mark.parametrize("gluon", ["gluon_ws", "gluon", "tl"])
 @pytest.mark.parametrize("P,Q,transposed_out", [(192, 2880, False), (1408, 256, True), (64, 16, False)])
 def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
-    """Both weight-gradient kernels, the Gluon one (where it applies: these shapes) and the
-    portable tl one: out[e] = A_e^T B[ids_e] against a float64 reference, with ragged and
+    """Every weight-gradient kernel, the two Gluon ones (where they apply: these shapes;
+    warp-specialised and not) and the portable tl one: out[e] = A_e^T B[ids_e] against a float64 reference, with ragged and
     empty experts, tiles that run past P and Q, a transposed output view, a poisoned
     output, and two runs bitwise equal."""
     from moeblaze_ops.kernels import gluon_wgrad
@@ -355,7 +356,8 @@ def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
         out = torch.full((E, Q, P) if transposed_out else (E, P, Q), float("nan"), device="cuda",
                          dtype=torch.bfloat16)
         view = out.transpose(1, 2) if transposed_out else out
-        with settings.override(gluon={"wgrad_up"} if gluon else set()):
+        with settings.override(gluon={"wgrad_up"} if gluon != "tl" else set(),
+                               gluon_warp_specialize={"wgrad_up"} if gluon == "gluon_ws" else set()):
             launch_wgrad(rows, gathered, ids, offsets, view, kind="wgrad_up")
         return view
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from conftest import rel_err
-from moeblaze_ops import settings
 from moeblaze_ops.layouts import expert_matrix, out_feature_slice
 
 
@@ -52,8 +51,8 @@ def test_gluon_row_gemm_matches_float64(counts, sentinels, K, N, gather, bias, w
     out = torch.full((LK, N), float("nan"), device="cuda", dtype=dtype)  # unwritten rows show
     assert gluon_row_gemm.applies(a, w, out, transposed)
 
-    with settings.override(gluon_warp_specialize=warp_specialize):
-        gluon_row_gemm.launch_row_gemm(a, a_row_ids, w, b, offsets, out, transposed)
+    gluon_row_gemm.launch_row_gemm(a, a_row_ids, w, b, offsets, out, transposed,
+                                   warp_specialize=warp_specialize)
     torch.cuda.synchronize()
 
     rows = a[a_row_ids.long()] if gather else a
@@ -91,8 +90,8 @@ def test_gluon_row_gemm_column_slab(transposed, warp_specialize, seed):
     w_slab, b_slab, out_slab = out_feature_slice(w, c0, c1, transposed), b[:, c0:c1], out[:, c0:c1]
     assert gluon_row_gemm.applies(a, w_slab, out_slab, transposed)
 
-    with settings.override(gluon_warp_specialize=warp_specialize):
-        gluon_row_gemm.launch_row_gemm(a, None, w_slab, b_slab, offsets, out_slab, transposed)
+    gluon_row_gemm.launch_row_gemm(a, None, w_slab, b_slab, offsets, out_slab, transposed,
+                                   warp_specialize=warp_specialize)
     torch.cuda.synchronize()
 
     bounds = offsets.tolist()

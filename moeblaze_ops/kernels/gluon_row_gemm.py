@@ -12,7 +12,7 @@ shared-memory slots, while the tensor cores run the previous steps' asynchronous
 ``warpgroup_mma``. The copies run ahead across tile boundaries: the next tile's first steps
 land while this tile's epilogue stores.
 
-With ``settings.gluon_warp_specialize`` on, ``_row_gemm_ws_kernel`` runs instead: copy
+Where ``settings.gluon_warp_specialize`` names the kind, ``_row_gemm_ws_kernel`` runs instead: copy
 warps fill the ring (A by TMA from a 2-D descriptor at the tile's first row where its rows
 are in expert order, by a warpgroup's cp.async where they are gathered; B by TMA) and the
 MMA warpgroups only wait, multiply and store.
@@ -34,7 +34,6 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..layouts import linear_dims, linear_strides
-from .. import settings
 from ..settings import GemmTile
 from . import grouped_gemm as gg
 from .gluon_common import async_load, copy_layout, cta_barrier, on_hopper, tma_load, wgmma_acc_layout
@@ -379,11 +378,12 @@ def applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, transposed: boo
             and a.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0)
 
 
-def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmTile = TILE):
+def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmTile = TILE,
+                    warp_specialize: bool = True):
     """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) over every routed row, B an expert
     weight stack in ``transposed`` layout (``layouts``), as
     ``triton_experts.launch_gathered_gemm``; ``tile`` is (M, N, K block, warps, stages)
-    with M = 16 * warps."""
+    with M = 16 * warps; ``warp_specialize`` picks ``_row_gemm_ws_kernel``."""
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
         raise ValueError(f"moeblaze gluon row GEMM: block_m must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")
@@ -400,7 +400,7 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=triton.next_power_of_2(E + 1),
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
                   num_warps=tile.num_warps)
-    if settings.current().gluon_warp_specialize:
+    if warp_specialize:
         gather = a_row_ids is not None
         if gather:
             a_src = a

@@ -8,7 +8,9 @@ loaded along it: each [BLOCK_R, .] tile by cp.async (16 bytes per thread, rows p
 expert's end zero-filled, B's rows gathered through ``row_ids``) into a ring of
 ``NUM_STAGES`` shared-memory slots, while the tensor cores run the previous steps'
 asynchronous ``warpgroup_mma``. A^T is the MMA's left operand as a transposed view of the
-[BLOCK_R, BLOCK_P] tile: no register transpose.
+[BLOCK_R, BLOCK_P] tile: no register transpose. ``_wgrad_ws_kernel`` is the same product
+warp-specialised: a copy warpgroup fills the ring, the MMA warpgroups only wait, multiply
+and store.
 
 Applies to 16-bit CUDA tensors on capability 9 whose column counts and row strides are
 multiples of 16 elements (the 16-byte copies must not straddle a mask edge); everything
@@ -22,7 +24,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from ..settings import GemmTile
 from . import grouped_gemm as gg
@@ -31,6 +33,9 @@ from .gluon_common import async_load, copy_layout, cta_barrier, on_hopper, wgmma
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 rows of the
 #: reduction per step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
 TILE = GemmTile(128, 256, 64, 8, 4)
+#: (warps, registers per thread) of the warp-specialised kernel's copy warpgroup (its
+#: threads each copy 16-byte pieces of both operands and hold their row offsets).
+PRODUCER = (4, 88)
 
 
 @gluon.jit
@@ -124,6 +129,104 @@ def _wgrad_kernel(
     cp.wait_group(0)
 
 
+# --------------------------------------------------------------------------- warp-specialised
+
+
+@gluon.jit
+def _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr):
+    """(expert, first P, first Q, the expert's rows [lo, hi)) of output tile ``tile``, q
+    fastest: programs side by side share their A columns and the expert's rows."""
+    p_tiles = gl.cdiv(P, BLOCK_P)
+    q_tiles = gl.cdiv(Q, BLOCK_Q)
+    e = tile // (p_tiles * q_tiles)
+    return (e, ((tile // q_tiles) % p_tiles) * BLOCK_P, (tile % q_tiles) * BLOCK_Q, gl.load(offsets_ptr + e),
+            gl.load(offsets_ptr + e + 1))
+
+
+@gluon.jit
+def _wgrad_ws_producer(rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, a_ring, b_ring, ready, empty, E, P, Q,
+                       stride_rm, stride_gm, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr,
+                       WARPS: gl.constexpr):
+    """The copy warpgroup: for every reduction step of this program's tiles, wait until
+    the MMA has released the step's ring slot, copy A and the gathered B rows into it by
+    cp.async (rows past the expert's end zero-filled), and arrive on the slot's ``ready``
+    once this thread's copies have landed."""
+    NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
+    step = 0
+    for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
+        _, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q)
+        for r0 in range(lo, hi, BLOCK_R):
+            slot = step % NUM_STAGES
+            # A fresh barrier has completed no phase: the first pass over the ring waits for nothing.
+            mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
+            _issue_step(rows_ptr, gathered_ptr, _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, WARPS),
+                        a_ring.index(slot), b_ring.index(slot), r0, hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P,
+                        BLOCK_Q, BLOCK_R, WARPS)
+            cp.mbarrier_arrive(ready.index(slot), increment_count=False)
+            step += 1
+
+
+@gluon.jit
+def _wgrad_ws_consumer(a_ring, b_ring, ready, empty, offsets_ptr, out_ptr, E, P, Q, stride_oe, stride_op, stride_oq,
+                       BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """The MMA warpgroups: for every reduction step, wait for its copies, run the
+    asynchronous wgmma on A^T (a transposed view of the slot) and B, and release the slot
+    of the step before once its wgmma is done; then store the expert's [P, Q] tile."""
+    NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_Q, num_warps)
+    step = 0
+    for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
+        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q)
+        acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
+        for r0 in range(lo, hi, BLOCK_R):
+            slot = step % NUM_STAGES
+            mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
+            fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads through the async one
+            acc = warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            cta_barrier()  # both warpgroups' wgmma of the step before are done: release its slot
+            mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=r0 > lo)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        cta_barrier()
+        mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=hi > lo)
+        ps = p0 + gl.arange(0, BLOCK_P, layout=gl.SliceLayout(1, acc_layout))
+        qs = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, acc_layout))
+        gl.store(out_ptr + e.to(gl.int64) * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq,
+                 acc.to(out_ptr.dtype.element_ty), mask=(ps < P)[:, None] & (qs < Q)[None, :])
+
+
+@gluon.jit
+def _wgrad_ws_kernel(
+    rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr,
+    E, P, Q,
+    stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
+    BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """``_wgrad_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy both operands by
+    cp.async into the ring, the ``num_warps`` others run the wgmma and store. Each ring
+    slot has two mbarriers: ``ready`` (every copy thread's copies landed) and ``empty``
+    (the MMA is done with it)."""
+    dtype: gl.constexpr = rows_ptr.dtype.element_ty
+    a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_P],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_P], dtype))
+    b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize([
+        (_wgrad_ws_consumer, (a_ring, b_ring, ready, empty, offsets_ptr, out_ptr, E, P, Q, stride_oe, stride_op,
+                              stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)),
+        (_wgrad_ws_producer, (rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, a_ring, b_ring, ready, empty, E, P,
+                              Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, PRODUCER_WARPS)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
 def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
     """Whether ``launch_wgrad`` handles these operands (else the portable kernel does)."""
     if not (rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16) and gathered.dtype == rows.dtype):
@@ -135,17 +238,22 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
             and rows.data_ptr() % 16 == 0 and gathered.data_ptr() % 16 == 0)
 
 
-def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: GemmTile = TILE):
+def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: GemmTile = TILE, warp_specialize: bool = False):
     """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring); ``tile``
-    is (P, Q, R block, warps, stages) with P = 16 * warps."""
+    is (P, Q, R block, warps, stages) with P = 16 * warps; ``warp_specialize`` picks
+    ``_wgrad_ws_kernel``."""
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
         raise ValueError(f"moeblaze gluon weight gradient: block_m must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")
     E, P, Q = grad_w_pq.shape
     tiles = E * triton.cdiv(P, tile.block_m) * triton.cdiv(Q, tile.block_n)
-    _wgrad_kernel[(gg.num_programs(rows.device, tiles),)](
-        rows, gathered, row_ids, offsets, grad_w_pq, E, P, Q,
-        rows.stride(0), gathered.stride(0), *grad_w_pq.stride(),
-        BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
-        num_warps=tile.num_warps,
-    )
+    args = (rows, gathered, row_ids, offsets, grad_w_pq, E, P, Q, rows.stride(0), gathered.stride(0),
+            *grad_w_pq.stride())
+    blocks = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
+                  num_warps=tile.num_warps)
+    grid = (gg.num_programs(rows.device, tiles),)
+    if warp_specialize:
+        warps, regs = PRODUCER
+        _wgrad_ws_kernel[grid](*args, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **blocks)
+    else:
+        _wgrad_kernel[grid](*args, **blocks)

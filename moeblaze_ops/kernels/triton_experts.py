@@ -127,8 +127,9 @@ def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
     ``settings.gluon`` names it and it applies."""
     gluon = gg.gluon_kernels(kind, a)
     if gluon is not None and gluon.applies(a, b, out, transposed):
-        gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed,
-                              settings.current().tiles.get(kind, gluon.TILE))
+        config = settings.current()
+        gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, config.tiles.get(kind, gluon.TILE),
+                              kind in config.gluon_warp_specialize)
         return
     LK, N = out.shape
     E, _, reduction = linear_dims(b, transposed)

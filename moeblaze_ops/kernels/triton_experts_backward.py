@@ -174,7 +174,9 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
     E, P, Q = grad_w_pq.shape
     gluon = gg.gluon_kernels(kind, rows)
     if gluon is not None and gluon.applies(rows, gathered):
-        gluon.launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, settings.current().tiles.get(kind, gluon.TILE))
+        config = settings.current()
+        gluon.launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, config.tiles.get(kind, gluon.TILE),
+                           kind in config.gluon_warp_specialize)
         return
     tile = gg.tile_config(kind, rows)
     tiles = E * triton.cdiv(P, tile.block_m) * triton.cdiv(Q, tile.block_n)
