@@ -110,6 +110,37 @@ def _row_offsets(a_row_ids_ptr, row0, row_end, stride_am, GATHER_A: gl.constexpr
 
 
 @gluon.jit
+def _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+    """Expert ``grp``'s bias over the tile's columns. Loaded before the K loop, a column or
+    so per thread, and added after it: loaded in the accumulator's layout, every thread
+    would hold BLOCK_N / 4 of them and their addresses while the whole accumulator is live."""
+    cols = n0 + gl.arange(0, BLOCK_N, layout=_vector_layout(num_warps))
+    return gl.load(bias_ptr + grp * stride_bias + cols, mask=cols < N, other=0.0)
+
+
+@gluon.jit
+def _b_operand(b_ring, slot, B_KMAJOR: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Ring slot ``slot``'s B tile as the wgmma's [BLOCK_K, BLOCK_N] right operand (a
+    transposed view where K is the contiguous dimension)."""
+    if B_KMAJOR:
+        b = b_ring.index(slot).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+    else:
+        b = b_ring.index(slot).reshape([BLOCK_K, BLOCK_N])
+    return b
+
+
+@gluon.jit
+def _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om):
+    """Stores the accumulator tile's rows inside the expert (``< row_end``) and columns
+    below N."""
+    layout: gl.constexpr = acc.type.layout
+    rows = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = n0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    gl.store(out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+
+
+@gluon.jit
 def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, slot, tile_end, n_tiles, k_steps,
              p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
              GATHER_A: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -185,11 +216,7 @@ def _row_gemm_kernel(
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         if grp < E:  # sentinel tiles store zeros
             if HAS_BIAS:
-                # Loaded now, a column or so per thread, and added after the K loop: loaded in
-                # the accumulator's layout, every thread would hold BLOCK_N / 4 of them and
-                # their addresses while the whole accumulator is live.
-                bias_cols = n0 + gl.arange(0, BLOCK_N, layout=_vector_layout(num_warps))
-                bias = gl.load(bias_ptr + grp * stride_bias + bias_cols, mask=bias_cols < N, other=0.0)
+                bias = _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N, num_warps)
             for _ in range(k_steps):
                 slot = step % NUM_STAGES
                 cp.wait_group(AHEAD - 1)  # this thread's A copies of this step have landed
@@ -198,10 +225,8 @@ def _row_gemm_kernel(
                 # Every thread's copies have landed, and every warpgroup's MMA of step - 2 is
                 # done (each waited for it in the step before): its slot is refilled below.
                 cta_barrier()
-                b = b_ring.index(slot).reshape(b_desc.block_type.shape[1:])
-                if B_KMAJOR:
-                    b = b.permute((1, 0))
-                acc = warpgroup_mma(a_ring.index(slot), b, acc, is_async=True)
+                acc = warpgroup_mma(a_ring.index(slot), _b_operand(b_ring, slot, B_KMAJOR, BLOCK_N, BLOCK_K), acc,
+                                    is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _produce(
                     a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, (step + AHEAD) % NUM_STAGES,
@@ -212,10 +237,7 @@ def _row_gemm_kernel(
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if HAS_BIAS:
                 acc += gl.convert_layout(bias.to(gl.float32), gl.SliceLayout(0, acc_layout))[None, :]
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        gl.store(out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+        _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om)
     cp.wait_group(0)
 
 
@@ -286,8 +308,7 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         if grp < E:  # sentinel tiles store zeros
             if HAS_BIAS:
-                bias_cols = n0 + gl.arange(0, BLOCK_N, layout=_vector_layout(num_warps))
-                bias = gl.load(bias_ptr + grp * stride_bias + bias_cols, mask=bias_cols < N, other=0.0)
+                bias = _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N, num_warps)
             for k in range(k_steps):
                 slot = step % NUM_STAGES
                 phase = (step // NUM_STAGES) & 1
@@ -295,11 +316,8 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
                 mbarrier.wait(b_ready.index(slot), phase)
                 if GATHER_A:
                     fence_async_shared()  # cp.async wrote A through the generic proxy; wgmma reads through the async one
-                if B_KMAJOR:
-                    b = b_ring.index(slot).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
-                else:
-                    b = b_ring.index(slot).reshape([BLOCK_K, BLOCK_N])
-                acc = warpgroup_mma(a_ring.index(slot), b, acc, is_async=True)
+                acc = warpgroup_mma(a_ring.index(slot), _b_operand(b_ring, slot, B_KMAJOR, BLOCK_N, BLOCK_K), acc,
+                                    is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 cta_barrier()  # both warpgroups' wgmma of the step before are done: release its slot
                 mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k > 0)
@@ -309,10 +327,7 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
             mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES))
             if HAS_BIAS:
                 acc += gl.convert_layout(bias.to(gl.float32), gl.SliceLayout(0, acc_layout))[None, :]
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        gl.store(out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+        _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om)
 
 
 @gluon.jit

@@ -64,6 +64,27 @@ def _issue_step(rows_ptr, gathered_ptr, ids, a_slot, b_slot, r0, hi, p0, q0, P, 
 
 
 @gluon.jit
+def _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr):
+    """(expert, first P, first Q, the expert's rows [lo, hi)) of output tile ``tile``, q
+    fastest: programs side by side share their A columns and the expert's rows."""
+    p_tiles = gl.cdiv(P, BLOCK_P)
+    q_tiles = gl.cdiv(Q, BLOCK_Q)
+    e = tile // (p_tiles * q_tiles)
+    return (e, ((tile // q_tiles) % p_tiles) * BLOCK_P, (tile % q_tiles) * BLOCK_Q, gl.load(offsets_ptr + e),
+            gl.load(offsets_ptr + e + 1))
+
+
+@gluon.jit
+def _store_expert_tile(out_ptr, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq):
+    """Stores expert ``e``'s [P, Q] accumulator tile at (p0, q0), inside P and Q."""
+    layout: gl.constexpr = acc.type.layout
+    ps = p0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    qs = q0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    gl.store(out_ptr + e.to(gl.int64) * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq,
+             acc.to(out_ptr.dtype.element_ty), mask=(ps < P)[:, None] & (qs < Q)[None, :])
+
+
+@gluon.jit
 def _wgrad_kernel(
     rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr,
     E, P, Q,
@@ -80,15 +101,8 @@ def _wgrad_kernel(
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_P], dtype))
     b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
-    p_tiles = gl.cdiv(P, BLOCK_P)
-    q_tiles = gl.cdiv(Q, BLOCK_Q)
-    for tile in range(gl.program_id(0), E * p_tiles * q_tiles, gl.num_programs(0)):
-        # q fastest: programs side by side share their A columns and the expert's rows.
-        e = tile // (p_tiles * q_tiles)
-        p0 = ((tile // q_tiles) % p_tiles) * BLOCK_P
-        q0 = (tile % q_tiles) * BLOCK_Q
-        lo = gl.load(offsets_ptr + e)
-        hi = gl.load(offsets_ptr + e + 1)
+    for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
+        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q)
         steps = gl.cdiv(hi - lo, BLOCK_R)
         # The previous tile's MMAs (every warpgroup's) are done before its slots are refilled.
         cta_barrier()
@@ -122,25 +136,11 @@ def _wgrad_kernel(
             cp.commit_group()
             ids = _load_ids(row_ids_ptr, lo + (nxt + 1) * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        ps = p0 + gl.arange(0, BLOCK_P, layout=gl.SliceLayout(1, acc_layout))
-        qs = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, acc_layout))
-        gl.store(out_ptr + e.to(gl.int64) * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq,
-                 acc.to(out_ptr.dtype.element_ty), mask=(ps < P)[:, None] & (qs < Q)[None, :])
+        _store_expert_tile(out_ptr, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq)
     cp.wait_group(0)
 
 
 # --------------------------------------------------------------------------- warp-specialised
-
-
-@gluon.jit
-def _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr):
-    """(expert, first P, first Q, the expert's rows [lo, hi)) of output tile ``tile``, q
-    fastest: programs side by side share their A columns and the expert's rows."""
-    p_tiles = gl.cdiv(P, BLOCK_P)
-    q_tiles = gl.cdiv(Q, BLOCK_Q)
-    e = tile // (p_tiles * q_tiles)
-    return (e, ((tile // q_tiles) % p_tiles) * BLOCK_P, (tile % q_tiles) * BLOCK_Q, gl.load(offsets_ptr + e),
-            gl.load(offsets_ptr + e + 1))
 
 
 @gluon.jit
@@ -191,10 +191,7 @@ def _wgrad_ws_consumer(a_ring, b_ring, ready, empty, offsets_ptr, out_ptr, E, P,
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         cta_barrier()
         mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=hi > lo)
-        ps = p0 + gl.arange(0, BLOCK_P, layout=gl.SliceLayout(1, acc_layout))
-        qs = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, acc_layout))
-        gl.store(out_ptr + e.to(gl.int64) * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq,
-                 acc.to(out_ptr.dtype.element_ty), mask=(ps < P)[:, None] & (qs < Q)[None, :])
+        _store_expert_tile(out_ptr, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq)
 
 
 @gluon.jit
