@@ -65,12 +65,12 @@ fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "== bench forward" | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --out "$OUT/forward" --skip hf_eager \
-    --configs olmoe qwen3_a3b conf3 conf4 mixtral "$@" 2>>"$LOG" | tee -a "$LOG"
+    --configs olmoe qwen3_a3b conf3 conf4 mixtral deepseek_v3 "$@" 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   echo "== bench train" | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train" --skip hf_eager moeblaze_recompute_compiled \
-    --configs qwen3_100m olmoe qwen3_a3b conf3 conf4 mixtral "$@" 2>>"$LOG" | tee -a "$LOG"
+    --configs qwen3_100m olmoe qwen3_a3b conf3 conf4 mixtral deepseek_v3 "$@" 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${EXAMPLE:-0}" = 1 ]; then
   # The 100M example (8 MoE layers), moeblaze against grouped_mm: eager, compiled, and
