@@ -294,4 +294,7 @@ def _layer_device(**tensors):
     devices = [t.device for t in tensors.values() if isinstance(t, torch.Tensor)]
     x = tensors["x"]
     first = x.device if isinstance(x, torch.Tensor) else (devices[0] if devices else None)
-    return max(dict.fromkeys(devices), key=lambda d: (devices.count(d), d == first), default=None)
+    distinct = set(devices)
+    if len(distinct) <= 1:  # the usual case, without the vote
+        return first
+    return max(distinct, key=lambda d: (devices.count(d), d == first))
