@@ -17,7 +17,6 @@ from moeblaze_ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT,
 from moeblaze_ops.bench import CONFIGS, make_inputs
 from moeblaze_ops.kernels import triton_dispatch, triton_experts as te, triton_experts_backward as tb
 from moeblaze_ops.kernels.grouped_gemm import tile_config
-from moeblaze_ops.kernels.torch_experts import row_weights
 from moeblaze_ops.kernels.triton_combine import combine
 from moeblaze_ops.settings import GemmTile
 
@@ -47,7 +46,6 @@ def kernels(T, d, I, E, K, device="cuda"):
     LK = T * K
     h = te.expert_up(x, wgu, eti, offs, tim, None, False)
     go = torch.randn(T, d, device=device, dtype=x.dtype)
-    rw = row_weights(tim, w, torch.float32)
     grad_h = torch.empty_like(h)
     wact = torch.empty(LK, I, device=device, dtype=x.dtype)
     parts = torch.empty(LK * triton.cdiv(I, MIN_DH_BLOCK_N), dtype=torch.float32, device=device)
@@ -61,7 +59,7 @@ def kernels(T, d, I, E, K, device="cuda"):
     def dh():
         n_parts = triton.cdiv(I, tile_config("dh", h).block_n)
         part = parts[:LK * n_parts].view(LK, n_parts)  # contiguous, as the kernel indexes it
-        tb.launch_dh(go, h, wd, eti, rw, offs, None, grad_h, wact, part, bdot, transposed=False, **swiglu)
+        tb.launch_dh(go, h, wd, eti, w, tim, offs, None, grad_h, wact, part, bdot, transposed=False, **swiglu)
 
     def dx():  # h stands in for dH (same shape)
         te.launch_gathered_gemm(h, None, wgu, None, offs, rows, True, "dx")

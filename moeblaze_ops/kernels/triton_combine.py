@@ -39,6 +39,19 @@ def combine_tile(rows_ptr, tim_ptr, weights_ptr, real_rows, toks, tmask, cols, c
 
 
 @triton.jit
+def row_combine_weights(weights_ptr, tim_ptr, toks, rows, mask, stride_w0, stride_w1, K: tl.constexpr):
+    """The combine weight of each routed row ``rows`` of tokens ``toks``, in fp32: the one of
+    the token's K choices whose row (``token_index_map``) it is. Read where a kernel needs
+    it, rather than scattered into an array first."""
+    w = tl.zeros(rows.shape, dtype=tl.float32)
+    for k in tl.static_range(K):
+        row_k = tl.load(tim_ptr + toks * K + k, mask=mask, other=-1)
+        w_k = tl.load(weights_ptr + toks * stride_w0 + k * stride_w1, mask=mask & (row_k == rows), other=0.0)
+        w = tl.where(row_k == rows, w_k.to(tl.float32), w)
+    return w
+
+
+@triton.jit
 def _combine_kernel(
     rows_ptr, tim_ptr, weights_ptr, offsets_ptr, out_ptr, L, D, E,
     stride_rm, stride_w0, stride_w1, stride_om,

@@ -28,17 +28,16 @@ from ..activations import activation_code
 from ..layouts import in_feature_slice, linear_dims, linear_strides
 from . import grouped_gemm as gg
 from . import triton_activations as acts
-from .torch_experts import row_weights
-from .triton_combine import combine_in_slabs
+from .triton_combine import combine_in_slabs, row_combine_weights
 from .triton_experts import launch_gathered_gemm
 
 
 @triton.jit
 def _dh_kernel(
-    go_ptr, w_src, h_ptr, eti_ptr, rw_ptr, offsets_ptr, bias_ptr, dh_ptr, wact_ptr, part_ptr, bdot_ptr,
+    go_ptr, w_src, h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, bias_ptr, dh_ptr, wact_ptr, part_ptr, bdot_ptr,
     LK, E, D, I, alpha, limit, n_parts,
-    stride_gm, stride_we, stride_wk, stride_wn, stride_bias, stride_hm, stride_dhm, stride_wam,
-    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_WACT: tl.constexpr,
+    stride_gm, stride_we, stride_wk, stride_wn, stride_bias, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
+    K: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_WACT: tl.constexpr,
     W_TMA: tl.constexpr,
     W_KMAJOR: tl.constexpr, FAST_ACT: tl.constexpr, GROUPS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -60,7 +59,7 @@ def _dh_kernel(
         # Epilogue: recompute the activation from h, apply its derivative.
         hg, hu = gg.load_h_pair(h_ptr, row0, real, stride_hm, n_idx * BLOCK_N, I, ACT, INTERLEAVED, False,
                                 BLOCK_M, BLOCK_N)
-        w = tl.load(rw_ptr + rows, mask=real, other=0.0)[:, None]
+        w = row_combine_weights(tw_ptr, tim_ptr, tok, rows, real, stride_tw0, stride_tw1, K)[:, None]
         out_rows = dh_ptr + rows.to(tl.int64)[:, None] * stride_dhm
         smask = rmask[:, None] & cmask[None, :]
         if ACT < acts.NUM_GATED:
@@ -139,11 +138,12 @@ def _wgrad_kernel(
 
 
 @triton.jit
-def _expert_row_sum_kernel(rows_ptr, row_ids_ptr, row_weights_ptr, offsets_ptr, out_ptr, D, stride_rm, stride_oe,
-                           GATHER: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+def _expert_row_sum_kernel(rows_ptr, row_ids_ptr, tw_ptr, tim_ptr, offsets_ptr, out_ptr, D, stride_rm, stride_oe,
+                           stride_tw0, stride_tw1, K: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[e] = sum over expert e's rows r of (w_r *) rows[row_ids[r] or r], in fp32 and a
-    fixed order: the bias gradients."""
+    fixed order: the bias gradients. Weighted, ``row_ids`` are the rows' tokens and w_r
+    their combine weights."""
     e = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -157,7 +157,7 @@ def _expert_row_sum_kernel(rows_ptr, row_ids_ptr, row_weights_ptr, offsets_ptr, 
         v = tl.load(rows_ptr + src.to(tl.int64)[:, None] * stride_rm + cols[None, :],
                     mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
         if WEIGHTED:
-            v *= tl.load(row_weights_ptr + rows, mask=rmask, other=0.0)[:, None]
+            v *= row_combine_weights(tw_ptr, tim_ptr, src.to(tl.int64), rows, rmask, stride_tw0, stride_tw1, K)[:, None]
         acc += v
     tl.store(out_ptr + e * stride_oe + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cmask)
 
@@ -188,14 +188,17 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
     )
 
 
-def launch_expert_row_sums(rows, row_ids, row_weights, offsets, out):
-    """out[e] = sum over expert e's rows r of (row_weights[r] *) rows[row_ids[r] or r]: the
-    bias gradients (``row_ids`` None: ``rows`` is in expert order)."""
+def launch_expert_row_sums(rows, row_ids, offsets, out, topk_weights=None, token_index_map=None):
+    """out[e] = sum over expert e's rows r of (w_r *) rows[row_ids[r] or r]: the bias
+    gradients (``row_ids`` None: ``rows`` is in expert order). With ``topk_weights``,
+    ``row_ids`` are the rows' tokens and w_r their combine weights."""
     E, D = out.shape
     BLOCK_R, BLOCK_D = (64, 128) if out.is_cuda else (16, 16)
     _expert_row_sum_kernel[(E, triton.cdiv(D, BLOCK_D))](
-        rows, row_ids, row_weights, offsets, out, D, rows.stride(0), out.stride(0),
-        GATHER=row_ids is not None, WEIGHTED=row_weights is not None, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D,
+        rows, row_ids, topk_weights, token_index_map, offsets, out, D, rows.stride(0), out.stride(0),
+        *(topk_weights.stride() if topk_weights is not None else (0, 0)),
+        K=topk_weights.shape[1] if topk_weights is not None else 1, GATHER=row_ids is not None,
+        WEIGHTED=topk_weights is not None, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D,
     )
 
 
@@ -207,8 +210,8 @@ def _pq_view(grad_w, rows_are_outputs, transposed):
     return grad_w if kept else grad_w.transpose(1, 2)
 
 
-def launch_dh(grad_out, h, w_down, eti, rw, offsets, b_down, grad_h, wact, parts, bdot, *, act, transposed,
-               interleaved, alpha, limit):
+def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad_h, wact, parts, bdot, *, act,
+              transposed, interleaved, alpha, limit):
     """dH (into ``grad_h``, which may be ``h``), the router partials, and ``wact`` = w * act(h)
     (the down weight gradient's operand) unless it is None."""
     E, d, I = linear_dims(w_down, transposed)
@@ -218,13 +221,14 @@ def launch_dh(grad_out, h, w_down, eti, rw, offsets, b_down, grad_h, wact, parts
     w_src, w_tma, w_kmajor = gg.weight_operand(w_down, strides.reduction, tile, "dh")
     gg.launch_row_gemm(
         _dh_kernel, tile, h.dtype, h.device, I,
-        go_ptr=grad_out, w_src=w_src, h_ptr=h, eti_ptr=eti, rw_ptr=rw, offsets_ptr=offsets, bias_ptr=b_down,
+        go_ptr=grad_out, w_src=w_src, h_ptr=h, eti_ptr=eti, tw_ptr=topk_weights, tim_ptr=tim, offsets_ptr=offsets,
+        bias_ptr=b_down,
         dh_ptr=grad_h, wact_ptr=wact, part_ptr=parts, bdot_ptr=bdot,
         LK=h.shape[0], E=E, D=d, I=I, alpha=float(alpha), limit=float(limit), n_parts=parts.shape[1],
         stride_gm=grad_out.stride(0), stride_we=strides.expert, stride_wk=strides.reduction,
         stride_wn=strides.output, stride_bias=b_down.stride(0) if b_down is not None else 0,
         stride_hm=h.stride(0), stride_dhm=grad_h.stride(0), stride_wam=wact.stride(0) if wact is not None else 0,
-        ACT=int(act), INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, WRITE_WACT=wact is not None,
+        stride_tw0=topk_weights.stride(0), stride_tw1=topk_weights.stride(1), K=topk_weights.shape[1], ACT=int(act), INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, WRITE_WACT=wact is not None,
         W_TMA=w_tma, W_KMAJOR=w_kmajor,
         FAST_ACT=gg.fast_sigmoid(h, settings.current().dh_fast_activation),
     )
@@ -247,7 +251,6 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
     h = h.contiguous()
     act = activation_code(activation)
     dev = h.device
-    rw = row_weights(token_index_map, topk_weights, torch.float32)
     grad_h = h if in_place else gg.empty(LK, h.shape[1], dtype=h.dtype, device=dev)
     grad_w = gg.empty(*w_down.shape, dtype=w_down.dtype, device=dev) if need_weight_grad else w_down.new_empty(0)
     has_grad_b = b_down is not None and need_weight_grad
@@ -264,8 +267,8 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
     n_parts = max(1, triton.cdiv(I, gg.tile_config("dh", h).block_n))
     parts = torch.empty(LK, n_parts, dtype=torch.float32, device=dev)
     bdot = torch.empty(LK, dtype=torch.float32, device=dev)
-    launch_dh(grad_out, h, w_down, expert_token_indices, rw, expert_offsets, b_down, grad_h, wact, parts, bdot,
-              act=act, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit)
+    launch_dh(grad_out, h, w_down, expert_token_indices, topk_weights, token_index_map, expert_offsets, b_down, grad_h,
+              wact, parts, bdot, act=act, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit)
     BLOCK = 256
     _router_grad_kernel[(triton.cdiv(LK, BLOCK),)](
         parts, bdot, token_index_map, expert_offsets, grad_tw, LK, E, K, n_parts,
@@ -276,7 +279,8 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
         launch_wgrad(wact, grad_out, expert_token_indices, expert_offsets,
                      _pq_view(grad_w, rows_are_outputs=False, transposed=transposed), kind="wgrad_down")
         if has_grad_b:
-            launch_expert_row_sums(grad_out, expert_token_indices, rw, expert_offsets, grad_b)
+            launch_expert_row_sums(grad_out, expert_token_indices, expert_offsets, grad_b, topk_weights,
+                                   token_index_map)
     return grad_h, grad_w, grad_b, grad_tw
 
 
@@ -302,5 +306,5 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
         launch_wgrad(grad_h, x.contiguous(), expert_token_indices, expert_offsets,
                      _pq_view(grad_w, rows_are_outputs=True, transposed=transposed), kind="wgrad_up")
         if has_bias:
-            launch_expert_row_sums(grad_h, None, None, expert_offsets, grad_b)
+            launch_expert_row_sums(grad_h, None, expert_offsets, grad_b)
     return grad_x, grad_w, grad_b
