@@ -1,0 +1,56 @@
+"""The ``tl`` kernels whose GPU runs are the default compile for a Hopper (sm_90) target on
+any machine, with Triton's own compiler and ptxas: the dispatch kernels with the id checks
+folded in (both families, int32 and int64 ids) and the backward kernels that read each
+row's combine weight in place. CPU machines run these kernels in the interpreter, which
+does not lower them; this catches what only the real compiler rejects.
+
+Compiled in a subprocess: under ``TRITON_INTERPRET=1`` (set for this test session)
+``@triton.jit`` makes interpreter functions, which the compiler does not take."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moeblaze_ops.kernels import triton_dispatch as td, triton_experts_backward as tb
+
+
+def compile_for_hopper(fn, types, constexprs, num_warps=4):
+    """``fn`` compiled for sm_90; arguments not in ``types`` or ``constexprs`` are i32."""
+    names = list(fn.arg_names)
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+for ids in ("*i32", "*i64"):
+    tables = dict(ids_ptr=ids, **{n: "*i32" for n in ("counts_ptr", "starts_ptr", "totals_ptr", "offsets_ptr",
+                                                      "ok_ptr", "eti_ptr", "tim_ptr")})
+    compile_for_hopper(td._chunk_histogram, tables, dict(BINS=16, SUB=64, K=3, CHECK_IDS=True, TOKENS=32))
+    compile_for_hopper(td._chunk_scatter, tables, dict(BINS=16, SUB=64, CHECK_IDS=True))
+    compile_for_hopper(td._chunk_histogram_sorted, tables,
+                       dict(CHUNK=1024, BINS=128, K=8, CHECK_IDS=True, TOKENS=128), num_warps=8)
+    compile_for_hopper(td._chunk_scatter_sorted, tables, dict(CHUNK=1024, BINS=128, CHECK_IDS=True), num_warps=8)
+rows = {n: "*bf16" for n in ("go_ptr", "w_src", "h_ptr", "bias_ptr", "dh_ptr", "wact_ptr", "rows_ptr", "out_ptr")}
+rows.update({n: "*i32" for n in ("eti_ptr", "tim_ptr", "offsets_ptr", "row_ids_ptr")}, tw_ptr="*fp32",
+            part_ptr="*fp32", bdot_ptr="*fp32", alpha="fp32", limit="fp32")
+compile_for_hopper(tb._dh_kernel, rows, dict(K=8, ACT=0, INTERLEAVED=False, HAS_BIAS=True, WRITE_WACT=True,
+                                             W_TMA=False, W_KMAJOR=True, FAST_ACT=True, GROUPS=16,
+                                             PRECISION="tf32", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), num_warps=8)
+compile_for_hopper(tb._expert_row_sum_kernel, rows, dict(K=8, GATHER=True, WEIGHTED=True, BLOCK_R=64, BLOCK_D=128))
+print("compiled")
+'''
+
+
+def test_changed_kernels_compile_for_hopper():
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env)
+    if run.returncode != 0 and "ptxas" in run.stderr and "FileNotFoundError" in run.stderr:
+        pytest.skip("a Triton wheel without its bundled ptxas")
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
