@@ -2,6 +2,7 @@
 gradient equal one process holding all experts, for several routings, eager and compiled
 (fullgraph); transformers' ep_implementation="moeblaze" against a one-process model."""
 
+import datetime
 import os
 import socket
 import traceback
@@ -101,6 +102,14 @@ def _rank_main(rank, port, device, body, args, errors):
             errors.put(f"rank {rank}: {problem}")
     except Exception:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
+    else:
+        # Both ranks done before either tears the group down: a collective still in flight
+        # on one rank (FSDP's, in the HF case) would otherwise abort the process. On gloo the
+        # wait is bounded, so a rank that died fails the test instead of hanging it.
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
+        else:
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
