@@ -21,6 +21,7 @@ __all__ = [
     "fallback",
     "fixed_layout",
     "hint",
+    "known_zero",
     "lowerings",
     "register_lowering",
     "select_algorithm",
@@ -74,6 +75,12 @@ def static_int(expr) -> int:
     guard that recompiles the graph if it changes (under ``dynamic=True`` weight shapes are
     symbols too)."""
     return int(V.graph.sizevars.guard_int(expr))
+
+
+def known_zero(expr) -> bool:
+    """Whether a size is 0 for certain, without a guard (a symbolic token count is never
+    0: Dynamo specialises the sizes 0 and 1)."""
+    return V.graph.sizevars.statically_known_equals(expr, 0)
 
 
 def slice_view(node, dim, start, end):

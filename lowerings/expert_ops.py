@@ -60,7 +60,7 @@ def _from_dispatch(arg) -> bool:
 def _templates_apply(node, index_positions) -> bool:
     """Whether the op being lowered runs as templates: a CUDA tensor of a dtype the Triton
     kernels take, the Triton backend in force, and its index arrays (at FX argument
-    positions ``index_positions``) made by a dispatch in this graph."""
+    positions ``index_positions``; none for a backward op) made by a dispatch in this graph."""
     device, dtype = node.get_device(), node.get_dtype()
     if device is None or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
@@ -240,8 +240,11 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
     flipped), each token's K rows summed with unit weights (``combine``), in column slabs.
     The weight gradients stay the op's kernels (Gluon on Hopper), called for them alone."""
     args = (grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, has_bias, transposed)
+    # The index arrays are the backward graph's inputs, saved from a forward that checked
+    # them (a dispatch, or a forward op's device-side check): the backward ops trust them,
+    # as their eager kernels do.
     if not (need_input_grad and "dx" in settings.current().backward_templates
-            and _templates_apply(x, index_positions=(3, 4)) and compat.static_int(x.get_size()[0]) != 0):
+            and _templates_apply(x, index_positions=()) and not compat.known_zero(x.get_size()[0])):
         return compat.fallback(_ops.expert_up_backward.default, *args, need_input_grad, need_weight_grad)
     out_dim = 1 if transposed else 2  # the d of w_gate_up [E, N, d], or of [E, d, N] when transposed
     grad_x = combined_rows("dx", compat.contiguous(grad_h), w_gate_up, expert_offsets, token_index_map,
