@@ -273,3 +273,22 @@ def test_kernel_route_shows_op_names_in_profiles(seed):
     expected = {"moeblaze::dispatch", "moeblaze::expert_up", "moeblaze::expert_down",
                 "moeblaze::expert_down_backward", "moeblaze::expert_up_backward"}
     assert expected <= names, expected - names
+
+
+@pytest.mark.parametrize("kind", ["meta", "fake"])
+def test_meta_and_fake_tensors_take_the_op_route(kind, seed):
+    """Meta tensors, and fake ones under FakeTensorMode, run the ops' fake functions (the
+    kernel route would try to launch kernels on them): forward and backward give the
+    shapes of a real run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = make_layer(16, 8, 4, 4, 2, seed=seed, requires_grad=True)
+    mode = FakeTensorMode() if kind == "fake" else contextlib.nullcontext()
+    with mode:
+        inputs = {k: ((mode.from_tensor(v) if kind == "fake" else v.detach().to("meta")).requires_grad_(v.requires_grad)
+                      if torch.is_tensor(v) else v) for k, v in layer.items()}
+        out = moe_experts(**inputs)
+        out.sum().backward()
+    assert out.shape == layer["x"].shape and out.device.type == ("meta" if kind == "meta" else "cpu")
+    for k in _grad_inputs(layer):
+        assert inputs[k].grad is not None and inputs[k].grad.shape == layer[k].shape, k
