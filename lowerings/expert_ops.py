@@ -253,8 +253,6 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
     return grad_x, grad_w, grad_b
 
 
-
-
 def _donated_and_last_use(node, position) -> bool:
     """Whether ``node`` (FX argument ``position`` of the op being lowered) is a saved tensor
     the compiled backward owns (a buffer AOTAutograd donated: not visible to the user, and

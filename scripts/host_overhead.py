@@ -75,7 +75,8 @@ def main():
     t0 = time.perf_counter()
     steps(a.steps)
     kind = "without kernels" if a.no_kernels else "(wall)"
-    print(f"{a.config} on {a.device}: {(time.perf_counter() - t0) / a.steps * 1e6:.1f} us per forward + backward {kind}")
+    per_step = (time.perf_counter() - t0) / a.steps * 1e6
+    print(f"{a.config} on {a.device}: {per_step:.1f} us per forward + backward {kind}")
     prof = cProfile.Profile()
     prof.runcall(steps, a.steps)
     pstats.Stats(prof).sort_stats("tottime").print_stats(a.rows)

@@ -254,7 +254,8 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                                     {"fast_activation": False}, {"gluon": ("wgrad_down", "wgrad_up")},
                                     {"gluon": settings.GLUON_KINDS},
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": ()},
-                                    {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": settings.GLUON_KINDS}, {"gluon": ()}], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+                                    {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": settings.GLUON_KINDS},
+                                    {"gluon": ()}], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("activation,layout", [("swiglu", "interleaved"), ("clamped_swiglu", "transposed"),
                                                ("silu", "concatenated")])
 def test_kernel_choices(choice, activation, layout, seed, triton_bwd):

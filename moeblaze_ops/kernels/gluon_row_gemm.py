@@ -30,7 +30,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..layouts import linear_dims, linear_strides
@@ -315,7 +316,8 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
                 mbarrier.wait(a_ready.index(slot), phase)
                 mbarrier.wait(b_ready.index(slot), phase)
                 if GATHER_A:
-                    fence_async_shared()  # cp.async wrote A through the generic proxy; wgmma reads through the async one
+                    # cp.async wrote A through the generic proxy; wgmma reads through the async one.
+                    fence_async_shared()
                 acc = warpgroup_mma(a_ring.index(slot), _b_operand(b_ring, slot, B_KMAJOR, BLOCK_N, BLOCK_K), acc,
                                     is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))

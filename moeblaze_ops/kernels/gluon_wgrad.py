@@ -24,7 +24,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 
 from ..settings import GemmTile
 from . import grouped_gemm as gg
@@ -182,7 +183,8 @@ def _wgrad_ws_consumer(a_ring, b_ring, ready, empty, offsets_ptr, out_ptr, E, P,
         for r0 in range(lo, hi, BLOCK_R):
             slot = step % NUM_STAGES
             mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
-            fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads through the async one
+            # cp.async wrote the slot through the generic proxy; wgmma reads through the async one.
+            fence_async_shared()
             acc = warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             cta_barrier()  # both warpgroups' wgmma of the step before are done: release its slot

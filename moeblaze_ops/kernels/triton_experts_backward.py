@@ -228,7 +228,8 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad
         stride_gm=grad_out.stride(0), stride_we=strides.expert, stride_wk=strides.reduction,
         stride_wn=strides.output, stride_bias=b_down.stride(0) if b_down is not None else 0,
         stride_hm=h.stride(0), stride_dhm=grad_h.stride(0), stride_wam=wact.stride(0) if wact is not None else 0,
-        stride_tw0=topk_weights.stride(0), stride_tw1=topk_weights.stride(1), K=topk_weights.shape[1], ACT=int(act), INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, WRITE_WACT=wact is not None,
+        stride_tw0=topk_weights.stride(0), stride_tw1=topk_weights.stride(1), K=topk_weights.shape[1],
+        ACT=int(act), INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, WRITE_WACT=wact is not None,
         W_TMA=w_tma, W_KMAJOR=w_kmajor,
         FAST_ACT=gg.fast_sigmoid(h, settings.current().dh_fast_activation),
     )
