@@ -234,8 +234,8 @@ def test_dx_template_in_the_compiled_backward(case, seed):
     options = {"one_slab": dict(column_slab=None), "slabs_bias_transposed": dict(column_slab=128),
                "frozen_experts": dict(column_slab=128)}[case]
     layer = _gpu_layer(seed, **(dict(bias=True, transposed=True) if case == "slabs_bias_transposed" else {}))
-    names = ["x", "topk_weights"] + ([] if case == "frozen_experts" else
-                                     [k for k in ("w_gate_up", "w_down", "b_gate_up", "b_down") if layer[k] is not None])
+    weights = [k for k in ("w_gate_up", "w_down", "b_gate_up", "b_down") if layer[k] is not None]
+    names = ["x", "topk_weights"] + ([] if case == "frozen_experts" else weights)
 
     def loss(inputs):
         return (moe_experts(**inputs).float() ** 2).mean()
