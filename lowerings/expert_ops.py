@@ -78,13 +78,8 @@ def _row_gemm_tiles(kind, dtype, device):
     first = settings.pick_tile(kind, dtype, device)
     if not (inductor_config.max_autotune or inductor_config.max_autotune_gemm):
         return [first]
-    limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-    cls = "fp32" if dtype == torch.float32 else "16bit"
-    candidates = [first]
-    for key, tiles in settings.TILE_TABLE.items():
-        if key[1] == cls and key[0] in ("up", "down", "dx"):
-            candidates += [t for t in tiles if t not in candidates and t.smem_bytes(dtype.itemsize) <= limit]
-    return candidates
+    others = settings.candidate_tiles(("up", "down", "dx"), dtype, device)
+    return [first] + [t for t in others if t != first]
 
 
 def _tma_ready(w, tile) -> bool:

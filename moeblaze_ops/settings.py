@@ -44,9 +44,11 @@ __all__ = [
     "GLUON_KINDS",
     "BACKWARD_TEMPLATE_KINDS",
     "TILE_TABLE",
+    "candidate_tiles",
     "current",
     "override",
     "pick_tile",
+    "tile_fits",
 ]
 
 #: The GEMMs of the layer: the forward up and down projections, the backward's dH
@@ -121,7 +123,7 @@ class KernelSettings:
             ``kernels.gluon_row_gemm``), where it applies: 16-bit
             CUDA tensors on capability 9 with column counts and row strides that are
             multiples of 16. The other kinds, and every other case, run the portable
-            ``tl`` kernels. "wgrad_down" and "wgrad_up" have one.
+            ``tl`` kernels. By default the weight gradients, the kinds measured faster.
         gluon_warp_specialize: the GEMM kinds (of ``GLUON_KINDS``) whose Gluon kernel, where
             ``gluon`` runs it, is the warp-specialised one: copy warps fill the ring and
             the MMA warpgroups only wait, multiply and store (``_row_gemm_ws_kernel``,
@@ -249,6 +251,27 @@ def _device_traits(index: int) -> tuple[str, int]:
     return arch, getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
 
 
+def _traits(device: torch.device) -> tuple[str, int]:
+    return _device_traits(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def tile_fits(tile: GemmTile, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``tile``'s pipelined operand tiles of ``dtype`` fit the shared memory a block
+    of CUDA ``device`` may use (the prune of the tile table)."""
+    return tile.smem_bytes(dtype.itemsize) <= _traits(device)[1]
+
+
+def candidate_tiles(kinds, dtype: torch.dtype, device: torch.device) -> list:
+    """Every table tile of the GEMM ``kinds`` for ``dtype`` (any architecture) that fits
+    ``device``, without repeats, in table order: what autotuning may try."""
+    cls = _dtype_class(dtype)
+    tiles = []
+    for (kind, tile_cls, _), entries in TILE_TABLE.items():
+        if kind in kinds and tile_cls == cls:
+            tiles += [t for t in entries if t not in tiles and tile_fits(t, dtype, device)]
+    return tiles
+
+
 def pick_tile(kind: str, dtype: torch.dtype, device: torch.device) -> GemmTile:
     """The tile of GEMM ``kind`` for tensors of ``dtype`` on ``device``: the override in
     ``current().tiles``, else the first table entry that fits the shared memory."""
@@ -257,11 +280,6 @@ def pick_tile(kind: str, dtype: torch.dtype, device: torch.device) -> GemmTile:
         return override_tile
     if device.type != "cuda":
         return INTERPRETER_TILE
-    arch, limit = _device_traits(device.index if device.index is not None else torch.cuda.current_device())
     cls = _dtype_class(dtype)
-    candidates = TILE_TABLE.get((kind, cls, arch)) or TILE_TABLE[(kind, cls, "any")]
-    size = dtype.itemsize
-    for tile in candidates:
-        if tile.smem_bytes(size) <= limit:
-            return tile
-    return candidates[-1]
+    candidates = TILE_TABLE.get((kind, cls, _traits(device)[0])) or TILE_TABLE[(kind, cls, "any")]
+    return next((tile for tile in candidates if tile_fits(tile, dtype, device)), candidates[-1])

@@ -305,3 +305,21 @@ def test_settings_override_reaches_other_threads():
             assert seen_from_another_thread() == 9
         assert seen_from_another_thread() == 7
     assert seen_from_another_thread() == default
+
+
+def test_tiles_are_pruned_by_shared_memory(monkeypatch):
+    """The tile table's prune: a device with 64 KB of shared memory per block gets the first
+    16-bit tile that fits, and autotuning's candidates are exactly the fitting tiles, once
+    each (device traits stubbed: no GPU needed)."""
+    limit = 64 * 1024
+    monkeypatch.setattr(settings, "_device_traits", lambda index: ("any", limit))
+    cuda = torch.device("cuda", 0)
+    tile = settings.pick_tile("up", torch.bfloat16, cuda)
+    table = settings.TILE_TABLE[("up", "16bit", "any")]
+    assert tile == next(t for t in table if t.smem_bytes(2) <= limit)
+    candidates = settings.candidate_tiles(("up", "down", "dx"), torch.bfloat16, cuda)
+    assert len(candidates) == len(set(candidates)) > 0
+    assert all(t.smem_bytes(2) <= limit for t in candidates)
+    every = {t for (kind, cls, _), tiles in settings.TILE_TABLE.items()
+             if kind in ("up", "down", "dx") and cls == "16bit" for t in tiles}
+    assert set(candidates) == {t for t in every if t.smem_bytes(2) <= limit}
