@@ -36,16 +36,12 @@ from torch._inductor.virtualized import V
 from moeblaze_ops import settings
 from moeblaze_ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, activation_code
 from moeblaze_ops.kernels import grouped_gemm as gg
-from moeblaze_ops.kernels.triton_combine import column_slabs
+from moeblaze_ops.kernels.triton_combine import COMBINE_TILE, column_slabs
+from moeblaze_ops.kernels.triton_experts import ACTIVATION_TILE
 
 from . import compat, templates
 
 _ops = torch.ops.moeblaze
-
-#: The activation template's tile (rows, activation columns), as the eager pass's.
-ACTIVATION_TILE = (64, 128)
-#: The combine template's tile (tokens, columns), as the eager combine's.
-COMBINE_TILE = (32, 128)
 
 
 # --------------------------------------------------------------------------- when the templates apply

@@ -18,6 +18,10 @@ from .. import settings
 from . import grouped_gemm as gg
 
 
+#: The combine's tile on CUDA (tokens, columns), the eager kernel's and the Inductor template's.
+COMBINE_TILE = (32, 128)
+
+
 @triton.jit
 def combine_tile(rows_ptr, tim_ptr, weights_ptr, real_rows, toks, tmask, cols, cmask, stride_rm, stride_w0,
                  stride_w1, K: tl.constexpr, WEIGHTED: tl.constexpr):
@@ -73,7 +77,7 @@ def combine(rows, token_index_map, topk_weights, expert_offsets, out, E):
     if L == 0 or d == 0:
         return out
     K = token_index_map.shape[0] // L
-    BLOCK_L, BLOCK_D = (32, 128) if rows.is_cuda else (16, 16)
+    BLOCK_L, BLOCK_D = COMBINE_TILE if rows.is_cuda else (16, 16)
     grid = (triton.cdiv(L, BLOCK_L), triton.cdiv(d, BLOCK_D))
     weighted = topk_weights is not None
     _combine_kernel[grid](

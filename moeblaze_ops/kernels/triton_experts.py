@@ -102,6 +102,11 @@ def _activated_gemm_kernel(
         gg.store_tile(out_ptr, rows, cols, stride_om, acc, rmask[:, None] & cmask[None, :])
 
 
+#: The activation pass's tile on CUDA (rows, activation columns), the eager kernel's and the
+#: Inductor template's.
+ACTIVATION_TILE = (64, 128)
+
+
 @triton.jit
 def _activation_kernel(h_ptr, a_ptr, LK, I, alpha, limit, stride_hm, stride_am,
                        ACT: tl.constexpr, INTERLEAVED: tl.constexpr, FAST_ACT: tl.constexpr,
@@ -170,7 +175,7 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         # act(h) written once, then a plain grouped GEMM whose operands all come from memory.
         a = gg.empty(LK, I, dtype=h.dtype, device=h.device)
         if LK > 0:
-            BLOCK_M, BLOCK_K = (64, 128) if h.is_cuda else (16, 16)
+            BLOCK_M, BLOCK_K = ACTIVATION_TILE if h.is_cuda else (16, 16)
             _activation_kernel[(triton.cdiv(LK, BLOCK_M), triton.cdiv(I, BLOCK_K))](
                 h, a, LK, I, float(alpha), float(limit), h.stride(0), a.stride(0), ACT=int(act),
                 INTERLEAVED=interleaved, FAST_ACT=fast, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
