@@ -108,16 +108,17 @@ def moe_experts(
     if activation != "clamped_swiglu" or limit is None:
         limit = default_limit
     args = (activation, transposed, interleaved, alpha, limit)
-    if torch.compiler.is_compiling():
+    traced = torch.compiler.is_compiling()
+    if traced:
         calls = _OP_CALLS  # the ops and their autograd formulas, which Inductor lowers (lowerings/)
     else:
         calls = _KERNEL_CALLS if _plain(x2, ids, tw, w_gate_up, w_down, b_gate_up, b_down) else _OP_CALLS
     eti, offsets, tim = calls.dispatch(ids, E)
     if recompute:
         out = _RecomputedLayer.apply(x2, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args, calls)
-    elif calls is _OP_CALLS and (torch.compiler.is_compiling() or not overwrite_h):
-        # Traced, the ops' own formulas; Inductor's lowering writes dH over h where
-        # AOTAutograd donated h to the backward (lowerings/expert_ops.py).
+    elif traced:
+        # The ops' own formulas; Inductor's lowering writes dH over h where AOTAutograd
+        # donated h to the backward (lowerings/expert_ops.py).
         h = calls.up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
         out = calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)
     else:
