@@ -18,7 +18,6 @@ Every kernel is deterministic: fixed reduction orders, no float atomics.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -222,8 +221,7 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad
     gg.launch_row_gemm(
         _dh_kernel, tile, h.dtype, h.device, I,
         go_ptr=grad_out, w_src=w_src, h_ptr=h, eti_ptr=eti, tw_ptr=topk_weights, tim_ptr=tim, offsets_ptr=offsets,
-        bias_ptr=b_down,
-        dh_ptr=grad_h, wact_ptr=wact, part_ptr=parts, bdot_ptr=bdot,
+        bias_ptr=b_down, dh_ptr=grad_h, wact_ptr=wact, part_ptr=parts, bdot_ptr=bdot,
         LK=h.shape[0], E=E, D=d, I=I, alpha=float(alpha), limit=float(limit), n_parts=parts.shape[1],
         stride_gm=grad_out.stride(0), stride_we=strides.expert, stride_wk=strides.reduction,
         stride_wn=strides.output, stride_bias=b_down.stride(0) if b_down is not None else 0,
