@@ -24,61 +24,40 @@ def _compile_for_hopper(fn, signature, constexprs, num_warps, aligned):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
+@pytest.mark.parametrize("warp_specialize", [False, True], ids=["one_partition", "warp_specialized"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_weight_gradient_kernel_compiles_for_hopper(dtype):
-    from moeblaze_ops.kernels import gluon_wgrad
-
-    tile = gluon_wgrad.TILE
-    ints = ["E", "P", "Q", "stride_rm", "stride_gm", "stride_oe", "stride_op", "stride_oq"]
-    signature = {"rows_ptr": f"*{dtype}", "gathered_ptr": f"*{dtype}", "row_ids_ptr": "*i32", "offsets_ptr": "*i32",
-                 "out_ptr": f"*{dtype}", **{name: "i32" for name in ints}}
-    try:
-        kernel = _compile_for_hopper(
-            gluon_wgrad._wgrad_kernel, signature,
-            dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
-                 num_warps=tile.num_warps),
-            tile.num_warps, aligned=["rows_ptr", "gathered_ptr", "row_ids_ptr", "offsets_ptr", "out_ptr", "P", "Q",
-                                     "stride_rm", "stride_gm", "stride_oe", "stride_op"])
-    except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
-        pytest.skip(f"no ptxas: {error}")
-    ptx = kernel.asm["ptx"]
-    # The pipeline it is written for: 16-byte cp.async copies into shared memory and
-    # asynchronous wgmma reading A transposed from there.
-    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
-    ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
-    assert kernel.metadata.shared >= tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
-
-
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_warp_specialized_weight_gradient_kernel_compiles_for_hopper(dtype, tmp_path):
+def test_weight_gradient_kernels_compile_for_hopper(dtype, warp_specialize, tmp_path):
     from test_gluon_row_gemm_compile import MAX_SHARED, _spill_bytes
 
     from moeblaze_ops.kernels import gluon_wgrad
 
     tile = gluon_wgrad.TILE
-    warps, regs = gluon_wgrad.PRODUCER
     ints = ["E", "P", "Q", "stride_rm", "stride_gm", "stride_oe", "stride_op", "stride_oq"]
     signature = {"rows_ptr": f"*{dtype}", "gathered_ptr": f"*{dtype}", "row_ids_ptr": "*i32", "offsets_ptr": "*i32",
                  "out_ptr": f"*{dtype}", **{name: "i32" for name in ints}}
+    constexprs = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
+                      num_warps=tile.num_warps)
+    if warp_specialize:
+        constexprs.update(zip(("PRODUCER_WARPS", "PRODUCER_REGS"), gluon_wgrad.PRODUCER))
+    kernel_fn = gluon_wgrad._wgrad_ws_kernel if warp_specialize else gluon_wgrad._wgrad_kernel
     try:
-        kernel = _compile_for_hopper(
-            gluon_wgrad._wgrad_ws_kernel, signature,
-            dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
-                 PRODUCER_WARPS=warps, PRODUCER_REGS=regs, num_warps=tile.num_warps),
-            tile.num_warps, aligned=["rows_ptr", "gathered_ptr", "row_ids_ptr", "offsets_ptr", "out_ptr", "P", "Q",
-                                     "stride_rm", "stride_gm", "stride_oe", "stride_op"])
+        kernel = _compile_for_hopper(kernel_fn, signature, constexprs, tile.num_warps,
+                                     aligned=["rows_ptr", "gathered_ptr", "row_ids_ptr", "offsets_ptr", "out_ptr", "P",
+                                              "Q", "stride_rm", "stride_gm", "stride_oe", "stride_op"])
     except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
         pytest.skip(f"no ptxas: {error}")
     ptx = kernel.asm["ptx"]
-    # Both operands by 16-byte cp.async from the copy warpgroup, each thread arriving on
-    # the slot's barrier when its copies land; its registers cut back, the MMA
-    # warpgroups' raised; asynchronous wgmma reading A transposed.
+    # The pipeline it is written for: 16-byte cp.async copies into shared memory and
+    # asynchronous wgmma reading A transposed from there; warp-specialised, the copies
+    # come from the copy warpgroup, each thread arriving on the slot's barrier when they
+    # land, its registers cut back and the MMA warpgroups' raised.
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
-    assert re.search(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)
-    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx)
+    if warp_specialize:
+        assert re.search(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)
+        assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx)
     ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
     assert ring <= kernel.metadata.shared <= MAX_SHARED
-    assert _spill_bytes(ptx, tmp_path) == 0
+    if warp_specialize:
+        assert _spill_bytes(ptx, tmp_path) == 0

@@ -33,6 +33,19 @@ def _spill_bytes(ptx, tmp_path):
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill", report))
 
 
+def _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path):
+    """What both row GEMM kernels are written for: B tiles by TMA from the 3-D weight
+    descriptor, asynchronous wgmma over the whole N tile, the ring within the block's
+    shared memory, and no register spills."""
+    ptx = kernel.asm["ptx"]
+    assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
+    ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
+    ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
+    assert ring <= kernel.metadata.shared <= MAX_SHARED
+    assert _spill_bytes(ptx, tmp_path) == 0
+
+
 @pytest.mark.parametrize("gather,bias", [(True, True), (False, False)])
 @pytest.mark.parametrize("k_contiguous", [True, False], ids=["k_contiguous", "n_contiguous"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -59,16 +72,9 @@ def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, 
     except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
         pytest.skip(f"no ptxas: {error}")
     ptx = kernel.asm["ptx"]
-    # The pipeline it is written for: A rows by 16-byte cp.async, B tiles by TMA from the
-    # 3-D weight descriptor, asynchronous wgmma over the whole N tile, the ring within
-    # the block's shared memory, and no register spills.
+    # A rows by 16-byte cp.async, then the pipeline both kernels share.
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
-    assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
-    ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
-    ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
-    assert ring <= kernel.metadata.shared <= MAX_SHARED
-    assert _spill_bytes(ptx, tmp_path) == 0
+    _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path)
 
 
 @pytest.mark.parametrize("gather,bias", [(True, True), (False, True), (False, False)])
@@ -101,18 +107,13 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
         pytest.skip(f"no ptxas: {error}")
     ptx = kernel.asm["ptx"]
     # A gathered by 16-byte cp.async, each copy thread arriving on the slot's barrier when
-    # they land, or by TMA from a 2-D descriptor; B by TMA from the 3-D one; the copy
-    # warps' registers cut back and the MMA warpgroups' raised; asynchronous wgmma.
+    # they land, or by TMA from a 2-D descriptor; the copy warps' registers cut back and
+    # the MMA warpgroups' raised; then the pipeline both kernels share.
     if gather:
         assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
         assert re.search(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)
     else:
         assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
         assert "cp.async.cg" not in ptx
-    assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx)
-    ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
-    ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
-    assert ring <= kernel.metadata.shared <= MAX_SHARED
-    assert _spill_bytes(ptx, tmp_path) == 0
+    _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path)
