@@ -120,6 +120,12 @@ def _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N: gl.constexpr, num_war
 
 
 @gluon.jit
+def _add_bias(acc, bias):
+    """The accumulator plus the bias row ``_load_bias`` loaded, in fp32."""
+    return acc + gl.convert_layout(bias.to(gl.float32), gl.SliceLayout(0, acc.type.layout))[None, :]
+
+
+@gluon.jit
 def _b_operand(b_ring, slot, B_KMAJOR: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
     """Ring slot ``slot``'s B tile as the wgmma's [BLOCK_K, BLOCK_N] right operand (a
     transposed view where K is the contiguous dimension)."""
@@ -237,7 +243,7 @@ def _row_gemm_kernel(
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if HAS_BIAS:
-                acc += gl.convert_layout(bias.to(gl.float32), gl.SliceLayout(0, acc_layout))[None, :]
+                acc = _add_bias(acc, bias)
         _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om)
     cp.wait_group(0)
 
@@ -328,7 +334,7 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
             cta_barrier()
             mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES))
             if HAS_BIAS:
-                acc += gl.convert_layout(bias.to(gl.float32), gl.SliceLayout(0, acc_layout))[None, :]
+                acc = _add_bias(acc, bias)
         _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om)
 
 
