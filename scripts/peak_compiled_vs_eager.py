@@ -1,6 +1,5 @@
-"""Peak memory of one forward + backward of the experts, compiled first, then eager (the
-order the benchmark does not use), and the compiled peak with the backward's in-place
-dH switched off: where the compiled step's extra memory comes from.
+"""Peak memory of one forward + backward of the experts from no gradients, compiled first,
+then eager (the order the benchmark does not use): whether compiling adds memory.
 
     python3 scripts/peak_compiled_vs_eager.py [--config mixtral]
 """
@@ -11,6 +10,7 @@ import torch
 
 import moeblaze_ops
 from moeblaze_ops.bench.configs import CONFIGS, make_inputs
+from moeblaze_ops.bench.measure import peak_bytes
 
 
 def main():
@@ -29,14 +29,10 @@ def main():
         fn().backward(grad)  # warm-up (compiles)
         for t in (x, w, w1, w2):
             t.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn().backward(grad)
-        torch.cuda.synchronize()
+        gb = peak_bytes(lambda: fn().backward(grad), "cuda") / 1e9
         for t in (x, w, w1, w2):
             t.grad = None
-        return (torch.cuda.max_memory_allocated() - base) / 1e9
+        return gb
 
     print(f"{args.config}: compiled {peak(torch.compile(layer, fullgraph=True)):.2f} GB, eager {peak(layer):.2f} GB")
 
