@@ -89,5 +89,13 @@ def slice_view(node, dim, start, end):
 
 
 def concat(nodes, dim):
-    """``torch.cat(nodes, dim)`` through Inductor's own lowering."""
-    return lowerings[torch.ops.aten.cat.default](list(nodes), dim)
+    """``torch.cat(nodes, dim)`` through Inductor's own lowering.
+
+    That lowering reads the graph's current node as the ``aten.cat`` it lowers (its first
+    argument, the list of inputs, for their memory format; some torch versions assert it
+    is a list). Called from inside another op's lowering, the current node is that op, so
+    the concat runs under a stand-in ``cat`` node whose inputs carry no metadata (every
+    input here is a row-major buffer)."""
+    stand_in = torch.fx.Graph().call_function(torch.ops.aten.cat.default, ([], dim))
+    with V.graph.set_current_node(stand_in):
+        return lowerings[torch.ops.aten.cat.default](list(nodes), dim)

@@ -77,9 +77,10 @@ def main():
     kind = "without kernels" if a.no_kernels else "(wall)"
     per_step = (time.perf_counter() - t0) / a.steps * 1e6
     print(f"{a.config} on {a.device}: {per_step:.1f} us per forward + backward {kind}")
-    prof = cProfile.Profile()
-    prof.runcall(steps, a.steps)
-    pstats.Stats(prof).sort_stats("tottime").print_stats(a.rows)
+    if a.rows > 0:
+        prof = cProfile.Profile()
+        prof.runcall(steps, a.steps)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(a.rows)
 
 
 if __name__ == "__main__":
