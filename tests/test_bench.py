@@ -83,7 +83,7 @@ def test_settings_are_in_force_and_recorded(tmp_path, monkeypatch):
 
 
 def test_a_peer_that_cannot_run_on_cpu_is_left_out_with_a_note(tmp_path, monkeypatch, capsys):
-    def two_peers(x, ids, w, w_gate_up, w_down, train=False):
+    def two_peers(x, ids, w, w_gate_up, w_down, train=False, cuda_graphs=False):
         def broken():
             raise NotImplementedError("no CPU kernel\nsecond line")
 
@@ -104,3 +104,28 @@ def test_bad_setting_is_a_usage_error(tmp_path, item, capsys):
     assert exit_.value.code == 2
     assert "--set" in capsys.readouterr().err
     assert not (tmp_path / "bench.json").exists()
+
+
+def test_cuda_graph_peers_are_timed_without_memory_columns():
+    """The reduce-overhead peers run (on CPU, Inductor compiles them without graphs), agree
+    with the reference, and leave the memory columns unmeasured ("-"), since a graph's
+    memory is its pool's, allocated once."""
+    from moeblaze_ops.bench import report
+    from moeblaze_ops.bench.implementations import CUDA_GRAPH_PEERS
+
+    ctx = measure.BenchContext(device="cpu", skip=frozenset({"hf_eager", "hf_grouped_mm", "moeblaze_compiled"}),
+                               cuda_graphs=True)
+    rows = {r["peer"]: r for r in measure.bench_forward(ctx, ["smoke"])}
+    assert set(CUDA_GRAPH_PEERS) <= set(rows)
+    assert_timed(rows.values())
+    for peer in CUDA_GRAPH_PEERS:
+        assert rows[peer]["rel_diff_vs_first"] < 1e-3, peer
+        assert math.isnan(rows[peer]["peak_gb"]) and math.isnan(rows[peer]["train_fwd_peak_gb"])
+    table = table_rows(report.forward_table(list(rows.values())), "smoke")
+    assert table["moeblaze_cudagraphs"][4:6] == ["-", "-"]
+
+
+def test_cuda_graph_peers_need_cuda(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--cudagraphs", "--out", str(tmp_path)])
+    assert "--cudagraphs needs --device cuda" in capsys.readouterr().err

@@ -5,7 +5,8 @@ and ``grouped_mm`` under ``torch.compile``; moeblaze eager and compiled. Forward
 the experts' forward (bf16, SwiGLU, uniform routing) and measures its peak memory above the
 inputs; train mode times forward + backward and measures the activation memory kept for
 backward (the unique storages autograd saves, parameters and the layer input excluded) and
-the peak memory of one step. A dispatch micro-benchmark compares moeblaze's dispatch with
+the peak memory of one step. ``--cudagraphs`` adds ``grouped_mm`` and moeblaze compiled
+with ``mode="reduce-overhead"`` (time only). A dispatch micro-benchmark compares moeblaze's dispatch with
 the sort + histc + cumsum that ``grouped_mm`` runs. Writes bench.md (tables), bench.json
 and forward.png (bar charts, with matplotlib) under ``--out``.
 
@@ -68,6 +69,9 @@ def _parser():
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--skip", nargs="*", default=[], help="peers to leave out, e.g. hf_eager")
     p.add_argument("--no-dispatch", action="store_true", help="skip the dispatch micro-benchmark")
+    p.add_argument("--cudagraphs", action="store_true",
+                   help="add grouped_mm and moeblaze compiled with mode='reduce-overhead' (CUDA graphs; "
+                        "time only: their memory is the graphs' pool)")
     p.add_argument("--out", default="bench_out")
     return p
 
@@ -144,7 +148,9 @@ def main(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA GPU here: --device cpu runs the smoke check")
     changes = _setting_changes(parser, args)
-    ctx = BenchContext(device=args.device, skip=frozenset(args.skip))
+    if args.cudagraphs and args.device != "cuda":
+        parser.error("--cudagraphs needs --device cuda")
+    ctx = BenchContext(device=args.device, skip=frozenset(args.skip), cuda_graphs=args.cudagraphs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

@@ -3,7 +3,8 @@
 HF's ``eager`` backend (a loop over experts), its ``grouped_mm`` backend eager and under
 ``torch.compile``, SonicMoE (CuTe DSL kernels for Hopper; on CUDA when ``sonicmoe`` is
 importable), and ``moeblaze_ops.moe_experts`` eager and compiled; train mode adds
-moeblaze's full-recompute mode. Every peer computes the same SwiGLU experts layer on the
+moeblaze's full-recompute mode; ``cuda_graphs`` adds ``grouped_mm`` and moeblaze compiled
+with ``mode="reduce-overhead"`` (CUDA graphs). Every peer computes the same SwiGLU experts layer on the
 same weights, so their outputs can be compared with each other.
 """
 
@@ -16,7 +17,11 @@ import moeblaze_ops
 
 from .console import note
 
-__all__ = ["HFExpertsModule", "hf_eager_forward", "peers"]
+__all__ = ["CUDA_GRAPH_PEERS", "HFExpertsModule", "hf_eager_forward", "peers"]
+
+#: The peers that replay CUDA graphs: their memory lives in the graphs' private pool,
+#: allocated once, so a call's peak and saved bytes are not measured for them.
+CUDA_GRAPH_PEERS = ("hf_grouped_mm_cudagraphs", "moeblaze_cudagraphs")
 
 
 class HFExpertsModule(torch.nn.Module):
@@ -58,6 +63,18 @@ def _bound(fn, x, ids, w):
     return lambda: fn(x, ids, w)
 
 
+def _graphed(fn, x, ids, w):
+    """``fn`` compiled with CUDA graphs, inputs bound; each call starts a new step, as a
+    training loop marks its iterations (a step's outputs are overwritten by the next's)."""
+    compiled = torch.compile(fn, fullgraph=True, mode="reduce-overhead")
+
+    def call():
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(x, ids, w)
+
+    return call
+
+
 def _hf_grouped_mm_forward():
     """transformers' ``grouped_mm`` experts forward, or None (with a note) without transformers."""
     try:
@@ -91,7 +108,7 @@ def _sonicmoe_forward():
     return forward
 
 
-def peers(x, ids, w, w_gate_up, w_down, train=False):
+def peers(x, ids, w, w_gate_up, w_down, train=False, cuda_graphs=False):
     """name -> callable running the experts' forward on these inputs.
 
     The first peer is the reference the forward benchmark compares outputs with. Train
@@ -111,11 +128,15 @@ def peers(x, ids, w, w_gate_up, w_down, train=False):
 
         fns["hf_grouped_mm"] = _bound(hf_grouped, x, ids, w)
         fns["hf_grouped_mm_compiled"] = _bound(torch.compile(hf_grouped, fullgraph=True), x, ids, w)
+        if cuda_graphs:
+            fns["hf_grouped_mm_cudagraphs"] = _graphed(hf_grouped, x, ids, w)
     sonicmoe = _sonicmoe_forward() if x.is_cuda else None
     if sonicmoe is not None:
         fns["sonicmoe"] = lambda: sonicmoe(x, ids, w, w_gate_up, w_down)
     fns["moeblaze"] = _bound(ours, x, ids, w)
     fns["moeblaze_compiled"] = _bound(torch.compile(ours, fullgraph=True), x, ids, w)
+    if cuda_graphs:
+        fns["moeblaze_cudagraphs"] = _graphed(ours, x, ids, w)
     if train:
         def recompute(x, ids, w):
             return moeblaze_ops.moe_experts(x, ids, w, w_gate_up, w_down, recompute=True)

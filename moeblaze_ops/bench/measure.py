@@ -16,7 +16,9 @@ import torch
 
 from .configs import CONFIGS, DISPATCH_CASES, make_inputs
 from .console import emit, note, progress
-from .implementations import peers
+from .implementations import CUDA_GRAPH_PEERS, peers
+
+NAN = float("nan")
 
 __all__ = ["BenchContext", "time_ms", "peak_bytes", "activation_bytes", "bench_forward", "bench_train",
            "bench_dispatch"]
@@ -24,10 +26,12 @@ __all__ = ["BenchContext", "time_ms", "peak_bytes", "activation_bytes", "bench_f
 
 @dataclass(frozen=True)
 class BenchContext:
-    """Where the benchmark runs and which peers it leaves out."""
+    """Where the benchmark runs, which peers it leaves out, and whether it adds the peers
+    that replay CUDA graphs (``CUDA_GRAPH_PEERS``: time only)."""
 
     device: str = "cuda"
     skip: frozenset = frozenset()
+    cuda_graphs: bool = False
 
     @property
     def on_cuda(self) -> bool:
@@ -117,7 +121,7 @@ def bench_forward(ctx, names):
         torch._dynamo.reset()  # each config compiles its peers afresh: no recompile limit across configs
         inputs = make_inputs(T, d, I, E, K, device=ctx.device)
         flops = 6 * T * K * d * I  # forward: 2*LK*d*2I + 2*LK*I*d
-        fns = peers(*inputs)
+        fns = peers(*inputs, cuda_graphs=ctx.cuda_graphs)
         ref = None
         for peer, fn, out in _runnable(ctx, fns, _no_grad_call):
             with torch.no_grad():
@@ -125,6 +129,11 @@ def bench_forward(ctx, names):
                     ref = out.float()
                 err = float((out.float() - ref).norm() / ref.norm())
                 ms = time_ms(fn, ctx.device)
+            if peer in CUDA_GRAPH_PEERS:
+                rows.append(emit(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=NAN,
+                                      train_fwd_peak_gb=NAN, rel_diff_vs_first=err)))
+                continue
+            with torch.no_grad():
                 mem = peak_bytes(fn, ctx.device)
             # A training forward: the weights require grad, so each peer also keeps what its
             # backward needs. Measured once, after a warm-up (compile) call.
@@ -160,8 +169,12 @@ def bench_train(ctx, names):
         def step(fn):
             fn().backward(grad)
 
-        for peer, fn, _ in _runnable(ctx, peers(*inputs, train=True), step):
+        for peer, fn, _ in _runnable(ctx, peers(*inputs, train=True, cuda_graphs=ctx.cuda_graphs), step):
             ms = time_ms(lambda fn=fn: step(fn), ctx.device)
+            if peer in CUDA_GRAPH_PEERS:
+                rows.append(emit(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=NAN,
+                                      activation_gb=NAN, activation_bytes=NAN)))
+                continue
             # From no gradients, as a training step starts after zero_grad(set_to_none=True):
             # the gradients' allocation counts, whichever peer ran before.
             for t in (x, w, w_gate_up, w_down):

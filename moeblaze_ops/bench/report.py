@@ -6,6 +6,8 @@ row (HF's fastest backend); a config without that row shows "-" there.
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["BASE_PEER", "title", "forward_table", "train_table", "dispatch_table", "plot"]
 
 BASE_PEER = "hf_grouped_mm_compiled"
@@ -38,7 +40,12 @@ def _markdown(header, body):
 
 
 def _ratio(r, base, key):
-    return f"{r[key] / base[key]:.2f}x" if base and base[key] > 0 else "-"
+    return f"{r[key] / base[key]:.2f}x" if base and base[key] > 0 and not math.isnan(r[key]) else "-"
+
+
+def _num(value, digits):
+    """A measured number, or "-" where it was not measured (NaN)."""
+    return "-" if math.isnan(value) else f"{value:.{digits}f}"
 
 
 def forward_table(rows):
@@ -46,7 +53,7 @@ def forward_table(rows):
     header = ["config", "peer", "ms", "TFLOP/s", "peak GB (no grad)", "peak GB (training fwd)",
               "speed vs compiled grouped_mm", "peak vs compiled grouped_mm (no grad / training fwd)"]
     return _markdown(header, (
-        [cfg, peer, f"{r['ms']:.3f}", f"{r['tflops']:.0f}", f"{r['peak_gb']:.2f}", f"{r['train_fwd_peak_gb']:.2f}",
+        [cfg, peer, f"{r['ms']:.3f}", f"{r['tflops']:.0f}", _num(r['peak_gb'], 2), _num(r['train_fwd_peak_gb'], 2),
          speed, f"{_ratio(r, base, 'peak_gb')} / {_ratio(r, base, 'train_fwd_peak_gb')}" if base and base["peak_gb"] > 0
          else "-"]
         for cfg, peer, r, base, speed in _against_base(rows)))
@@ -57,7 +64,7 @@ def train_table(rows):
     header = ["config", "peer", "fwd+bwd ms", "TFLOP/s", "activation GB", "peak GB", "speed vs compiled grouped_mm",
               "activation vs compiled grouped_mm", "peak vs compiled grouped_mm"]
     return _markdown(header, (
-        [cfg, peer, f"{r['ms']:.3f}", f"{r['tflops']:.0f}", f"{r['activation_gb']:.3f}", f"{r['peak_gb']:.2f}", speed,
+        [cfg, peer, f"{r['ms']:.3f}", f"{r['tflops']:.0f}", _num(r['activation_gb'], 3), _num(r['peak_gb'], 2), speed,
          _ratio(r, base, "activation_gb"), _ratio(r, base, "peak_gb")]
         for cfg, peer, r, base, speed in _against_base(rows)))
 
