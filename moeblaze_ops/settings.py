@@ -143,8 +143,8 @@ class KernelSettings:
         backward_templates: the parts of the backward (of ``BACKWARD_TEMPLATE_KINDS``)
             that compiled graphs run as Inductor templates instead of the ops' kernels:
             "dx", the input gradient of the up projection (a ``row_gemm`` on dH and an
-            unweighted ``combine``, as the forward's down projection and combine). Empty
-            by default until measured on the GPU (docs/perf-notes.md).
+            unweighted ``combine``, as the forward's down projection and combine); the
+            op's kernels then make the weight gradients alone. Empty: the op makes all.
     """
 
     backend: str = "auto"
@@ -161,7 +161,7 @@ class KernelSettings:
     column_slab: Optional[int] = 512
     dispatch_sorted_min_bins: Optional[int] = 128
     dispatch_sort_chunk: int = 1024
-    backward_templates: frozenset = frozenset()
+    backward_templates: frozenset = frozenset({"dx"})
 
     def __post_init__(self):
         if self.backend not in ("auto", "triton", "torch"):

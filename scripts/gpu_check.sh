@@ -13,7 +13,8 @@
 # EXAMPLE=1 adds the 100M example (eager, compiled, reduce-overhead; moeblaze and grouped_mm);
 # GLUON_WS=1 times the warp-specialised Gluon kernels (scripts/compare_row_gemm.py,
 # scripts/tune_backward.py) and trains with every Gluon kernel warp-specialised;
-# BACKWARD_TEMPLATES=1 adds a compiled train run with settings.backward_templates={'dx'};
+# BACKWARD_TEMPLATES=1 adds a compiled train run with settings.backward_templates=() (the op's
+# kernels for grad_x too, the other side of the default);
 # SWITCHES=1 measures the other side of each tuning switch (log only); EP=1 adds the
 # expert-parallel GPU tests and benchmark (2 GPUs: kind nvidia-h200-x2) into $OUT/ep/. Test
 # packages missing on the machine are installed from wheels in .whl/ when the call carries them.
@@ -82,12 +83,12 @@ if [ "${EXAMPLE:-0}" = 1 ]; then
   done
 fi
 if [ "${BACKWARD_TEMPLATES:-0}" = 1 ]; then
-  # The compiled backward with grad_x as templates (settings.backward_templates), against
-  # the same run's moeblaze_compiled rows above (the op's kernels).
-  echo "== train, compiled, backward_templates={'dx'}" | tee -a "$LOG"
+  # The compiled backward with grad_x from the op's kernels, against the same run's
+  # moeblaze_compiled rows above (grad_x as templates, settings.backward_templates' default).
+  echo "== train, compiled, backward_templates=()" | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train_dx_template" \
     --skip hf_eager hf_grouped_mm moeblaze moeblaze_recompute moeblaze_recompute_compiled sonicmoe \
-    --set "backward_templates={'dx'}" --configs qwen3_100m olmoe mixtral 2>>"$LOG" | tee -a "$LOG"
+    --set "backward_templates=()" --configs qwen3_100m olmoe mixtral 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${GLUON_WS:-0}" = 1 ]; then
   # The warp-specialised Gluon kernels: kernel by kernel against the other Gluon kernels

@@ -3,6 +3,8 @@ Python functions by own time under cProfile.
 
     python scripts/host_overhead.py [--config qwen3_100m] [--steps 200] [--rows 30]
     python scripts/host_overhead.py --no-kernels --device cpu --config tiny
+    python scripts/host_overhead.py --compile   # the layer under torch.compile (fullgraph)
+    python scripts/host_overhead.py --op-calls  # each op through torch.ops against its kernel alone
 
 Small layers are launch-bound: the device finishes each kernel before the host has
 launched the next, so every microsecond here is a microsecond of the step.
@@ -43,6 +45,37 @@ def without_kernels(backend):
                                check_index_values=lambda *a: None, check_backward_index_values=lambda *a: None)
 
 
+def op_calls(x, ids, w, wgu, wd, n):
+    """Prints the host microseconds per call of each op and of its backend function."""
+    backend = kernels.backward_backend(x)
+    eti, offsets, tim = torch.ops.moeblaze.dispatch(ids, wgu.shape[0])
+    h = torch.ops.moeblaze.expert_up(x, wgu, eti, offsets, tim)
+    grad_out, grad_h = torch.randn_like(x), torch.randn_like(h)
+    down_args = (grad_out, h.clone(), wd, eti, offsets, tim, w, None, "swiglu", False, False, 1.702, 7.0)
+    up_args = (grad_h, x, wgu, eti, offsets, tim, False, False)
+    calls = {
+        "dispatch": (lambda: torch.ops.moeblaze.dispatch(ids, wgu.shape[0]),
+                     lambda: backend.dispatch(ids, wgu.shape[0])),
+        "expert_up_backward": (lambda: torch.ops.moeblaze.expert_up_backward(*up_args),
+                               lambda: backend.expert_up_backward(*up_args, True, True)),
+        "expert_down_backward": (lambda: torch.ops.moeblaze.expert_down_backward(*down_args),
+                                 lambda: backend.expert_down_backward(*down_args)),
+    }
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    for name, pair in calls.items():
+        times = []
+        for fn in pair:
+            for _ in range(10):
+                fn()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            times.append((time.perf_counter() - t0) / n * 1e6)
+        print(f"{name}: {times[0]:.1f} us per call through torch.ops, {times[1]:.1f} us its kernels alone")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="qwen3_100m", choices=[*CONFIGS, "tiny"])
@@ -50,6 +83,10 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--no-kernels", action="store_true", help="time moeblaze's Python alone (see above)")
+    p.add_argument("--compile", action="store_true", help="the layer compiled (torch.compile, fullgraph)")
+    p.add_argument("--op-calls", action="store_true",
+                   help="host time of one call of each op through torch.ops.moeblaze, then of its backend "
+                        "function alone (what a compiled graph's extern call costs beyond the kernels)")
     a = p.parse_args()
     shape = (64, 32, 16, 8, 2) if a.config == "tiny" else CONFIGS[a.config]
     x, ids, w, wgu, wd = make_inputs(*shape, device=a.device)
@@ -58,13 +95,17 @@ def main():
         if x.is_cuda:
             replayed = without_kernels(kernels.triton_backend())
             kernels.triton_backend = lambda: replayed
+    if a.op_calls:
+        return op_calls(x, ids, w, wgu, wd, a.steps)
     for t in (x, w, wgu, wd):
         t.requires_grad_(True)
     g = torch.randn_like(x)
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
 
+    layer = torch.compile(moeblaze_ops.moe_experts, fullgraph=True) if a.compile else moeblaze_ops.moe_experts
+
     def step():
-        moeblaze_ops.moe_experts(x, ids, w, wgu, wd).backward(g)
+        layer(x, ids, w, wgu, wd).backward(g)
 
     def steps(n):
         for _ in range(n):
@@ -74,7 +115,7 @@ def main():
     steps(10)
     t0 = time.perf_counter()
     steps(a.steps)
-    kind = "without kernels" if a.no_kernels else "(wall)"
+    kind = ("without kernels" if a.no_kernels else "(wall)") + (", compiled" if a.compile else "")
     per_step = (time.perf_counter() - t0) / a.steps * 1e6
     print(f"{a.config} on {a.device}: {per_step:.1f} us per forward + backward {kind}")
     if a.rows > 0:
