@@ -280,6 +280,13 @@ def pick_tile(kind: str, dtype: torch.dtype, device: torch.device) -> GemmTile:
         return override_tile
     if device.type != "cuda":
         return INTERPRETER_TILE
+    return _table_tile(kind, dtype, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _table_tile(kind: str, dtype: torch.dtype, device: torch.device) -> GemmTile:
+    """``pick_tile`` without an override: a function of the (constant) table and the device,
+    so each kernel launch after the first looks it up."""
     cls = _dtype_class(dtype)
     candidates = TILE_TABLE.get((kind, cls, _traits(device)[0])) or TILE_TABLE[(kind, cls, "any")]
     return next((tile for tile in candidates if tile_fits(tile, dtype, device)), candidates[-1])

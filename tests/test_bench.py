@@ -123,9 +123,29 @@ def test_cuda_graph_peers_are_timed_without_memory_columns():
         assert math.isnan(rows[peer]["peak_gb"]) and math.isnan(rows[peer]["train_fwd_peak_gb"])
     table = table_rows(report.forward_table(list(rows.values())), "smoke")
     assert table["moeblaze_cudagraphs"][4:6] == ["-", "-"]
+    rows = {r["peer"]: r for r in measure.bench_train(ctx, ["smoke"])}
+    assert set(CUDA_GRAPH_PEERS) <= set(rows)
+    assert_timed(rows.values())
+    assert all(math.isnan(rows[peer]["activation_gb"]) for peer in CUDA_GRAPH_PEERS)
 
 
 def test_cuda_graph_peers_need_cuda(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--cudagraphs", "--out", str(tmp_path)])
     assert "--cudagraphs needs --device cuda" in capsys.readouterr().err
+
+
+def test_train_steps_start_without_gradients():
+    """``time_ms(grad_to_none=...)`` sets each ``.grad`` to None before every call (a step
+    after ``zero_grad(set_to_none=True)``), so no step adds into the last step's gradient."""
+    import torch
+
+    t = torch.zeros(2, requires_grad=True)
+    seen = []
+
+    def step():
+        seen.append(t.grad is None)
+        t.grad = torch.ones(2)
+
+    measure.time_ms(step, "cpu", grad_to_none=(t,))
+    assert len(seen) >= 2 and all(seen)

@@ -314,7 +314,11 @@ def test_tiles_are_pruned_by_shared_memory(monkeypatch):
     limit = 64 * 1024
     monkeypatch.setattr(settings, "_device_traits", lambda index: ("any", limit))
     cuda = torch.device("cuda", 0)
-    tile = settings.pick_tile("up", torch.bfloat16, cuda)
+    settings._table_tile.cache_clear()  # picks cached for a real device (or for this stub, after)
+    try:
+        tile = settings.pick_tile("up", torch.bfloat16, cuda)
+    finally:
+        settings._table_tile.cache_clear()
     table = settings.TILE_TABLE[("up", "16bit", "any")]
     assert tile == next(t for t in table if t.smem_bytes(2) <= limit)
     candidates = settings.candidate_tiles(("up", "down", "dx"), torch.bfloat16, cuda)

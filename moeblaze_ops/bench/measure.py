@@ -39,9 +39,16 @@ class BenchContext:
         return self.device == "cuda"
 
 
-def time_ms(fn, device, reps_ms=200):
-    """Milliseconds one call of ``fn`` takes on ``device``."""
+def time_ms(fn, device, reps_ms=200, grad_to_none=()):
+    """Milliseconds one call of ``fn`` takes on ``device``; the ``.grad`` of each tensor in
+    ``grad_to_none`` is set to None before each call, untimed (a training step after
+    ``zero_grad(set_to_none=True)``: the backward makes the gradients, adds nothing)."""
     if device != "cuda":
+        def fn(fn=fn):
+            for t in grad_to_none:
+                t.grad = None
+            return fn()
+
         fn()
         t0 = time.perf_counter()
         for _ in range(3):
@@ -49,7 +56,8 @@ def time_ms(fn, device, reps_ms=200):
         return (time.perf_counter() - t0) / 3 * 1e3
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=50, rep=reps_ms, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=50, rep=reps_ms, grad_to_none=list(grad_to_none) or None,
+                                   return_mode="median")
 
 
 def peak_bytes(fn, device):
@@ -170,7 +178,10 @@ def bench_train(ctx, names):
             fn().backward(grad)
 
         for peer, fn, _ in _runnable(ctx, peers(*inputs, train=True, cuda_graphs=ctx.cuda_graphs), step):
-            ms = time_ms(lambda fn=fn: step(fn), ctx.device)
+            # Gradients made afresh each step, as after zero_grad(set_to_none=True); under CUDA
+            # graphs that is required too (an accumulated .grad would be a replayed graph's
+            # output that the next replay overwrites).
+            ms = time_ms(lambda fn=fn: step(fn), ctx.device, grad_to_none=(x, w, w_gate_up, w_down))
             if peer in CUDA_GRAPH_PEERS:
                 rows.append(emit(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=NAN,
                                       activation_gb=NAN, activation_bytes=NAN)))

@@ -23,6 +23,8 @@ TMA descriptors and when they apply.
 
 from __future__ import annotations
 
+import functools
+
 import importlib
 from typing import Optional
 
@@ -211,10 +213,17 @@ def tile_config(kind: str, t: torch.Tensor) -> GemmTile:
     return settings.pick_tile(kind, t.dtype, t.device)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    """The SMs of CUDA device ``index`` (a property query costs microseconds on each launch)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def num_programs(device: torch.device, max_tiles: Optional[int], per_sm: int = 1) -> int:
     """The persistent grid: ``per_sm`` programs per SM, no more than there are tiles (no cap
     where ``max_tiles`` is None: a count not known when the grid is chosen)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
     return max(1, per_sm * sms if max_tiles is None else min(per_sm * sms, max_tiles))
 
 
