@@ -2,7 +2,7 @@
 peer (kernels by device time, and the host time of the whole step).
 
     python scripts/profile_step.py [--configs qwen3_100m olmoe] [--peers moeblaze hf_grouped_mm_compiled]
-        [--steps 5] [--device cuda|cpu] [--rows 25]
+        [--steps 5] [--device cuda|cpu] [--rows 25] [--cudagraphs]
 
 Small layers (the 100M example) are where the host side shows: compare "host ms per
 step" with "device ms per step".
@@ -25,6 +25,8 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--cudagraphs", action="store_true",
+                   help="offer the CUDA-graph peers too (hf_grouped_mm_cudagraphs, moeblaze_cudagraphs)")
     a = p.parse_args()
     cuda = a.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -35,11 +37,13 @@ def main():
         for t in (x, w, w_gate_up, w_down):
             t.requires_grad_(True)
         grad = torch.randn_like(x)
-        fns = peers(x, ids, w, w_gate_up, w_down, train=True)
+        fns = peers(x, ids, w, w_gate_up, w_down, train=True, cuda_graphs=a.cudagraphs)
         for peer in a.peers:
             fn = fns[peer]
 
             def step():
+                for t in (x, w, w_gate_up, w_down):  # as after zero_grad(set_to_none=True)
+                    t.grad = None
                 fn().backward(grad)
 
             for _ in range(3):  # compile, first launches

@@ -18,6 +18,8 @@ CONFIGS = {
     "deepseek_v3": (8192, 7168, 2048, 256, 8),
     # one layer of examples/finetune_hf_moe.py --size 100m at 16x512 tokens
     "qwen3_100m": (8192, 512, 256, 32, 4),
+    # the same layer at the example's default batch, 8x64 tokens (what EXAMPLE=1 trains)
+    "qwen3_100m_b512": (512, 512, 256, 32, 4),
     "smoke": (512, 64, 128, 8, 2),  # a seconds-long check of the benchmark itself
 }
 
