@@ -41,18 +41,19 @@ class BenchContext:
 
 def time_ms(fn, device, reps_ms=200, grad_to_none=()):
     """Milliseconds one call of ``fn`` takes on ``device``; the ``.grad`` of each tensor in
-    ``grad_to_none`` is set to None before each call, untimed (a training step after
-    ``zero_grad(set_to_none=True)``: the backward makes the gradients, adds nothing)."""
+    ``grad_to_none`` is set to None before each call (a training step after
+    ``zero_grad(set_to_none=True)``: the backward makes the gradients, adds nothing), out
+    of the timed span on CUDA."""
     if device != "cuda":
-        def fn(fn=fn):
+        def call():
             for t in grad_to_none:
                 t.grad = None
             return fn()
 
-        fn()
+        call()
         t0 = time.perf_counter()
         for _ in range(3):
-            fn()
+            call()
         return (time.perf_counter() - t0) / 3 * 1e3
     import triton.testing
 

@@ -24,7 +24,6 @@ TMA descriptors and when they apply.
 from __future__ import annotations
 
 import functools
-
 import importlib
 from typing import Optional
 
