@@ -333,13 +333,14 @@ def test_index_arrays_checked_on_the_device(defect, seed):
 # ----------------------------------------------------------------------------- weight-gradient kernels
 
 
-@pytest.mark.parametrize("gluon", ["gluon_ws", "gluon", "tl"])
+@pytest.mark.parametrize("gluon", ["gluon_ws", "gluon", "gluon_group3", "tl"])
 @pytest.mark.parametrize("P,Q,transposed_out", [(192, 2880, False), (1408, 256, True), (64, 16, False)])
 def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
     """Every weight-gradient kernel, the two Gluon ones (where they apply: these shapes;
-    warp-specialised and not) and the portable tl one: out[e] = A_e^T B[ids_e] against a float64 reference, with ragged and
-    empty experts, tiles that run past P and Q, a transposed output view, a poisoned
-    output, and two runs bitwise equal."""
+    warp-specialised and not; tiles in bands of 3 tile rows, a short last band at P=1408)
+    and the portable tl one: out[e] = A_e^T B[ids_e] against a float64 reference, with
+    ragged and empty experts, tiles that run past P and Q, a transposed output view, a
+    poisoned output (a tile the order skipped stays NaN), and two runs bitwise equal."""
     from moeblaze_ops.kernels import gluon_wgrad
     from moeblaze_ops.kernels.triton_experts_backward import launch_wgrad
 
@@ -358,7 +359,8 @@ def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
                          dtype=torch.bfloat16)
         view = out.transpose(1, 2) if transposed_out else out
         with settings.override(gluon={"wgrad_up"} if gluon != "tl" else set(),
-                               gluon_warp_specialize={"wgrad_up"} if gluon == "gluon_ws" else set()):
+                               gluon_warp_specialize={"wgrad_up"} if gluon == "gluon_ws" else set(),
+                               wgrad_group=3 if gluon == "gluon_group3" else 1):
             launch_wgrad(rows, gathered, ids, offsets, view, kind="wgrad_up")
         return view
 

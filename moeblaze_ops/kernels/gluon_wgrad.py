@@ -65,14 +65,23 @@ def _issue_step(rows_ptr, gathered_ptr, ids, a_slot, b_slot, r0, hi, p0, q0, P, 
 
 
 @gluon.jit
-def _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr):
-    """(expert, first P, first Q, the expert's rows [lo, hi)) of output tile ``tile``, q
-    fastest: programs side by side share their A columns and the expert's rows."""
+def _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, GROUP_P: gl.constexpr):
+    """(expert, first P, first Q, the expert's rows [lo, hi)) of output tile ``tile``.
+
+    Each expert's tiles go in bands of ``GROUP_P`` tile rows (P), P fastest inside a band,
+    so the programs in flight at once cover a block of tiles whose operands (A columns,
+    B columns, over the same expert rows) stay in L2 together; ``GROUP_P`` = 1 is Q
+    fastest along each tile row."""
     p_tiles = gl.cdiv(P, BLOCK_P)
     q_tiles = gl.cdiv(Q, BLOCK_Q)
     e = tile // (p_tiles * q_tiles)
-    return (e, ((tile // q_tiles) % p_tiles) * BLOCK_P, (tile % q_tiles) * BLOCK_Q, gl.load(offsets_ptr + e),
-            gl.load(offsets_ptr + e + 1))
+    t = tile % (p_tiles * q_tiles)
+    band = GROUP_P * q_tiles
+    first_p = (t // band) * GROUP_P
+    band_rows = gl.minimum(p_tiles - first_p, GROUP_P)  # the last band may be short
+    p = first_p + (t % band) % band_rows
+    q = (t % band) // band_rows
+    return e, p * BLOCK_P, q * BLOCK_Q, gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
 
 
 @gluon.jit
@@ -91,7 +100,7 @@ def _wgrad_kernel(
     E, P, Q,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    GROUP_P: gl.constexpr, num_warps: gl.constexpr,
 ):
     # Ring of NUM_STAGES slots: step i in the MMA, step i - 1 possibly still in it (one
     # asynchronous wgmma stays in flight), steps i + 1 .. i + AHEAD landing.
@@ -103,7 +112,7 @@ def _wgrad_kernel(
     b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
-        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q)
+        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, GROUP_P)
         steps = gl.cdiv(hi - lo, BLOCK_R)
         # The previous tile's MMAs (every warpgroup's) are done before its slots are refilled.
         cta_barrier()
@@ -147,7 +156,7 @@ def _wgrad_kernel(
 @gluon.jit
 def _wgrad_ws_producer(rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, a_ring, b_ring, ready, empty, E, P, Q,
                        stride_rm, stride_gm, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr,
-                       WARPS: gl.constexpr):
+                       GROUP_P: gl.constexpr, WARPS: gl.constexpr):
     """The copy warpgroup: for every reduction step of this program's tiles, wait until
     the MMA has released the step's ring slot, copy A and the gathered B rows into it by
     cp.async (rows past the expert's end zero-filled), and arrive on the slot's ``ready``
@@ -155,7 +164,7 @@ def _wgrad_ws_producer(rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, a_ring,
     NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
     step = 0
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
-        _, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q)
+        _, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, GROUP_P)
         for r0 in range(lo, hi, BLOCK_R):
             slot = step % NUM_STAGES
             # A fresh barrier has completed no phase: the first pass over the ring waits for nothing.
@@ -169,7 +178,7 @@ def _wgrad_ws_producer(rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, a_ring,
 
 @gluon.jit
 def _wgrad_ws_consumer(a_ring, b_ring, ready, empty, offsets_ptr, out_ptr, E, P, Q, stride_oe, stride_op, stride_oq,
-                       BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr,
+                       BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, GROUP_P: gl.constexpr,
                        num_warps: gl.constexpr):
     """The MMA warpgroups: for every reduction step, wait for its copies, run the
     asynchronous wgmma on A^T (a transposed view of the slot) and B, and release the slot
@@ -178,7 +187,7 @@ def _wgrad_ws_consumer(a_ring, b_ring, ready, empty, offsets_ptr, out_ptr, E, P,
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_Q, num_warps)
     step = 0
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
-        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q)
+        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, GROUP_P)
         acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
         for r0 in range(lo, hi, BLOCK_R):
             slot = step % NUM_STAGES
@@ -202,7 +211,7 @@ def _wgrad_ws_kernel(
     E, P, Q,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    GROUP_P: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``_wgrad_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy both operands by
     cp.async into the ring, the ``num_warps`` others run the wgmma and store. Each ring
@@ -220,9 +229,9 @@ def _wgrad_ws_kernel(
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
         (_wgrad_ws_consumer, (a_ring, b_ring, ready, empty, offsets_ptr, out_ptr, E, P, Q, stride_oe, stride_op,
-                              stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)),
+                              stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, GROUP_P, num_warps)),
         (_wgrad_ws_producer, (rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, a_ring, b_ring, ready, empty, E, P,
-                              Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, PRODUCER_WARPS)),
+                              Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, GROUP_P, PRODUCER_WARPS)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -237,10 +246,13 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
             and rows.data_ptr() % 16 == 0 and gathered.data_ptr() % 16 == 0)
 
 
-def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: GemmTile = TILE, warp_specialize: bool = False):
+def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: GemmTile = TILE, warp_specialize: bool = False,
+                 group_p: int = 1):
     """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring); ``tile``
     is (P, Q, R block, warps, stages) with P = 16 * warps; ``warp_specialize`` picks
-    ``_wgrad_ws_kernel``."""
+    ``_wgrad_ws_kernel``; ``group_p`` is the tile order's band of P tiles (``_wgrad_tile``)."""
+    if group_p < 1:
+        raise ValueError(f"moeblaze gluon weight gradient: group_p must be at least 1, got {group_p}")
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
         raise ValueError(f"moeblaze gluon weight gradient: block_m must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")
@@ -249,7 +261,7 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: GemmTile = T
     args = (rows, gathered, row_ids, offsets, grad_w_pq, E, P, Q, rows.stride(0), gathered.stride(0),
             *grad_w_pq.stride())
     blocks = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
-                  num_warps=tile.num_warps)
+                  GROUP_P=group_p, num_warps=tile.num_warps)
     grid = (gg.num_programs(rows.device, tiles),)
     if warp_specialize:
         warps, regs = PRODUCER
