@@ -133,7 +133,8 @@ def row_gemm(kind, a, b, a_row_ids, offsets, bias, transposed, out_rows):
             choices, input_nodes=inputs, layout=layout, num_stages=tile.num_stages, num_warps=tile.num_warps,
             GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None, TRANSPOSED=transposed,
             B_TMA=kind in settings.current().weight_tma and _tma_ready(b, tile), B_KMAJOR=kmajor,
-            GROUPS=triton.next_power_of_2(compat.static_int(E) + 1), PRECISION=repr(gg.precision(dtype)),
+            GROUPS=triton.next_power_of_2(compat.static_int(E) + 1), BAND=settings.current().row_band,
+            PRECISION=repr(gg.precision(dtype)),
             NUM_PROGRAMS=gg.num_programs(device, None, tile.programs_per_sm),
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
     gens = {len(inputs) - (2 if bias is not None else 1): _even_offsets(out_rows)}

@@ -57,8 +57,8 @@ from moeblaze_ops.kernels.triton_experts import gathered_gemm_tile
             tile, a_ptr, b_src, {{"bias_ptr" if HAS_BIAS else "None"}}, {{"a_row_ids_ptr" if GATHER_A else "None"}},
             offsets_ptr, LK, E, N, REDUCTION, {{stride("a_ptr", 0)}}, {{stride("a_ptr", 1)}},
             {{stride("b_ptr", 0)}}, {{stride("b_ptr", 1 if TRANSPOSED else 2)}}, {{stride("b_ptr", 2 if TRANSPOSED else 1)}},
-            {{stride("bias_ptr", 0) if HAS_BIAS else 0}}, GATHER_A, HAS_BIAS, B_TMA, B_KMAJOR, GROUPS, PRECISION,
-            BLOCK_M, BLOCK_N, BLOCK_K)
+            {{stride("bias_ptr", 0) if HAS_BIAS else 0}}, GATHER_A, HAS_BIAS, B_TMA, B_KMAJOR, GROUPS, BAND,
+            PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         idx_m = rows.to(INDEX_DTYPE)[:, None]
         idx_n = cols[None, :]
         mask = rmask[:, None] & cmask[None, :]

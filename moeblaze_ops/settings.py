@@ -129,10 +129,14 @@ class KernelSettings:
             the MMA warpgroups only wait, multiply and store (``_row_gemm_ws_kernel``,
             ``_wgrad_ws_kernel``). Measured slower for the weight gradients, which keep
             their other kernel (docs/perf-notes.md).
-        wgrad_group: the Gluon weight gradients' output tiles go in bands of this many
-            tile rows, tile rows fastest inside a band (``gluon_wgrad._wgrad_tile``): the
-            tiles in flight at once then share more of their operands in L2. 1: along
-            each tile row, the order measured so far.
+        row_band: the row GEMMs' output tiles (up, down, dX, dH; eager kernels and
+            templates) go in bands of this many row tiles, rows fastest inside a band
+            (``grouped_gemm.banded``): the tiles in flight at once then read fewer
+            weight tiles, each from L2 for the whole band, instead of every row tile
+            streaming its expert's whole weight. 1: columns fastest along each row tile,
+            the order measured so far.
+        wgrad_band: the same for the Gluon weight gradients' [P, Q] tiles, in bands of
+            P-tiles (``gluon_wgrad._wgrad_tile``).
         activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
             [L*K, I]) rather than computing it in its prologue.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
@@ -159,7 +163,8 @@ class KernelSettings:
     weight_tma: frozenset = frozenset({"up", "dh", "dx"})
     gluon: frozenset = frozenset({"wgrad_down", "wgrad_up"})
     gluon_warp_specialize: frozenset = frozenset({"up", "down", "dx"})
-    wgrad_group: int = 1
+    wgrad_band: int = 1
+    row_band: int = 1
     activation_pass: bool = True
     fast_activation: bool = True
     dh_fast_activation: bool = True
@@ -189,8 +194,10 @@ class KernelSettings:
             raise ValueError(f"moeblaze settings: backward_templates has unknown parts "
                              f"{sorted(self.backward_templates - set(BACKWARD_TEMPLATE_KINDS))}; "
                              f"known: {BACKWARD_TEMPLATE_KINDS}")
-        if not isinstance(self.wgrad_group, int) or self.wgrad_group < 1:
-            raise ValueError(f"moeblaze settings: wgrad_group must be a positive int, got {self.wgrad_group!r}")
+        for name in ("wgrad_band", "row_band"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"moeblaze settings: {name} must be a positive int, got {value!r}")
         if self.column_slab is not None and self.column_slab < 1:
             raise ValueError(f"moeblaze settings: column_slab must be positive or None, got {self.column_slab}")
         if self.dispatch_sort_chunk < 16 or self.dispatch_sort_chunk & (self.dispatch_sort_chunk - 1):

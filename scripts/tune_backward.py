@@ -1,7 +1,7 @@
 """Sweeps tile configs of the backward GEMM kernels on benchmark shapes (GPU).
 
     python scripts/tune_backward.py [--configs olmoe mixtral] [--kinds dh dx wgrad_down wgrad_up]
-        [--w-tma 0 1] [--dh-fast 0 1] [--gluon 0 1] [--ws 0 1] [--wgrad-group 1 8 16]
+        [--w-tma 0 1] [--dh-fast 0 1] [--gluon 0 1] [--ws 0 1] [--wgrad-band 1 8 16]
 
 Each kernel is timed on its own (dh without the router-gradient reduce, dx with the
 unit-weight combine) next to a dense cuBLAS matmul of the same FLOPs: the ceiling to aim at.
@@ -90,8 +90,8 @@ def variants(kind, a):
     gluon, ws = settings.current().gluon, settings.current().gluon_warp_specialize
     return [(f"gluon={v} ws={w}" + (f" group={g}" if v else ""),
              dict(gluon=(gluon | {kind}) if v else (gluon - {kind}),
-                  gluon_warp_specialize=(ws | {kind}) if w else (ws - {kind}), wgrad_group=g))
-            for v in a.gluon for w in (a.ws if v else [0]) for g in (a.wgrad_group if v else [1])]
+                  gluon_warp_specialize=(ws | {kind}) if w else (ws - {kind}), wgrad_band=g))
+            for v in a.gluon for w in (a.ws if v else [0]) for g in (a.wgrad_band if v else [1])]
 
 
 def main():
@@ -107,8 +107,8 @@ def main():
                    help="weight gradients on the Gluon kernel (1) or the portable tl one (0)")
     p.add_argument("--ws", nargs="*", type=int, default=[0, 1],
                    help="the Gluon weight gradients warp-specialised (1) or not (0)")
-    p.add_argument("--wgrad-group", nargs="*", type=int, default=[1],
-                   help="the Gluon weight gradients' band of tile rows (settings.wgrad_group)")
+    p.add_argument("--wgrad-band", nargs="*", type=int, default=[1],
+                   help="the Gluon weight gradients' band of tile rows (settings.wgrad_band)")
     a = p.parse_args()
     for name in a.configs:
         T, d, I, E, K = CONFIGS[name]

@@ -24,10 +24,10 @@ def _compile_for_hopper(fn, signature, constexprs, num_warps, aligned):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
-@pytest.mark.parametrize("group_p", [1, 8])
+@pytest.mark.parametrize("band", [1, 8])
 @pytest.mark.parametrize("warp_specialize", [False, True], ids=["one_partition", "warp_specialized"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_weight_gradient_kernels_compile_for_hopper(dtype, warp_specialize, group_p, tmp_path):
+def test_weight_gradient_kernels_compile_for_hopper(dtype, warp_specialize, band, tmp_path):
     from test_gluon_row_gemm_compile import MAX_SHARED, _spill_bytes
 
     from moeblaze_ops.kernels import gluon_wgrad
@@ -37,7 +37,7 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, warp_specialize, grou
     signature = {"rows_ptr": f"*{dtype}", "gathered_ptr": f"*{dtype}", "row_ids_ptr": "*i32", "offsets_ptr": "*i32",
                  "out_ptr": f"*{dtype}", **{name: "i32" for name in ints}}
     constexprs = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
-                      GROUP_P=group_p, num_warps=tile.num_warps)
+                      BAND=band, num_warps=tile.num_warps)
     if warp_specialize:
         constexprs.update(zip(("PRODUCER_WARPS", "PRODUCER_REGS"), gluon_wgrad.PRODUCER))
     kernel_fn = gluon_wgrad._wgrad_ws_kernel if warp_specialize else gluon_wgrad._wgrad_kernel

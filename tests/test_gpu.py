@@ -255,14 +255,17 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                                     {"gluon": settings.GLUON_KINDS},
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": ()},
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": settings.GLUON_KINDS},
-                                    {"gluon": ()}], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+                                    {"gluon": ()}, {"row_band": 3, "wgrad_band": 3},
+                                    {"gluon": settings.GLUON_KINDS, "row_band": 3}],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("activation,layout", [("swiglu", "interleaved"), ("clamped_swiglu", "transposed"),
                                                ("silu", "concatenated")])
 def test_kernel_choices(choice, activation, layout, seed, triton_bwd):
     """Both sides of the kernel choices without a test of their own: the down GEMM on an
     activation pass or with the activation in its prologue (h through TMA descriptors or
     plain loads there), the approximate-tanh sigmoid or the exact one, the weight
-    gradients on the Gluon kernel or the tl one: forward and every gradient against the
+    gradients on the Gluon kernel or the tl one, the GEMM tiles in bands of 3 row tiles
+    (a short last band) or along each row: forward and every gradient against the
     reference."""
     with settings.override(**choice):
         check_forward(777, 512, 384, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, activation=activation,
@@ -333,7 +336,7 @@ def test_index_arrays_checked_on_the_device(defect, seed):
 # ----------------------------------------------------------------------------- weight-gradient kernels
 
 
-@pytest.mark.parametrize("gluon", ["gluon_ws", "gluon", "gluon_group3", "tl"])
+@pytest.mark.parametrize("gluon", ["gluon_ws", "gluon", "gluon_band3", "tl"])
 @pytest.mark.parametrize("P,Q,transposed_out", [(192, 2880, False), (1408, 256, True), (64, 16, False)])
 def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
     """Every weight-gradient kernel, the two Gluon ones (where they apply: these shapes;
@@ -360,7 +363,7 @@ def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
         view = out.transpose(1, 2) if transposed_out else out
         with settings.override(gluon={"wgrad_up"} if gluon != "tl" else set(),
                                gluon_warp_specialize={"wgrad_up"} if gluon == "gluon_ws" else set(),
-                               wgrad_group=3 if gluon == "gluon_group3" else 1):
+                               wgrad_band=3 if gluon == "gluon_band3" else 1):
             launch_wgrad(rows, gathered, ids, offsets, view, kind="wgrad_up")
         return view
 

@@ -23,6 +23,17 @@ def gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
+@pytest.fixture(autouse=True)
+def fresh_compiles():
+    """Every test compiles afresh: Inductor's FX graph cache keys on neither the kernel
+    settings these tests vary nor the lowerings, so a graph compiled under one test's
+    settings would otherwise run in the next."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False):
+        yield
+
+
 def residual_moe(x, topk_ids, topk_weights, w_gate_up, w_down, residual):
     return residual + moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down)
 
@@ -78,6 +89,12 @@ def test_row_gemm_template_renders(variables):
     assert ("a_row_ids_ptr" in signature) == variables["GATHER_A"]
     assert ("bias_ptr" in signature) == variables["HAS_BIAS"]
     assert ("make_tensor_descriptor" in source) == variables["B_TMA"]
+    # The template's call of the kernels' shared tile function passes each of its parameters.
+    from moeblaze_ops.kernels.triton_experts import gathered_gemm_tile
+
+    call = next(node for node in ast.walk(ast.parse(source))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "gathered_gemm_tile")
+    assert len(call.args) == len(gathered_gemm_tile.arg_names)
 
 
 @pytest.mark.parametrize("weighted", [True, False])
@@ -165,14 +182,15 @@ def _compiled_code(fn, *args, **compile_kwargs):
 
 
 @gpu
-@pytest.mark.parametrize("column_slab", [None, 128, 16])
-def test_templates_run_the_layer(column_slab, seed):
+@pytest.mark.parametrize("column_slab,row_band", [(None, 1), (128, 1), (16, 1), (128, 3)])
+def test_templates_run_the_layer(column_slab, row_band, seed):
     """The compiled layer is made of the moeblaze templates (up GEMM, activation, down GEMM,
     combine), with nothing falling back to the ops, and matches the float64 layer. With
     16 slabs (more than Inductor fuses into a pointwise cat) the slabs meet in a concat
-    kernel, which Inductor's cat lowering makes when called from inside our lowering."""
+    kernel, which Inductor's cat lowering makes when called from inside our lowering. With
+    ``row_band=3`` the row GEMM templates number their tiles in bands."""
     layer = _gpu_layer(seed)
-    with settings.override(column_slab=column_slab, poison=True):
+    with settings.override(column_slab=column_slab, row_band=row_band, poison=True):
         out, code = _compiled_code(moe_experts, *[layer[k] for k in LAYER_ARGS])
     for helper in TEMPLATE_HELPERS:
         assert helper in code

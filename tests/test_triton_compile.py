@@ -1,7 +1,8 @@
 """The ``tl`` kernels whose GPU runs are the default compile for a Hopper (sm_90) target on
 any machine, with Triton's own compiler and ptxas: the dispatch kernels with the id checks
-folded in (both families, int32 and int64 ids) and the backward kernels that read each
-row's combine weight in place. CPU machines run these kernels in the interpreter, which
+folded in (both families, int32 and int64 ids), the backward kernels that read each
+row's combine weight in place, and the row GEMMs with their tiles in bands
+(``settings.row_band``). CPU machines run these kernels in the interpreter, which
 does not lower them; this catches what only the real compiler rejects.
 
 Compiled in a subprocess: under ``TRITON_INTERPRET=1`` (set for this test session)
@@ -17,7 +18,7 @@ SCRIPT = r'''
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moeblaze_ops.kernels import triton_dispatch as td, triton_experts_backward as tb
+from moeblaze_ops.kernels import triton_dispatch as td, triton_experts as te, triton_experts_backward as tb
 
 
 def compile_for_hopper(fn, types, constexprs, num_warps=4):
@@ -40,8 +41,13 @@ rows = {n: "*bf16" for n in ("go_ptr", "w_src", "h_ptr", "bias_ptr", "dh_ptr", "
 rows.update({n: "*i32" for n in ("eti_ptr", "tim_ptr", "offsets_ptr", "row_ids_ptr")}, tw_ptr="*fp32",
             part_ptr="*fp32", bdot_ptr="*fp32", alpha="fp32", limit="fp32")
 compile_for_hopper(tb._dh_kernel, rows, dict(K=8, ACT=0, INTERLEAVED=False, HAS_BIAS=True, WRITE_WACT=True,
-                                             W_TMA=False, W_KMAJOR=True, FAST_ACT=True, GROUPS=16,
+                                             W_TMA=False, W_KMAJOR=True, FAST_ACT=True, GROUPS=16, BAND=8,
                                              PRECISION="tf32", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), num_warps=8)
+gemm = {n: "*bf16" for n in ("a_ptr", "b_src", "bias_ptr", "out_ptr")}
+gemm.update({n: "*i32" for n in ("a_row_ids_ptr", "offsets_ptr")})
+compile_for_hopper(te._gathered_gemm_kernel, gemm, dict(GATHER_A=True, HAS_BIAS=True, B_TMA=False, B_KMAJOR=False,
+                                                        GROUPS=16, BAND=8, PRECISION="tf32", BLOCK_M=128,
+                                                        BLOCK_N=256, BLOCK_K=64), num_warps=8)
 compile_for_hopper(tb._expert_row_sum_kernel, rows, dict(K=8, GATHER=True, WEIGHTED=True, BLOCK_R=64, BLOCK_D=128))
 print("compiled")
 '''

@@ -251,3 +251,16 @@ def test_training_steps_keep_no_tensor_alive(seed):
     gc.collect()
     alive = [r() for r in made if r() is not None]
     assert not alive, [tuple(t.shape) for t in alive]
+
+
+@pytest.mark.parametrize("band", [2, 3])
+def test_row_tiles_in_bands(band, seed):
+    """The row GEMMs' tiles (up, down, dX, dH) numbered in bands of m-tiles
+    (``settings.row_band``; bands span experts, the sentinel group and a short last band;
+    d and 2I three n-tiles wide): forward and every gradient against the reference, every
+    buffer poisoned first, so a tile the order skipped stays NaN."""
+    with settings.override(row_band=band):
+        check_forward(45, 40, 24, 3, 2, dtype=torch.float32, device="cpu", seed=seed, bias=True,
+                      routing="skewed", sentinel_frac=0.2)
+        check_backward(45, 40, 24, 3, 2, dtype=torch.float32, device="cpu", seed=seed, bias=True,
+                       routing="skewed", sentinel_frac=0.2)

@@ -32,6 +32,19 @@ def wgmma_acc_layout(cols, num_warps):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
 
 
+@gluon.jit
+def banded(tile, rows_total, cols_total, BAND: gl.constexpr):
+    """(row, column) of ``tile`` in a rows x cols grid of tiles numbered in bands of ``BAND``
+    rows, rows fastest inside a band: ``grouped_gemm.banded``, which the ``tl`` kernels
+    call (Gluon cannot call ``tl`` functions)."""
+    band = BAND * cols_total
+    first = (tile // band) * BAND
+    height = gl.maximum(gl.minimum(rows_total - first, BAND), 1)
+    within = tile % band
+    col = within // height
+    return gl.where(col < cols_total, first + within % height, rows_total), col
+
+
 @functools.lru_cache(maxsize=None)
 def is_hopper(index: int) -> bool:
     """Whether CUDA device ``index`` is a Hopper (capability 9) GPU."""

@@ -37,7 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..layouts import linear_dims, linear_strides
 from ..settings import GemmTile
 from . import grouped_gemm as gg
-from .gluon_common import async_load, copy_layout, cta_barrier, on_hopper, tma_load, wgmma_acc_layout
+from .gluon_common import async_load, banded, copy_layout, cta_barrier, on_hopper, tma_load, wgmma_acc_layout
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 of K per
 #: step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
@@ -85,17 +85,19 @@ def _tile_ends(offsets_ptr, E, LK, BLOCK_M: gl.constexpr, GROUPS: gl.constexpr, 
 
 
 @gluon.jit
-def _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _row_tile(tile, offsets_ptr, tile_end, m_total, E, LK, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              BAND: gl.constexpr):
     """(group, first row, end of the group's rows, first column) of output tile ``tile``,
-    numbered as ``grouped_gemm.row_tile`` numbers them (the m-tiles of every group end to
-    end, n fastest)."""
-    m = tile // n_tiles
+    numbered as ``grouped_gemm.row_tile`` numbers them (the ``m_total`` m-tiles of every
+    group end to end, in bands of ``BAND`` m-tiles with the n-tiles); a tile past the
+    last is in no group (group E + 1)."""
+    m, n = banded(tile, m_total, n_tiles, BAND)
     before = tile_end <= m  # the groups whose m-tiles all come before this one
     grp = gl.reduce(before.to(gl.int32), 0, _add)
     first_tile = gl.reduce(gl.where(before, tile_end, 0), 0, _max)
     lo = gl.load(offsets_ptr + gl.minimum(grp, E))
     hi = gl.where(grp < E, gl.load(offsets_ptr + grp + 1, mask=grp < E, other=0), LK)
-    return grp, lo + (m - first_tile) * BLOCK_M, hi, (tile % n_tiles) * BLOCK_N
+    return grp, lo + (m - first_tile) * BLOCK_M, hi, n * BLOCK_N
 
 
 @gluon.jit
@@ -148,10 +150,10 @@ def _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om):
 
 
 @gluon.jit
-def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, slot, tile_end, n_tiles, k_steps,
-             p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
+def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, slot, tile_end, m_total, n_tiles,
+             k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
              GATHER_A: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
+             BLOCK_K: gl.constexpr, BAND: gl.constexpr, num_warps: gl.constexpr):
     """Starts the copies of step ``p_k`` of tile ``p_tile`` into ring slot ``slot`` and
     moves on to the next step, or to the program's next tile (its schedule and row
     offsets computed now, a step before its first copies need them). Past the last
@@ -172,7 +174,8 @@ def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, sl
         if p_k == k_steps:
             p_k = 0
             p_tile += gl.num_programs(0)
-            p_grp, p_row0, p_end, p_n0 = _row_tile(p_tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N)
+            p_grp, p_row0, p_end, p_n0 = _row_tile(p_tile, offsets_ptr, tile_end, m_total, E, LK, n_tiles, BLOCK_M,
+                                                   BLOCK_N, BAND)
             p_offs = _row_offsets(a_row_ids_ptr, p_row0, p_end, stride_am, GATHER_A, BLOCK_M, BLOCK_K, num_warps)
     return p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs
 
@@ -183,8 +186,8 @@ def _row_gemm_kernel(
     LK, E, N, K,
     stride_am, stride_bias, stride_om,
     GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
     # Ring of NUM_STAGES slots: step c in the MMA, step c - 1 possibly still in it (one
     # asynchronous wgmma stays in flight), steps c + 1 .. c + AHEAD landing.
@@ -201,25 +204,28 @@ def _row_gemm_kernel(
     tile_end = _tile_ends(offsets_ptr, E, LK, BLOCK_M, GROUPS, num_warps)
     n_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
-    total = gl.reduce(tile_end, 0, _max) * n_tiles
+    m_total = gl.reduce(tile_end, 0, _max)
+    total = m_total * n_tiles
 
     # The producer walks this program's tiles and their steps AHEAD steps before the MMA.
     p_tile = gl.program_id(0)
     p_k = 0
-    p_grp, p_row0, p_end, p_n0 = _row_tile(p_tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N)
+    p_grp, p_row0, p_end, p_n0 = _row_tile(p_tile, offsets_ptr, tile_end, m_total, E, LK, n_tiles, BLOCK_M, BLOCK_N,
+                                           BAND)
     p_offs = _row_offsets(a_row_ids_ptr, p_row0, p_end, stride_am, GATHER_A, BLOCK_M, BLOCK_K, num_warps)
     # One commit group per step, empty when nothing is left to copy, so that "all but
     # AHEAD - 1 groups landed" always means "step c landed".
     for s in gl.static_range(AHEAD):
         p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _produce(
-            a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, s, tile_end, n_tiles, k_steps,
+            a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, s, tile_end, m_total, n_tiles, k_steps,
             p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
-            GATHER_A, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, num_warps)
+            GATHER_A, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, BAND, num_warps)
         cp.commit_group()
 
     step = 0  # steps consumed by this program: its ring slot and its barrier's phase
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N)
+        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, m_total, E, LK, n_tiles, BLOCK_M, BLOCK_N,
+                                           BAND)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         if grp < E:  # sentinel tiles store zeros
             if HAS_BIAS:
@@ -237,8 +243,8 @@ def _row_gemm_kernel(
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _produce(
                     a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, (step + AHEAD) % NUM_STAGES,
-                    tile_end, n_tiles, k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
-                    GATHER_A, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, num_warps)
+                    tile_end, m_total, n_tiles, k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K,
+                    stride_am, GATHER_A, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, BAND, num_warps)
                 cp.commit_group()
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -253,7 +259,7 @@ def _row_gemm_kernel(
 
 @gluon.jit
 def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, N, K,
-                 stride_am, GATHER_A: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
+                 stride_am, GATHER_A: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr):
     """The copy warps: for every step of this program's expert tiles (the schedule of
     ``_row_tile``), wait until the MMA has released the step's ring slot, then start the
@@ -265,10 +271,11 @@ def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_re
     tile_end = _tile_ends(offsets_ptr, E, LK, BLOCK_M, GROUPS, WARPS)
     n_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
-    total = gl.reduce(tile_end, 0, _max) * n_tiles
+    m_total = gl.reduce(tile_end, 0, _max)
     step = 0
-    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N)
+    for tile in range(gl.program_id(0), m_total * n_tiles, gl.num_programs(0)):
+        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, m_total, E, LK, n_tiles, BLOCK_M, BLOCK_N,
+                                           BAND)
         if grp < E:  # the sentinel tiles copy nothing
             if GATHER_A:
                 layout: gl.constexpr = copy_layout(BLOCK_K, WARPS)
@@ -298,8 +305,8 @@ def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_re
 @gluon.jit
 def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, LK, E, N, K, stride_bias,
                  stride_om, GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr,
-                 GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 num_warps: gl.constexpr):
+                 GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
     """The MMA warpgroups: for every step, wait for its copies, run the asynchronous wgmma,
     and release the slot of the step before once its wgmma is done (one stays in flight);
     then the bias and the masked store of the tile's rows inside the expert."""
@@ -308,10 +315,11 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
     tile_end = _tile_ends(offsets_ptr, E, LK, BLOCK_M, GROUPS, num_warps)
     n_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
-    total = gl.reduce(tile_end, 0, _max) * n_tiles
+    m_total = gl.reduce(tile_end, 0, _max)
     step = 0
-    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N)
+    for tile in range(gl.program_id(0), m_total * n_tiles, gl.num_programs(0)):
+        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, m_total, E, LK, n_tiles, BLOCK_M, BLOCK_N,
+                                           BAND)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         if grp < E:  # sentinel tiles store zeros
             if HAS_BIAS:
@@ -344,8 +352,8 @@ def _row_gemm_ws_kernel(
     LK, E, N, K,
     stride_am, stride_bias, stride_om,
     GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
-    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``_row_gemm_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the A and B
     tiles into the ring (``a_src`` a TMA descriptor of A, or A's pointer when its rows are
@@ -366,10 +374,10 @@ def _row_gemm_ws_kernel(
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
         (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, LK, E, N, K,
-                        stride_bias, stride_om, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BLOCK_M, BLOCK_N, BLOCK_K,
-                        num_warps)),
+                        stride_bias, stride_om, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N,
+                        BLOCK_K, num_warps)),
         (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, N,
-                        K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS)),
+                        K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -402,11 +410,12 @@ def applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, transposed: boo
 
 
 def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmTile = TILE,
-                    warp_specialize: bool = True):
+                    warp_specialize: bool = True, band: int = 1):
     """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) over every routed row, B an expert
     weight stack in ``transposed`` layout (``layouts``), as
     ``triton_experts.launch_gathered_gemm``; ``tile`` is (M, N, K block, warps, stages)
-    with M = 16 * warps; ``warp_specialize`` picks ``_row_gemm_ws_kernel``."""
+    with M = 16 * warps; ``warp_specialize`` picks ``_row_gemm_ws_kernel``; ``band`` is the
+    tile order's band of m-tiles (``grouped_gemm.banded``)."""
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
         raise ValueError(f"moeblaze gluon row GEMM: block_m must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")
@@ -420,7 +429,7 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     b_desc = TensorDescriptor.from_tensor(view, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
     max_tiles = (triton.cdiv(LK, tile.block_m) + E + 1) * triton.cdiv(N, tile.block_n)
     grid = (gg.num_programs(a.device, max_tiles),)
-    common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=triton.next_power_of_2(E + 1),
+    common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=triton.next_power_of_2(E + 1), BAND=band,
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
                   num_warps=tile.num_warps)
     if warp_specialize:

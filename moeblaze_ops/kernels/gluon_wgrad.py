@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..settings import GemmTile
 from . import grouped_gemm as gg
-from .gluon_common import async_load, copy_layout, cta_barrier, on_hopper, wgmma_acc_layout
+from .gluon_common import async_load, banded, copy_layout, cta_barrier, on_hopper, wgmma_acc_layout
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 rows of the
 #: reduction per step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
@@ -65,22 +65,15 @@ def _issue_step(rows_ptr, gathered_ptr, ids, a_slot, b_slot, r0, hi, p0, q0, P, 
 
 
 @gluon.jit
-def _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, GROUP_P: gl.constexpr):
-    """(expert, first P, first Q, the expert's rows [lo, hi)) of output tile ``tile``.
-
-    Each expert's tiles go in bands of ``GROUP_P`` tile rows (P), P fastest inside a band,
-    so the programs in flight at once cover a block of tiles whose operands (A columns,
-    B columns, over the same expert rows) stay in L2 together; ``GROUP_P`` = 1 is Q
-    fastest along each tile row."""
+def _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BAND: gl.constexpr):
+    """(expert, first P, first Q, the expert's rows [lo, hi)) of output tile ``tile``: each
+    expert's [P, Q] tiles numbered in bands of ``BAND`` P-tiles (``banded``), so the
+    programs in flight at once share their A and B columns over the expert's rows in L2;
+    ``BAND`` = 1 numbers Q fastest along each P-tile."""
     p_tiles = gl.cdiv(P, BLOCK_P)
     q_tiles = gl.cdiv(Q, BLOCK_Q)
     e = tile // (p_tiles * q_tiles)
-    t = tile % (p_tiles * q_tiles)
-    band = GROUP_P * q_tiles
-    first_p = (t // band) * GROUP_P
-    band_rows = gl.minimum(p_tiles - first_p, GROUP_P)  # the last band may be short
-    p = first_p + (t % band) % band_rows
-    q = (t % band) // band_rows
+    p, q = banded(tile % (p_tiles * q_tiles), p_tiles, q_tiles, BAND)
     return e, p * BLOCK_P, q * BLOCK_Q, gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
 
 
@@ -100,7 +93,7 @@ def _wgrad_kernel(
     E, P, Q,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    GROUP_P: gl.constexpr, num_warps: gl.constexpr,
+    BAND: gl.constexpr, num_warps: gl.constexpr,
 ):
     # Ring of NUM_STAGES slots: step i in the MMA, step i - 1 possibly still in it (one
     # asynchronous wgmma stays in flight), steps i + 1 .. i + AHEAD landing.
@@ -112,7 +105,7 @@ def _wgrad_kernel(
     b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
-        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, GROUP_P)
+        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
         steps = gl.cdiv(hi - lo, BLOCK_R)
         # The previous tile's MMAs (every warpgroup's) are done before its slots are refilled.
         cta_barrier()
@@ -156,7 +149,7 @@ def _wgrad_kernel(
 @gluon.jit
 def _wgrad_ws_producer(rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, a_ring, b_ring, ready, empty, E, P, Q,
                        stride_rm, stride_gm, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr,
-                       GROUP_P: gl.constexpr, WARPS: gl.constexpr):
+                       BAND: gl.constexpr, WARPS: gl.constexpr):
     """The copy warpgroup: for every reduction step of this program's tiles, wait until
     the MMA has released the step's ring slot, copy A and the gathered B rows into it by
     cp.async (rows past the expert's end zero-filled), and arrive on the slot's ``ready``
@@ -164,7 +157,7 @@ def _wgrad_ws_producer(rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, a_ring,
     NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
     step = 0
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
-        _, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, GROUP_P)
+        _, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
         for r0 in range(lo, hi, BLOCK_R):
             slot = step % NUM_STAGES
             # A fresh barrier has completed no phase: the first pass over the ring waits for nothing.
@@ -178,7 +171,7 @@ def _wgrad_ws_producer(rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, a_ring,
 
 @gluon.jit
 def _wgrad_ws_consumer(a_ring, b_ring, ready, empty, offsets_ptr, out_ptr, E, P, Q, stride_oe, stride_op, stride_oq,
-                       BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, GROUP_P: gl.constexpr,
+                       BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, BAND: gl.constexpr,
                        num_warps: gl.constexpr):
     """The MMA warpgroups: for every reduction step, wait for its copies, run the
     asynchronous wgmma on A^T (a transposed view of the slot) and B, and release the slot
@@ -187,7 +180,7 @@ def _wgrad_ws_consumer(a_ring, b_ring, ready, empty, offsets_ptr, out_ptr, E, P,
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_Q, num_warps)
     step = 0
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
-        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, GROUP_P)
+        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
         acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
         for r0 in range(lo, hi, BLOCK_R):
             slot = step % NUM_STAGES
@@ -211,7 +204,7 @@ def _wgrad_ws_kernel(
     E, P, Q,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    GROUP_P: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    BAND: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``_wgrad_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy both operands by
     cp.async into the ring, the ``num_warps`` others run the wgmma and store. Each ring
@@ -229,9 +222,9 @@ def _wgrad_ws_kernel(
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
         (_wgrad_ws_consumer, (a_ring, b_ring, ready, empty, offsets_ptr, out_ptr, E, P, Q, stride_oe, stride_op,
-                              stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, GROUP_P, num_warps)),
+                              stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, BAND, num_warps)),
         (_wgrad_ws_producer, (rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, a_ring, b_ring, ready, empty, E, P,
-                              Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, GROUP_P, PRODUCER_WARPS)),
+                              Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, BAND, PRODUCER_WARPS)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -247,12 +240,12 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
 
 
 def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: GemmTile = TILE, warp_specialize: bool = False,
-                 group_p: int = 1):
+                 band: int = 1):
     """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring); ``tile``
     is (P, Q, R block, warps, stages) with P = 16 * warps; ``warp_specialize`` picks
-    ``_wgrad_ws_kernel``; ``group_p`` is the tile order's band of P tiles (``_wgrad_tile``)."""
-    if group_p < 1:
-        raise ValueError(f"moeblaze gluon weight gradient: group_p must be at least 1, got {group_p}")
+    ``_wgrad_ws_kernel``; ``band`` is the tile order's band of P tiles (``_wgrad_tile``)."""
+    if band < 1:
+        raise ValueError(f"moeblaze gluon weight gradient: band must be at least 1, got {band}")
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
         raise ValueError(f"moeblaze gluon weight gradient: block_m must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")
@@ -261,7 +254,7 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: GemmTile = T
     args = (rows, gathered, row_ids, offsets, grad_w_pq, E, P, Q, rows.stride(0), gathered.stride(0),
             *grad_w_pq.stride())
     blocks = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
-                  GROUP_P=group_p, num_warps=tile.num_warps)
+                  BAND=band, num_warps=tile.num_warps)
     grid = (gg.num_programs(rows.device, tiles),)
     if warp_specialize:
         warps, regs = PRODUCER

@@ -55,19 +55,38 @@ def num_row_tiles(offsets_ptr, E, LK, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
-def row_tile(tile, offsets_ptr, E, LK, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
-    """(group, first row, rows, row mask, columns, column mask) of output tile ``tile``."""
+def banded(tile, rows_total, cols_total, BAND: tl.constexpr):
+    """(row, column) of ``tile`` in a rows x cols grid of tiles numbered in bands of ``BAND``
+    rows, rows fastest inside a band (the last band may be short). The tiles a wave of
+    programs holds at once then span about BAND rows and wave / BAND columns, and share
+    their operands in L2; BAND = 1 numbers the columns fastest along each row. Tiles past
+    the grid (a producer looking ahead) map past its last row."""
+    band = BAND * cols_total
+    first = (tile // band) * BAND
+    height = tl.maximum(tl.minimum(rows_total - first, BAND), 1)
+    within = tile % band
+    col = within // height
+    # Past the grid in a short last band, the column runs past the last one.
+    return tl.where(col < cols_total, first + within % height, rows_total), col
+
+
+@triton.jit
+def row_tile(tile, offsets_ptr, E, LK, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+             BAND: tl.constexpr):
+    """(group, first row, rows, row mask, first column, columns, column mask) of output
+    tile ``tile``: the m-tiles of every group end to end, numbered with the n-tiles in
+    bands of ``BAND`` m-tiles (``banded``)."""
     g, lo, hi = group_bounds(offsets_ptr, E, LK, GROUPS)
     m_tiles = tl.cdiv(hi - lo, BLOCK_M)
     tile_end = tl.cumsum(m_tiles, axis=0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    m = tile // n_tiles
+    m, n = banded(tile, tl.sum(m_tiles, axis=0), tl.cdiv(N, BLOCK_N), BAND)
     grp = tl.sum((tile_end <= m).to(tl.int32), axis=0)
     first_tile = tl.sum(tl.where(g == grp, tile_end - m_tiles, 0), axis=0)
     row0 = tl.sum(tl.where(g == grp, lo, 0), axis=0) + (m - first_tile) * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
-    cols = (tile % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return grp, row0, rows, rows < tl.sum(tl.where(g == grp, hi, 0), axis=0), cols, cols < N
+    n0 = n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    return grp, row0, rows, rows < tl.sum(tl.where(g == grp, hi, 0), axis=0), n0, cols, cols < N
 
 
 @triton.jit
@@ -232,7 +251,8 @@ def launch_row_gemm(kernel, tile: GemmTile, dtype: torch.dtype, device: torch.de
     LK, E = kwargs["LK"], kwargs["E"]
     max_tiles = (triton.cdiv(LK, tile.block_m) + E + 1) * triton.cdiv(n_cols, tile.block_n)
     grid = (num_programs(device, max_tiles, tile.programs_per_sm),)
-    kernel[grid](**kwargs, GROUPS=triton.next_power_of_2(E + 1), PRECISION=precision(dtype),
+    kernel[grid](**kwargs, GROUPS=triton.next_power_of_2(E + 1), BAND=settings.current().row_band,
+                 PRECISION=precision(dtype),
                  BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
                  num_stages=tile.num_stages)
 

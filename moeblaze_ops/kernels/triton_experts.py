@@ -30,13 +30,13 @@ def gathered_gemm_tile(
     tile, a_ptr, b_src, bias_ptr, a_row_ids_ptr, offsets_ptr, LK, E, N, REDUCTION,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_bias,
     GATHER_A: tl.constexpr, HAS_BIAS: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
-    GROUPS: tl.constexpr, PRECISION: tl.constexpr,
+    GROUPS: tl.constexpr, BAND: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """(rows, row mask, columns, column mask, fp32 tile) of output tile ``tile`` of
     out[r] = A[a_row_ids[r] if GATHER_A else r] @ B_e (+ bias_e), B read as [E, REDUCTION, N];
     the sentinel group's tiles are zero. The eager kernel and the Inductor template store it."""
-    e, row0, rows, rmask, cols, cmask = gg.row_tile(tile, offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS)
+    e, row0, rows, rmask, n0, cols, cmask = gg.row_tile(tile, offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS, BAND)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if e < E:
         if GATHER_A:
@@ -45,8 +45,8 @@ def gathered_gemm_tile(
             a_rows = rows.to(tl.int64)
         for k0 in range(0, REDUCTION, BLOCK_K):
             a = gg.load_rows(a_ptr, a_rows, rmask, k0, REDUCTION, stride_am, stride_ak, BLOCK_K)
-            b = gg.load_weight_tile(b_src, e, k0, (tile % tl.cdiv(N, BLOCK_N)) * BLOCK_N, stride_be, stride_bk,
-                                    stride_bn, REDUCTION, N, B_TMA, B_KMAJOR, BLOCK_K, BLOCK_N)
+            b = gg.load_weight_tile(b_src, e, k0, n0, stride_be, stride_bk, stride_bn, REDUCTION, N, B_TMA,
+                                    B_KMAJOR, BLOCK_K, BLOCK_N)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if HAS_BIAS:
             acc = gg.add_bias(acc, bias_ptr, e, stride_bias, cols, cmask)
@@ -59,7 +59,7 @@ def _gathered_gemm_kernel(
     LK, E, N, REDUCTION,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_bias, stride_om,
     GATHER_A: tl.constexpr, HAS_BIAS: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
-    GROUPS: tl.constexpr, PRECISION: tl.constexpr,
+    GROUPS: tl.constexpr, BAND: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Row r of A is ``a_row_ids[r]`` with GATHER_A, else r; B is [E, REDUCTION, N]."""
@@ -67,8 +67,8 @@ def _gathered_gemm_kernel(
     for tile in range(tl.program_id(0), total, tl.num_programs(0)):
         rows, rmask, cols, cmask, acc = gathered_gemm_tile(
             tile, a_ptr, b_src, bias_ptr, a_row_ids_ptr, offsets_ptr, LK, E, N, REDUCTION, stride_am, stride_ak,
-            stride_be, stride_bk, stride_bn, stride_bias, GATHER_A, HAS_BIAS, B_TMA, B_KMAJOR, GROUPS, PRECISION,
-            BLOCK_M, BLOCK_N, BLOCK_K)
+            stride_be, stride_bk, stride_bn, stride_bias, GATHER_A, HAS_BIAS, B_TMA, B_KMAJOR, GROUPS, BAND,
+            PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         gg.store_tile(out_ptr, rows, cols, stride_om, acc, rmask[:, None] & cmask[None, :])
 
 
@@ -78,15 +78,15 @@ def _activated_gemm_kernel(
     LK, E, N, I, alpha, limit,
     stride_hm, stride_we, stride_wk, stride_wn, stride_bias, stride_om,
     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, H_TMA: tl.constexpr,
-    FAST_ACT: tl.constexpr, GROUPS: tl.constexpr, PRECISION: tl.constexpr,
+    FAST_ACT: tl.constexpr, GROUPS: tl.constexpr, BAND: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     total = gg.num_row_tiles(offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS)
     for tile in range(tl.program_id(0), total, tl.num_programs(0)):
-        e, row0, rows, rmask, cols, cmask = gg.row_tile(tile, offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS)
+        e, row0, rows, rmask, n0, cols, cmask = gg.row_tile(tile, offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS,
+                                                            BAND)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if e < E:
-            n0 = (tile % tl.cdiv(N, BLOCK_N)) * BLOCK_N
             for k0 in range(0, I, BLOCK_K):
                 # The A tile is act(h), computed in fp32 in registers as it is loaded.
                 g, u = gg.load_h_pair(h_src, row0, rmask, stride_hm, k0, I, ACT, INTERLEAVED, H_TMA, BLOCK_M,
@@ -134,7 +134,7 @@ def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
     if gluon is not None and gluon.applies(a, b, out, transposed):
         config = settings.current()
         gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, config.tiles.get(kind, gluon.TILE),
-                              kind in config.gluon_warp_specialize)
+                              kind in config.gluon_warp_specialize, config.row_band)
         return
     LK, N = out.shape
     E, _, reduction = linear_dims(b, transposed)

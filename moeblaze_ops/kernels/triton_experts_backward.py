@@ -38,26 +38,25 @@ def _dh_kernel(
     stride_gm, stride_we, stride_wk, stride_wn, stride_bias, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
     K: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_WACT: tl.constexpr,
     W_TMA: tl.constexpr,
-    W_KMAJOR: tl.constexpr, FAST_ACT: tl.constexpr, GROUPS: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_KMAJOR: tl.constexpr, FAST_ACT: tl.constexpr, GROUPS: tl.constexpr, BAND: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     total = gg.num_row_tiles(offsets_ptr, E, LK, I, BLOCK_M, BLOCK_N, GROUPS)
-    n_tiles = tl.cdiv(I, BLOCK_N)
     for tile in range(tl.program_id(0), total, tl.num_programs(0)):
-        e, row0, rows, rmask, cols, cmask = gg.row_tile(tile, offsets_ptr, E, LK, I, BLOCK_M, BLOCK_N, GROUPS)
-        n_idx = tile % n_tiles
+        e, row0, rows, rmask, n0, cols, cmask = gg.row_tile(tile, offsets_ptr, E, LK, I, BLOCK_M, BLOCK_N, GROUPS,
+                                                            BAND)
+        n_idx = n0 // BLOCK_N  # the router partial this tile writes
         real = rmask & ((rows * 0 + e) < E)  # rows of a real expert (not the sentinel group)
         tok = tl.load(eti_ptr + rows, mask=real, other=0).to(tl.int64)
         g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dL/da / w: grad_out[token] @ W_e
         if e < E:
             for k0 in range(0, D, BLOCK_K):
                 a = gg.load_rows(go_ptr, tok, real, k0, D, stride_gm, 1, BLOCK_K)
-                b = gg.load_weight_tile(w_src, e, k0, n_idx * BLOCK_N, stride_we, stride_wk, stride_wn, D, I, W_TMA,
-                                        W_KMAJOR, BLOCK_K, BLOCK_N)
+                b = gg.load_weight_tile(w_src, e, k0, n0, stride_we, stride_wk, stride_wn, D, I, W_TMA, W_KMAJOR,
+                                        BLOCK_K, BLOCK_N)
                 g = tl.dot(a, b, g, input_precision=PRECISION)
         # Epilogue: recompute the activation from h, apply its derivative.
-        hg, hu = gg.load_h_pair(h_ptr, row0, real, stride_hm, n_idx * BLOCK_N, I, ACT, INTERLEAVED, False,
-                                BLOCK_M, BLOCK_N)
+        hg, hu = gg.load_h_pair(h_ptr, row0, real, stride_hm, n0, I, ACT, INTERLEAVED, False, BLOCK_M, BLOCK_N)
         w = row_combine_weights(tw_ptr, tim_ptr, tok, rows, real, stride_tw0, stride_tw1, K)[:, None]
         out_rows = dh_ptr + rows.to(tl.int64)[:, None] * stride_dhm
         smask = rmask[:, None] & cmask[None, :]
@@ -175,7 +174,7 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
     if gluon is not None and gluon.applies(rows, gathered):
         config = settings.current()
         gluon.launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, config.tiles.get(kind, gluon.TILE),
-                           kind in config.gluon_warp_specialize, config.wgrad_group)
+                           kind in config.gluon_warp_specialize, config.wgrad_band)
         return
     tile = gg.tile_config(kind, rows)
     tiles = E * triton.cdiv(P, tile.block_m) * triton.cdiv(Q, tile.block_n)
