@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import os
 import threading
 from dataclasses import dataclass, field
@@ -242,6 +243,7 @@ def override(settings: Optional[KernelSettings] = None, **changes) -> Iterator[K
     new = (settings or current()).replace(**changes) if changes else (settings or current())
     with _overrides_lock:
         _overrides.append(new)
+        _tag_compile_caches()
     try:
         yield new
     finally:
@@ -251,6 +253,39 @@ def override(settings: Optional[KernelSettings] = None, **changes) -> Iterator[K
                 if _overrides[i] is new:
                     del _overrides[i]
                     break
+            _tag_compile_caches()
+
+
+_CACHE_TAG = " moeblaze:"
+
+
+def _fingerprint(config: KernelSettings) -> str:
+    """A short digest of the fields of ``config`` that differ from the defaults ("" where none do)."""
+    defaults = KernelSettings()
+    changed = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)
+               if getattr(config, f.name) != getattr(defaults, f.name)]
+    if not changed:
+        return ""
+    text = repr([(name, sorted(value) if isinstance(value, frozenset) else value) for name, value in changed])
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def _tag_compile_caches() -> None:
+    """Puts the settings in force into the key of torch.compile's caches.
+
+    Inductor's FX graph cache and AOTAutograd's cache key a graph by its FX code and
+    Inductor's own configuration, not by these settings, which the lowerings read (tile
+    order, column slabs, grad_x templates): a graph compiled under other settings would be
+    reused, in this process or from the disk cache. ``torch.compiler.config.cache_key_tag``
+    is part of both keys, so its end carries a digest of the settings that differ from the
+    defaults (the user's own tag, before it, is kept)."""
+    import torch.compiler.config as compiler_config
+
+    if not hasattr(compiler_config, "cache_key_tag"):
+        return
+    user_tag = compiler_config.cache_key_tag.split(_CACHE_TAG)[0]
+    digest = _fingerprint(current())
+    compiler_config.cache_key_tag = user_tag + (_CACHE_TAG + digest if digest else "")
 
 
 def _dtype_class(dtype: torch.dtype) -> str:

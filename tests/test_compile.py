@@ -171,3 +171,37 @@ def test_export_keeps_the_ops(strict, seed):
     fresh = make_layer(16, 8, 4, 4, 2, seed=seed + 1)
     args = (fresh["x"], fresh["topk_ids"], fresh["topk_weights"])
     assert torch.equal(program.module()(*args), module(*args))
+
+
+def test_compile_caches_key_on_the_settings(seed):
+    """A graph compiled under some kernel settings is not reused under others (the lowerings
+    read them after Inductor's FX graph cache has looked the graph up), and is reused under
+    the same ones; the user's own cache tag stays in front."""
+    import uuid
+
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    from moeblaze_ops import settings
+
+    layer = make_layer(16, 8, 8, 4, 2, seed=seed)
+
+    def compile_once():
+        torch._dynamo.reset()
+        torch.compile(moe_experts, fullgraph=True)(**layer)
+
+    def hits():
+        return counters["inductor"]["fxgraph_cache_hit"]
+
+    mine = f"mine-{uuid.uuid4().hex}"  # keys no earlier run has cached
+    with inductor_config.patch(fx_graph_cache=True), torch.compiler.config.patch(cache_key_tag=mine):
+        compile_once()  # the defaults' graph, cached
+        before = hits()
+        with settings.override(column_slab=5, row_band=7):
+            assert torch.compiler.config.cache_key_tag.startswith(mine + " moeblaze:")
+            compile_once()
+            assert hits() == before, "a graph compiled under other settings was reused"
+        with settings.override(column_slab=5, row_band=7):
+            compile_once()
+            assert hits() == before + 1, "the graph compiled under these settings was not reused"
+        assert torch.compiler.config.cache_key_tag == mine

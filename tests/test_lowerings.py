@@ -25,9 +25,9 @@ def gpu(test):
 
 @pytest.fixture(autouse=True)
 def fresh_compiles():
-    """Every test compiles afresh: Inductor's FX graph cache keys on neither the kernel
-    settings these tests vary nor the lowerings, so a graph compiled under one test's
-    settings would otherwise run in the next."""
+    """Every test compiles afresh: Inductor's FX graph cache does not key on the lowerings'
+    code (the settings are in its key, ``settings.override``), so a disk cache from before a
+    change of a template would otherwise run."""
     import torch._inductor.config as inductor_config
 
     with inductor_config.patch(fx_graph_cache=False):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import dataclasses
 import json
 import time
@@ -131,16 +130,6 @@ def _measure(args, ctx, changes):
     return result, text
 
 
-def _fresh_compiles(when: bool):
-    """Inductor's FX graph cache off (``when``), so that compiled peers compile under the
-    settings in force; a no-op context otherwise."""
-    if not when:
-        return contextlib.nullcontext()
-    import torch._inductor.config as inductor_config
-
-    return inductor_config.patch(fx_graph_cache=False)
-
-
 def main(argv=None):
     """Runs the benchmark with command-line arguments ``argv`` (``sys.argv[1:]`` by default)."""
     parser = _parser()
@@ -154,9 +143,9 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    # Inductor's FX graph cache does not key on moeblaze's settings: with --set, a compiled
-    # peer could load a graph that another run compiled under other settings.
-    with settings.override(**changes), _fresh_compiles(bool(changes)):
+    # The override also tags torch.compile's caches with the settings (settings.override),
+    # so compiled peers never load a graph compiled under other settings.
+    with settings.override(**changes):
         result, text = _measure(args, ctx, changes)
     (out / "bench.json").write_text(json.dumps(result, indent=1, default=_jsonable))
     (out / "bench.md").write_text("\n".join(text) + "\n")
