@@ -239,7 +239,9 @@ def current() -> KernelSettings:
 @contextlib.contextmanager
 def override(settings: Optional[KernelSettings] = None, **changes) -> Iterator[KernelSettings]:
     """Runs a block with ``settings`` (or the current ones with ``changes``) in force, for
-    the whole process: the autograd threads that run backward kernels see them too."""
+    the whole process: the autograd threads that run backward kernels see them too. Graphs
+    ``torch.compile`` compiles in the block are cached under these settings
+    (``_tag_compile_caches``)."""
     new = (settings or current()).replace(**changes) if changes else (settings or current())
     with _overrides_lock:
         _overrides.append(new)
