@@ -1,7 +1,7 @@
 """Sweeps tile configs of the backward GEMM kernels on benchmark shapes (GPU).
 
     python scripts/tune_backward.py [--configs olmoe mixtral] [--kinds dh dx wgrad_down wgrad_up]
-        [--w-tma 0 1] [--dh-fast 0 1] [--gluon 0 1] [--ws 0 1] [--wgrad-band 1 8 16]
+        [--w-tma 0 1] [--dh-fast 0 1] [--gluon 0 1] [--ws 0 1] [--row-band 1 8] [--wgrad-band 1 8 16]
 
 Each kernel is timed on its own (dh without the router-gradient reduce, dx with the
 unit-weight combine) next to a dense cuBLAS matmul of the same FLOPs: the ceiling to aim at.
@@ -83,10 +83,10 @@ def variants(kind, a):
         return (base | {kind}) if v else (base - {kind})
 
     if kind == "dh":
-        return [(f"w_tma={v} fast={f}", dict(weight_tma=w_tma(v), dh_fast_activation=bool(f)))
-                for v in a.w_tma for f in a.dh_fast]
+        return [(f"w_tma={v} fast={f} band={b}", dict(weight_tma=w_tma(v), dh_fast_activation=bool(f), row_band=b))
+                for v in a.w_tma for f in a.dh_fast for b in a.row_band]
     if kind == "dx":
-        return [(f"w_tma={v}", dict(weight_tma=w_tma(v))) for v in a.w_tma]
+        return [(f"w_tma={v} band={b}", dict(weight_tma=w_tma(v), row_band=b)) for v in a.w_tma for b in a.row_band]
     gluon, ws = settings.current().gluon, settings.current().gluon_warp_specialize
     return [(f"gluon={v} ws={w}" + (f" group={g}" if v else ""),
              dict(gluon=(gluon | {kind}) if v else (gluon - {kind}),
@@ -107,6 +107,8 @@ def main():
                    help="weight gradients on the Gluon kernel (1) or the portable tl one (0)")
     p.add_argument("--ws", nargs="*", type=int, default=[0, 1],
                    help="the Gluon weight gradients warp-specialised (1) or not (0)")
+    p.add_argument("--row-band", nargs="*", type=int, default=[1],
+                   help="dh and dx: the tile order's band of row tiles (settings.row_band)")
     p.add_argument("--wgrad-band", nargs="*", type=int, default=[1],
                    help="the Gluon weight gradients' band of tile rows (settings.wgrad_band)")
     a = p.parse_args()

@@ -1,7 +1,7 @@
 """Sweeps tile configs of the forward GEMM kernels on benchmark shapes (GPU).
 
     python scripts/tune_forward.py [--configs olmoe mixtral] [--w-tma 0 1] [--tiles BM,BN,BK,w,s ...]
-        [--activations swiglu relu]
+        [--activations swiglu relu] [--row-band 1 8 16]
 
 ``--activations relu`` times the down kernel with an almost free prologue (ReLU of the
 first I columns of h): the gap to swiglu is what the activation's math costs there.
@@ -42,6 +42,8 @@ def main():
     p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1],
                    help="the GEMM's weight tiles through TMA (1) or not (0)")
     p.add_argument("--activations", nargs="*", default=["swiglu"], help="the down kernel's activation(s)")
+    p.add_argument("--row-band", nargs="*", type=int, default=[1],
+                   help="the tile order's band of row tiles (settings.row_band)")
     a = p.parse_args()
     tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
     base_w_tma = settings.current().weight_tma
@@ -61,12 +63,12 @@ def main():
         jobs = ([("up", None)] if "up" in a.kinds else []) + [("down", act) for act in a.activations
                                                                if "down" in a.kinds]
         for pps in a.programs_per_sm:
-            for tile, h_tma, fast, w_tma in [(t, v, f, w) for t in tiles for v in a.h_tma for f in a.fast_act
-                                             for w in a.w_tma]:
+            for tile, h_tma, fast, w_tma, band in [(t, v, f, w, b) for t in tiles for v in a.h_tma
+                                                   for f in a.fast_act for w in a.w_tma for b in a.row_band]:
                 row = []
                 for kind, act in jobs:
                     changes = dict(tiles={kind: GemmTile(*tile, programs_per_sm=pps)}, h_tma=bool(h_tma),
-                                   fast_activation=bool(fast),
+                                   fast_activation=bool(fast), row_band=band,
                                    weight_tma=(base_w_tma | {kind}) if w_tma else (base_w_tma - {kind}))
                     try:
                         with settings.override(**changes):
@@ -79,8 +81,8 @@ def main():
                         row.append(f"{label} {ms:7.3f} ms {(up_flops if kind == 'up' else down_flops) / ms / 1e9:4.0f}")
                     except Exception as e:  # out of shared memory etc.
                         row.append(f"{kind} failed ({type(e).__name__})")
-                print(f"  pps={pps} tile={tile} h_tma={h_tma} fast_act={fast} w_tma={w_tma}: " + " | ".join(row),
-                      flush=True)
+                print(f"  pps={pps} tile={tile} h_tma={h_tma} fast_act={fast} w_tma={w_tma} band={band}: "
+                      + " | ".join(row), flush=True)
         del x, wgu, wd, h, dense_a, dense_h
         torch.cuda.empty_cache()
 
