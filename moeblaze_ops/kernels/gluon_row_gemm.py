@@ -85,13 +85,23 @@ def _tile_ends(offsets_ptr, E, LK, BLOCK_M: gl.constexpr, GROUPS: gl.constexpr, 
 
 
 @gluon.jit
-def _row_tile(tile, offsets_ptr, tile_end, m_total, E, LK, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _schedule(offsets_ptr, E, LK, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+              GROUPS: gl.constexpr, num_warps: gl.constexpr):
+    """(``_tile_ends``, n-tiles, reduction steps per tile, output tiles) of a program's
+    schedule, which each partition of a kernel computes for itself."""
+    tile_end = _tile_ends(offsets_ptr, E, LK, BLOCK_M, GROUPS, num_warps)
+    n_tiles = gl.cdiv(N, BLOCK_N)
+    return tile_end, n_tiles, gl.cdiv(K, BLOCK_K), gl.reduce(tile_end, 0, _max) * n_tiles
+
+
+@gluon.jit
+def _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BAND: gl.constexpr):
     """(group, first row, end of the group's rows, first column) of output tile ``tile``,
-    numbered as ``grouped_gemm.row_tile`` numbers them (the ``m_total`` m-tiles of every
-    group end to end, in bands of ``BAND`` m-tiles with the n-tiles); a tile past the
-    last is in no group (group E + 1)."""
-    m, n = banded(tile, m_total, n_tiles, BAND)
+    numbered as ``grouped_gemm.row_tile`` numbers them (the m-tiles of every group end to
+    end, in bands of ``BAND`` m-tiles with the n-tiles); a tile past the last is in no
+    group (group E + 1)."""
+    m, n = banded(tile, gl.reduce(tile_end, 0, _max), n_tiles, BAND)
     before = tile_end <= m  # the groups whose m-tiles all come before this one
     grp = gl.reduce(before.to(gl.int32), 0, _add)
     first_tile = gl.reduce(gl.where(before, tile_end, 0), 0, _max)
@@ -150,8 +160,8 @@ def _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om):
 
 
 @gluon.jit
-def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, slot, tile_end, m_total, n_tiles,
-             k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
+def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, slot, tile_end, n_tiles, k_steps,
+             p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
              GATHER_A: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              BLOCK_K: gl.constexpr, BAND: gl.constexpr, num_warps: gl.constexpr):
     """Starts the copies of step ``p_k`` of tile ``p_tile`` into ring slot ``slot`` and
@@ -174,8 +184,8 @@ def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, sl
         if p_k == k_steps:
             p_k = 0
             p_tile += gl.num_programs(0)
-            p_grp, p_row0, p_end, p_n0 = _row_tile(p_tile, offsets_ptr, tile_end, m_total, E, LK, n_tiles, BLOCK_M,
-                                                   BLOCK_N, BAND)
+            p_grp, p_row0, p_end, p_n0 = _row_tile(p_tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N,
+                                                   BAND)
             p_offs = _row_offsets(a_row_ids_ptr, p_row0, p_end, stride_am, GATHER_A, BLOCK_M, BLOCK_K, num_warps)
     return p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs
 
@@ -201,31 +211,26 @@ def _row_gemm_kernel(
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(bars.index(s), count=1)
 
-    tile_end = _tile_ends(offsets_ptr, E, LK, BLOCK_M, GROUPS, num_warps)
-    n_tiles = gl.cdiv(N, BLOCK_N)
-    k_steps = gl.cdiv(K, BLOCK_K)
-    m_total = gl.reduce(tile_end, 0, _max)
-    total = m_total * n_tiles
+    tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
+                                                  num_warps)
 
     # The producer walks this program's tiles and their steps AHEAD steps before the MMA.
     p_tile = gl.program_id(0)
     p_k = 0
-    p_grp, p_row0, p_end, p_n0 = _row_tile(p_tile, offsets_ptr, tile_end, m_total, E, LK, n_tiles, BLOCK_M, BLOCK_N,
-                                           BAND)
+    p_grp, p_row0, p_end, p_n0 = _row_tile(p_tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
     p_offs = _row_offsets(a_row_ids_ptr, p_row0, p_end, stride_am, GATHER_A, BLOCK_M, BLOCK_K, num_warps)
     # One commit group per step, empty when nothing is left to copy, so that "all but
     # AHEAD - 1 groups landed" always means "step c landed".
     for s in gl.static_range(AHEAD):
         p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _produce(
-            a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, s, tile_end, m_total, n_tiles, k_steps,
+            a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, s, tile_end, n_tiles, k_steps,
             p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
             GATHER_A, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, BAND, num_warps)
         cp.commit_group()
 
     step = 0  # steps consumed by this program: its ring slot and its barrier's phase
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, m_total, E, LK, n_tiles, BLOCK_M, BLOCK_N,
-                                           BAND)
+        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         if grp < E:  # sentinel tiles store zeros
             if HAS_BIAS:
@@ -243,7 +248,7 @@ def _row_gemm_kernel(
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _produce(
                     a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, (step + AHEAD) % NUM_STAGES,
-                    tile_end, m_total, n_tiles, k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K,
+                    tile_end, n_tiles, k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K,
                     stride_am, GATHER_A, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, BAND, num_warps)
                 cp.commit_group()
                 step += 1
@@ -268,14 +273,10 @@ def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_re
     gathered, by every copy thread's 16-byte cp.async, each thread arriving on the slot's
     ``a_ready`` once its copies have landed."""
     NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
-    tile_end = _tile_ends(offsets_ptr, E, LK, BLOCK_M, GROUPS, WARPS)
-    n_tiles = gl.cdiv(N, BLOCK_N)
-    k_steps = gl.cdiv(K, BLOCK_K)
-    m_total = gl.reduce(tile_end, 0, _max)
+    tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, WARPS)
     step = 0
-    for tile in range(gl.program_id(0), m_total * n_tiles, gl.num_programs(0)):
-        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, m_total, E, LK, n_tiles, BLOCK_M, BLOCK_N,
-                                           BAND)
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
         if grp < E:  # the sentinel tiles copy nothing
             if GATHER_A:
                 layout: gl.constexpr = copy_layout(BLOCK_K, WARPS)
@@ -312,14 +313,11 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
     then the bias and the masked store of the tile's rows inside the expert."""
     NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
-    tile_end = _tile_ends(offsets_ptr, E, LK, BLOCK_M, GROUPS, num_warps)
-    n_tiles = gl.cdiv(N, BLOCK_N)
-    k_steps = gl.cdiv(K, BLOCK_K)
-    m_total = gl.reduce(tile_end, 0, _max)
+    tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
+                                                  num_warps)
     step = 0
-    for tile in range(gl.program_id(0), m_total * n_tiles, gl.num_programs(0)):
-        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, m_total, E, LK, n_tiles, BLOCK_M, BLOCK_N,
-                                           BAND)
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         if grp < E:  # sentinel tiles store zeros
             if HAS_BIAS:
