@@ -134,10 +134,10 @@ class KernelSettings:
             templates) go in bands of this many row tiles, rows fastest inside a band
             (``grouped_gemm.banded``): the tiles in flight at once then read fewer
             weight tiles, each from L2 for the whole band, instead of every row tile
-            streaming its expert's whole weight. 1: columns fastest along each row tile,
-            the order measured so far.
+            streaming its expert's whole weight. 1: columns fastest along each row tile.
+            4 measured best on the H200 (docs/perf-notes.md).
         wgrad_band: the same for the Gluon weight gradients' [P, Q] tiles, in bands of
-            P-tiles (``gluon_wgrad._wgrad_tile``).
+            P-tiles (``gluon_wgrad._wgrad_tile``); 4 measured best too.
         activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
             [L*K, I]) rather than computing it in its prologue.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
@@ -164,8 +164,8 @@ class KernelSettings:
     weight_tma: frozenset = frozenset({"up", "dh", "dx"})
     gluon: frozenset = frozenset({"wgrad_down", "wgrad_up"})
     gluon_warp_specialize: frozenset = frozenset({"up", "down", "dx"})
-    wgrad_band: int = 1
-    row_band: int = 1
+    wgrad_band: int = 4
+    row_band: int = 4
     activation_pass: bool = True
     fast_activation: bool = True
     dh_fast_activation: bool = True
