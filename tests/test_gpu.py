@@ -256,7 +256,9 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": ()},
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": settings.GLUON_KINDS},
                                     {"gluon": ()}, {"row_band": 3, "wgrad_band": 3},
-                                    {"gluon": settings.GLUON_KINDS, "row_band": 3}],
+                                    {"row_band": 1, "wgrad_band": 1},
+                                    {"gluon": settings.GLUON_KINDS, "row_band": 3},
+                                    {"gluon": settings.GLUON_KINDS, "row_band": 1}],
                          ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("activation,layout", [("swiglu", "interleaved"), ("clamped_swiglu", "transposed"),
                                                ("silu", "concatenated")])
@@ -265,7 +267,7 @@ def test_kernel_choices(choice, activation, layout, seed, triton_bwd):
     activation pass or with the activation in its prologue (h through TMA descriptors or
     plain loads there), the approximate-tanh sigmoid or the exact one, the weight
     gradients on the Gluon kernel or the tl one, the GEMM tiles in bands of 3 row tiles
-    (a short last band) or along each row: forward and every gradient against the
+    (a short last band), of 1 (along each row) or of the default 4: forward and every gradient against the
     reference."""
     with settings.override(**choice):
         check_forward(777, 512, 384, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, activation=activation,
@@ -336,7 +338,17 @@ def test_index_arrays_checked_on_the_device(defect, seed):
 # ----------------------------------------------------------------------------- weight-gradient kernels
 
 
-@pytest.mark.parametrize("gluon", ["gluon_ws", "gluon", "gluon_band3", "tl"])
+WGRAD_VARIANTS = ["gluon_ws", "gluon", "gluon_band3", "tl"]
+
+
+def _wgrad_settings(variant):
+    """The settings that run weight-gradient kernel ``variant`` (of ``WGRAD_VARIANTS``) for "wgrad_up"."""
+    return settings.override(gluon={"wgrad_up"} if variant != "tl" else set(),
+                             gluon_warp_specialize={"wgrad_up"} if variant == "gluon_ws" else set(),
+                             wgrad_band=3 if variant == "gluon_band3" else 1)
+
+
+@pytest.mark.parametrize("gluon", WGRAD_VARIANTS)
 @pytest.mark.parametrize("P,Q,transposed_out", [(192, 2880, False), (1408, 256, True), (64, 16, False)])
 def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
     """Every weight-gradient kernel, the two Gluon ones (where they apply: these shapes;
@@ -361,9 +373,7 @@ def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
         out = torch.full((E, Q, P) if transposed_out else (E, P, Q), float("nan"), device="cuda",
                          dtype=torch.bfloat16)
         view = out.transpose(1, 2) if transposed_out else out
-        with settings.override(gluon={"wgrad_up"} if gluon != "tl" else set(),
-                               gluon_warp_specialize={"wgrad_up"} if gluon == "gluon_ws" else set(),
-                               wgrad_band=3 if gluon == "gluon_band3" else 1):
+        with _wgrad_settings(gluon):
             launch_wgrad(rows, gathered, ids, offsets, view, kind="wgrad_up")
         return view
 
@@ -374,3 +384,26 @@ def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
     assert rel_err(out, ref) <= 1e-2, f"seed={seed}"
     assert out[5].eq(0).all(), "an empty expert's gradient is zero"
     assert torch.equal(out, run()), "two runs differ"
+
+
+@pytest.mark.parametrize("gluon", WGRAD_VARIANTS)
+def test_weight_gradients_keep_experts_apart(gluon, seed):
+    """An infinite row of one expert's operand reaches that expert's gradient alone: the
+    rows past an expert's end that its last step covers are masked, so the next expert's
+    values never meet its sum, not even as inf * 0 (which a kernel that read whole steps
+    and relied on the zero-filled gathered rows would let through)."""
+    from moeblaze_ops.kernels.triton_experts_backward import launch_wgrad
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    E, LK, T, P, Q = 8, 1000, 300, 128, 256
+    # Expert sizes that are not multiples of the 64-row steps; expert 3 starts mid-step.
+    offsets = torch.tensor([0, 100, 230, 301, 470, 600, 777, 900, LK], device="cuda", dtype=torch.int32)
+    rows = torch.randn(LK, P, device="cuda", dtype=torch.bfloat16, generator=g)
+    rows[301] = float("inf")  # expert 3's first row, inside expert 2's last step
+    gathered = torch.randn(T, Q, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.randint(0, T, (LK,), device="cuda", dtype=torch.int32, generator=g)
+    out = torch.full((E, P, Q), float("nan"), device="cuda", dtype=torch.bfloat16)
+    with _wgrad_settings(gluon):
+        launch_wgrad(rows, gathered, ids, offsets, out, kind="wgrad_up")
+    finite = out.flatten(1).isfinite().all(dim=1).tolist()
+    assert finite == [e != 3 for e in range(E)], f"seed={seed}: finite gradients by expert {finite}"
