@@ -18,6 +18,8 @@
 # SWITCHES=1 measures the other side of each tuning switch (log only); EP=1 adds the
 # expert-parallel GPU tests and benchmark (2 GPUs: kind nvidia-h200-x2) into $OUT/ep/. Test
 # packages missing on the machine are installed from wheels in .whl/ when the call carries them.
+# PEER_SITE=<dir> passes --peer-site <dir> to the benchmark (a peer such as SonicMoE installed
+# there with pip --target: its rows join the tables).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -66,12 +68,14 @@ fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "== bench forward" | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --out "$OUT/forward" --skip hf_eager \
-    --configs olmoe qwen3_a3b conf3 conf4 mixtral deepseek_v3 "$@" 2>>"$LOG" | tee -a "$LOG"
+    --configs olmoe qwen3_a3b conf3 conf4 mixtral deepseek_v3 ${PEER_SITE:+--peer-site "$PEER_SITE"} "$@" \
+    2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   echo "== bench train" | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train" --skip hf_eager moeblaze_recompute_compiled \
-    --configs qwen3_100m olmoe qwen3_a3b conf3 conf4 mixtral deepseek_v3 "$@" 2>>"$LOG" | tee -a "$LOG"
+    --configs qwen3_100m olmoe qwen3_a3b conf3 conf4 mixtral deepseek_v3 ${PEER_SITE:+--peer-site "$PEER_SITE"} "$@" \
+    2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${EXAMPLE:-0}" = 1 ]; then
   # The 100M example (8 MoE layers), moeblaze against grouped_mm: eager, compiled, and

@@ -107,6 +107,31 @@ def test_bad_setting_is_a_usage_error(tmp_path, item, capsys):
     assert not (tmp_path / "bench.json").exists()
 
 
+def test_peer_site_makes_its_packages_importable(tmp_path, monkeypatch):
+    """``--peer-site`` processes the directory's .pth files, as SonicMoE's CuTe DSL needs."""
+    import importlib
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    peer_site, package_root = tmp_path / "site", tmp_path / "elsewhere"
+    peer_site.mkdir()
+    package_root.mkdir()
+    (package_root / "moeblaze_fake_peer.py").write_text("ANSWER = 42\n")
+    (peer_site / "fake_peer.pth").write_text(f"{package_root}\n")
+    with pytest.raises(ImportError):
+        importlib.import_module("moeblaze_fake_peer")
+    run(tmp_path / "out", "--configs", "--peer-site", str(peer_site))
+    assert importlib.import_module("moeblaze_fake_peer").ANSWER == 42
+    sys.modules.pop("moeblaze_fake_peer")
+
+
+def test_missing_peer_site_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--device", "cpu", "--configs", "--out", str(tmp_path), "--peer-site", str(tmp_path / "none")])
+    assert exit_.value.code == 2
+    assert "--peer-site" in capsys.readouterr().err
+
+
 def test_cuda_graph_peers_are_timed_without_memory_columns():
     """The reduce-overhead peers run (on CPU, Inductor compiles them without graphs), agree
     with the reference, and leave the memory columns unmeasured ("-"), since a graph's

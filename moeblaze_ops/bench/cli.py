@@ -10,6 +10,10 @@ with ``mode="reduce-overhead"`` (time only). A dispatch micro-benchmark compares
 the sort + histc + cumsum that ``grouped_mm`` runs. Writes bench.md (tables), bench.json
 and forward.png (bar charts, with matplotlib) under ``--out``.
 
+``--peer-site DIR`` (repeatable) adds DIR as a site directory (its ``.pth`` files
+processed) before the peers are imported: where a peer's wheels were installed with
+``pip install --target DIR`` (SonicMoE's CuTe DSL is found through a ``.pth`` file).
+
 ``--set NAME=VALUE`` (repeatable) runs every measurement with that field of
 ``moeblaze_ops.settings.KernelSettings`` changed; VALUE is a Python literal (``None``,
 ``512``, ``False``) or else a string. ``--device cpu --configs smoke`` is a quick check of
@@ -22,6 +26,7 @@ import argparse
 import ast
 import dataclasses
 import json
+import site
 import time
 from pathlib import Path
 
@@ -71,6 +76,9 @@ def _parser():
     p.add_argument("--cudagraphs", action="store_true",
                    help="add grouped_mm and moeblaze compiled with mode='reduce-overhead' (CUDA graphs; "
                         "time only: their memory is the graphs' pool)")
+    p.add_argument("--peer-site", metavar="DIR", action="append", default=[],
+                   help="a site directory holding peers' packages, e.g. one that pip --target installed "
+                        "SonicMoE into (repeatable)")
     p.add_argument("--out", default="bench_out")
     return p
 
@@ -137,6 +145,10 @@ def main(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA GPU here: --device cpu runs the smoke check")
     changes = _setting_changes(parser, args)
+    for directory in args.peer_site:
+        if not Path(directory).is_dir():
+            parser.error(f"--peer-site: no directory {directory!r}")
+        site.addsitedir(directory)
     if args.cudagraphs and args.device != "cuda":
         parser.error("--cudagraphs needs --device cuda")
     ctx = BenchContext(device=args.device, skip=frozenset(args.skip), cuda_graphs=args.cudagraphs)
