@@ -200,6 +200,37 @@ def test_live_h_sized_buffers(mode, most, seed, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
+def test_up_weight_gradient_and_dx_scratch_never_coexist(layout, seed, monkeypatch):
+    """The backward of the up projection makes dX (its [L*K, slab] scratch) before it
+    allocates the [E, 2I, d] weight gradient: the two are never alive at once, so the
+    scratch is not part of the step's peak."""
+    import weakref
+
+    from moeblaze_ops.kernels import grouped_gemm
+
+    L, d, I, E, K = 40, 12, 8, 3, 2  # d != I, 2I: the scratch [L*K, d] has a shape of its own
+    layer = make_layer(L, d, I, E, K, seed=seed, requires_grad=True, layout=layout)
+    kinds = {tuple(layer["w_gate_up"].shape): "grad_w", (L * K, d): "scratch"}
+    live = {"grad_w": 0, "scratch": 0}
+    overlaps = []
+    allocate = grouped_gemm.empty
+
+    def tracked(*shape, dtype, device):
+        t = allocate(*shape, dtype=dtype, device=device)
+        kind = kinds.get(tuple(shape))
+        if kind is not None:
+            live[kind] += 1
+            overlaps.append(live["grad_w"] > 0 and live["scratch"] > 0)
+            weakref.finalize(t, lambda: live.__setitem__(kind, live[kind] - 1))
+        return t
+
+    monkeypatch.setattr(grouped_gemm, "empty", tracked)  # every Triton kernel allocates through it
+    moe_experts(**layer).square().sum().backward()
+    assert layer["w_gate_up"].grad is not None and layer["x"].grad is not None
+    assert overlaps.count(False) >= 3 and not any(overlaps), overlaps  # forward scratch, dX scratch, grad_w
+
+
+@pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
 def test_column_slabs(layout, seed):
     """The [L*K, d] scratch made in column slabs (``settings.column_slab``; d = 20 in
     slabs of 8, 8, 4): forward and every gradient against the reference."""

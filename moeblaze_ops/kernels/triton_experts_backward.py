@@ -289,8 +289,6 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
     L, d = x.shape
     dev = x.device
     grad_h = grad_h.contiguous()
-    grad_w = gg.empty(*w_gate_up.shape, dtype=w_gate_up.dtype, device=dev) if need_weight_grad else x.new_empty(0)
-    grad_b = gg.empty(E, N, dtype=x.dtype, device=dev) if has_bias and need_weight_grad else x.new_empty(0)
     grad_x = gg.empty(L, d, dtype=x.dtype, device=dev) if need_input_grad else x.new_empty(0)
     if need_input_grad:
         # Each token's K rows of dH @ W_e^T (the up product transposed: reduction over N),
@@ -300,6 +298,10 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
             launch_gathered_gemm(grad_h, None, w, None, expert_offsets, rows, not transposed, "dx")
 
         combine_in_slabs(dx_rows, LK, x.dtype, token_index_map, None, expert_offsets, grad_x, E)
+    # The weight gradient is allocated only now: its [E, N, d] and the dX rows' [L*K, slab]
+    # scratch are never alive at once.
+    grad_w = gg.empty(*w_gate_up.shape, dtype=w_gate_up.dtype, device=dev) if need_weight_grad else x.new_empty(0)
+    grad_b = gg.empty(E, N, dtype=x.dtype, device=dev) if has_bias and need_weight_grad else x.new_empty(0)
     if need_weight_grad:
         launch_wgrad(grad_h, x.contiguous(), expert_token_indices, expert_offsets,
                      _pq_view(grad_w, rows_are_outputs=True, transposed=transposed), kind="wgrad_up")
