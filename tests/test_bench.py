@@ -155,6 +155,22 @@ def test_cuda_graph_peers_are_timed_without_memory_columns():
     assert all(math.isnan(rows[peer]["activation_gb"]) for peer in CUDA_GRAPH_PEERS)
 
 
+def test_dispatch_table_shows_graph_times_where_measured():
+    """The dispatch rows' CUDA-graph columns (``--cudagraphs``) appear only where the rows
+    have them, each speedup beside its own times."""
+    from moeblaze_ops.bench.report import dispatch_table
+
+    row = dict(L=64, K=2, E=8, sort_histc_cumsum_ms=0.3, moeblaze_kernels_ms=0.1, moeblaze_op_ms=0.15,
+               speedup_kernels=3.0, speedup_op=2.0)
+    graphed = dict(row, sort_histc_cumsum_graph_ms=0.2, moeblaze_kernels_graph_ms=0.04, moeblaze_op_graph_ms=0.05,
+                   speedup_kernels_graph=5.0, speedup_op_graph=4.0)
+    plain = table_rows(dispatch_table([row]), "64")["2"]
+    assert plain[-1] == "3.0x / 2.0x" and len(plain) == 7
+    cells = table_rows(dispatch_table([graphed]), "64")["2"]
+    assert cells[3:7] == ["0.300", "0.100", "0.150", "3.0x / 2.0x"]
+    assert cells[7:] == ["0.200", "0.040", "0.050", "5.0x / 4.0x"]
+
+
 def test_cuda_graph_peers_need_cuda(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--cudagraphs", "--out", str(tmp_path)])

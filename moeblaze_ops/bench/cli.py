@@ -6,8 +6,10 @@ the experts' forward (bf16, SwiGLU, uniform routing) and measures its peak memor
 inputs; train mode times forward + backward and measures the activation memory kept for
 backward (the unique storages autograd saves, parameters and the layer input excluded) and
 the peak memory of one step. ``--cudagraphs`` adds ``grouped_mm`` and moeblaze compiled
-with ``mode="reduce-overhead"`` (time only). A dispatch micro-benchmark compares moeblaze's dispatch with
-the sort + histc + cumsum that ``grouped_mm`` runs. Writes bench.md (tables), bench.json
+with ``mode="reduce-overhead"`` (time only), and times the dispatch micro-benchmark's calls
+replayed from CUDA graphs too (device time, without the launches). A dispatch
+micro-benchmark compares moeblaze's dispatch with the sort + histc + cumsum that
+``grouped_mm`` runs. Writes bench.md (tables), bench.json
 and forward.png (bar charts, with matplotlib) under ``--out``.
 
 ``--peer-site DIR`` (repeatable) adds DIR as a site directory (its ``.pth`` files
@@ -75,7 +77,7 @@ def _parser():
     p.add_argument("--no-dispatch", action="store_true", help="skip the dispatch micro-benchmark")
     p.add_argument("--cudagraphs", action="store_true",
                    help="add grouped_mm and moeblaze compiled with mode='reduce-overhead' (CUDA graphs; "
-                        "time only: their memory is the graphs' pool)")
+                        "time only: their memory is the graphs' pool), and dispatch timed from CUDA graphs")
     p.add_argument("--peer-site", metavar="DIR", action="append", default=[],
                    help="a site directory holding peers' packages, e.g. one that pip --target installed "
                         "SonicMoE into (repeatable)")

@@ -203,9 +203,19 @@ def bench_train(ctx, names):
     return rows
 
 
+def graph_time_ms(fn, reps_ms=200):
+    """Milliseconds one call of ``fn`` takes replayed from a CUDA graph: the device's time,
+    without the host's launch path (``triton.testing.do_bench_cudagraph``)."""
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, rep=reps_ms, return_mode="median")
+
+
 def bench_dispatch(ctx):
     """Rows of the dispatch micro-benchmark (CUDA): the sort + histc + cumsum that HF's
-    ``grouped_mm`` runs, against moeblaze's dispatch kernels alone and its op (with id checks)."""
+    ``grouped_mm`` runs, against moeblaze's dispatch kernels alone and its op (with id
+    checks). At small sizes each call is bound by its launches on the host; with
+    ``ctx.cuda_graphs`` the rows also time each replayed from a CUDA graph (device time)."""
     from moeblaze_ops.kernels import triton_dispatch
 
     rows = []
@@ -218,9 +228,14 @@ def bench_dispatch(ctx):
             counts = torch.histc(sorted_ids.int(), bins=E, min=0, max=E - 1)
             return perm, torch.cumsum(counts, 0, dtype=torch.int32)
 
-        base = time_ms(sort_histc_cumsum, ctx.device)
-        kernel = time_ms(lambda: triton_dispatch.dispatch(ids, E), ctx.device)
-        op = time_ms(lambda: torch.ops.moeblaze.dispatch(ids, E), ctx.device)
-        rows.append(dict(L=L, K=K, E=E, sort_histc_cumsum_ms=base, moeblaze_kernels_ms=kernel,
-                         moeblaze_op_ms=op, speedup_kernels=base / kernel, speedup_op=base / op))
+        fns = dict(sort_histc_cumsum=sort_histc_cumsum, moeblaze_kernels=lambda: triton_dispatch.dispatch(ids, E),
+                   moeblaze_op=lambda: torch.ops.moeblaze.dispatch(ids, E))
+        row = dict(L=L, K=K, E=E, **{f"{name}_ms": time_ms(fn, ctx.device) for name, fn in fns.items()})
+        if ctx.cuda_graphs:
+            row.update({f"{name}_graph_ms": graph_time_ms(fn) for name, fn in fns.items()})
+        for suffix in ("_ms", "_graph_ms") if ctx.cuda_graphs else ("_ms",):
+            base = row[f"sort_histc_cumsum{suffix}"]
+            row[f"speedup_kernels{suffix[:-3]}"] = base / row[f"moeblaze_kernels{suffix}"]
+            row[f"speedup_op{suffix[:-3]}"] = base / row[f"moeblaze_op{suffix}"]
+        rows.append(row)
     return rows

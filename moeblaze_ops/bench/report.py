@@ -70,13 +70,22 @@ def train_table(rows):
 
 
 def dispatch_table(rows):
-    """Markdown table of ``bench_dispatch``'s rows."""
+    """Markdown table of ``bench_dispatch``'s rows; with CUDA-graph times when they have them."""
+    graphs = bool(rows) and "sort_histc_cumsum_graph_ms" in rows[0]
     header = ["L", "K", "E", "sort+histc+cumsum ms", "moeblaze kernels ms", "moeblaze op ms (with id checks)",
               "speedup (kernels / op)"]
-    return _markdown(header, (
-        [str(r["L"]), str(r["K"]), str(r["E"]), f"{r['sort_histc_cumsum_ms']:.3f}", f"{r['moeblaze_kernels_ms']:.3f}",
-         f"{r['moeblaze_op_ms']:.3f}", f"{r['speedup_kernels']:.1f}x / {r['speedup_op']:.1f}x"]
-        for r in rows))
+    if graphs:
+        header += ["CUDA graph: sort+histc+cumsum ms", "kernels ms", "op ms", "speedup (kernels / op)"]
+
+    def cells(r):
+        out = [str(r["L"]), str(r["K"]), str(r["E"])]
+        for suffix in ("", "_graph") if graphs else ("",):
+            out += [f"{r[f'sort_histc_cumsum{suffix}_ms']:.3f}", f"{r[f'moeblaze_kernels{suffix}_ms']:.3f}",
+                    f"{r[f'moeblaze_op{suffix}_ms']:.3f}",
+                    f"{r[f'speedup_kernels{suffix}']:.1f}x / {r[f'speedup_op{suffix}']:.1f}x"]
+        return out
+
+    return _markdown(header, (cells(r) for r in rows))
 
 
 def plot(rows, path):
