@@ -5,12 +5,11 @@ and ``grouped_mm`` under ``torch.compile``; moeblaze eager and compiled. Forward
 the experts' forward (bf16, SwiGLU, uniform routing) and measures its peak memory above the
 inputs; train mode times forward + backward and measures the activation memory kept for
 backward (the unique storages autograd saves, parameters and the layer input excluded) and
-the peak memory of one step. ``--cudagraphs`` adds ``grouped_mm`` and moeblaze compiled
-with ``mode="reduce-overhead"`` (time only), and times the dispatch micro-benchmark's calls
-replayed from CUDA graphs too (device time, without the launches). A dispatch
-micro-benchmark compares moeblaze's dispatch with the sort + histc + cumsum that
-``grouped_mm`` runs. Writes bench.md (tables), bench.json
-and forward.png (bar charts, with matplotlib) under ``--out``.
+the peak memory of one step. A dispatch micro-benchmark compares moeblaze's dispatch with
+the sort + histc + cumsum that ``grouped_mm`` runs. ``--cudagraphs`` adds ``grouped_mm``
+and moeblaze compiled with ``mode="reduce-overhead"`` (time only), and times the dispatch
+calls replayed from CUDA graphs too (device time, without the host's launches). Writes
+bench.md (tables), bench.json and forward.png (bar charts, with matplotlib) under ``--out``.
 
 ``--peer-site DIR`` (repeatable) adds DIR as a site directory (its ``.pth`` files
 processed) before the peers are imported: where a peer's wheels were installed with
