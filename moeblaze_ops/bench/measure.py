@@ -236,7 +236,8 @@ def bench_dispatch(ctx):
                 try:
                     row[f"{name}_graph_ms"] = graph_time_ms(fn)
                 except Exception as e:  # noqa: BLE001 - a call that cannot be captured: its column says nan
-                    note(f"bench: {name} not timed from a CUDA graph: {type(e).__name__}: {str(e).splitlines()[0]}")
+                    reason = (str(e).splitlines() or [""])[0]
+                    note(f"bench: {name} not timed from a CUDA graph: {type(e).__name__}: {reason}")
                     row[f"{name}_graph_ms"] = float("nan")
         for suffix in ("_ms", "_graph_ms") if ctx.cuda_graphs else ("_ms",):
             base = row[f"sort_histc_cumsum{suffix}"]
