@@ -171,6 +171,24 @@ def test_dispatch_table_shows_graph_times_where_measured():
     assert cells[7:] == ["0.200", "0.040", "0.050", "5.0x / 4.0x"]
 
 
+def test_dispatch_call_a_graph_cannot_capture_is_nan_with_a_note(monkeypatch, capsys):
+    """With ``cuda_graphs``, a dispatch call whose capture fails reads nan in its columns
+    (and speedups) and says why, instead of stopping the run."""
+    monkeypatch.setattr(measure, "DISPATCH_CASES", [(16, 2, 4)])
+    monkeypatch.setattr(measure, "time_ms", lambda fn, device: 0.5)
+
+    def graph_time_ms(fn):
+        raise RuntimeError("operation not permitted when stream is capturing\nsecond line")
+
+    monkeypatch.setattr(measure, "graph_time_ms", graph_time_ms)
+    ctx = measure.BenchContext(device="cpu", skip=frozenset(), cuda_graphs=True)
+    (row,) = measure.bench_dispatch(ctx)
+    assert row["moeblaze_op_ms"] == 0.5 and row["speedup_op"] == 1.0
+    assert all(math.isnan(row[k]) for k in ("sort_histc_cumsum_graph_ms", "moeblaze_op_graph_ms", "speedup_op_graph"))
+    notes = [line for line in capsys.readouterr().err.splitlines() if "CUDA graph" in line]
+    assert len(notes) == 3 and notes[0].endswith("RuntimeError: operation not permitted when stream is capturing")
+
+
 def test_cuda_graph_peers_need_cuda(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--cudagraphs", "--out", str(tmp_path)])
