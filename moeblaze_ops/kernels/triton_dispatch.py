@@ -25,7 +25,9 @@ How a program ranks its rows picks one of two kernel families for steps 1 and 3
   rows whose (column, row) keys are sorted in registers; a row's rank is its distance to
   the start of its run of equal columns, and the last row of each run writes the run's
   length into the table. O(log^2 chunk) work per row, no barrier in the scatter; not a
-  global sort, and the result is the same ranking in flat order.
+  global sort, and the result is the same ranking in flat order. The scatter sorts the
+  chunk again, or (``settings.dispatch_reuse_ranks``) reads the ranks the histogram
+  stored in ``token_index_map``.
 
 ``dispatch_checked`` folds the data checks of the ids into these launches: the histogram
 also checks the tokens whose first row ``i*K`` lies in its chunk (each token once, also
@@ -170,13 +172,19 @@ def _maximum(a, b):
 
 
 @triton.jit
+def _columns(key, BINS: tl.constexpr):
+    """The table column of each key: its expert, BINS for sentinels, BINS + 1 for padding
+    past LK (and negative ids)."""
+    return tl.where(key == SENTINEL, BINS, tl.where(key < 0, BINS + 1, key))
+
+
+@triton.jit
 def _sorted_runs(ids_ptr, chunk, LK, E, CHUNK: tl.constexpr, BINS: tl.constexpr):
     """A chunk's rows sorted by (table column, row): each sorted slot's column (the expert,
     BINS for sentinels, BINS + 1 for padding past LK), its row, its rank inside its run of
     equal columns (= earlier rows of the chunk in that column), and whether it ends the run."""
     local = tl.arange(0, CHUNK)
-    key = _keys(ids_ptr, chunk * CHUNK + local, LK, E)
-    col = tl.where(key == SENTINEL, BINS, tl.where(key < 0, BINS + 1, key))
+    col = _columns(_keys(ids_ptr, chunk * CHUNK + local, LK, E), BINS)
     # Row numbers ride in the low bits, so the sort is stable in row order.
     packed = tl.sort(col * CHUNK + local)
     col = packed // CHUNK
@@ -190,17 +198,20 @@ def _sorted_runs(ids_ptr, chunk, LK, E, CHUNK: tl.constexpr, BINS: tl.constexpr)
 
 
 @triton.jit
-def _chunk_histogram_sorted(ids_ptr, counts_ptr, LK, E, WIDTH, CHUNK: tl.constexpr, BINS: tl.constexpr,
-                            K: tl.constexpr, CHECK_IDS: tl.constexpr, TOKENS: tl.constexpr):
+def _chunk_histogram_sorted(ids_ptr, counts_ptr, ranks_ptr, LK, E, WIDTH, CHUNK: tl.constexpr, BINS: tl.constexpr,
+                            K: tl.constexpr, CHECK_IDS: tl.constexpr, TOKENS: tl.constexpr,
+                            STORE_RANKS: tl.constexpr):
     chunk = tl.program_id(0)
     row = counts_ptr + chunk * WIDTH
     tl.store(row + tl.arange(0, BINS), tl.zeros((BINS,), dtype=tl.int32))
     tl.store(row + BINS, 0)
     tl.debug_barrier()  # the zeros land before the runs' counts
-    col, _, rank, ends = _sorted_runs(ids_ptr, chunk, LK, E, CHUNK, BINS)
+    col, rows, rank, ends = _sorted_runs(ids_ptr, chunk, LK, E, CHUNK, BINS)
     # One writer per column. Negative ids and padding (column BINS + 1) write nothing: the
     # table's column BINS + 1 is the negative-id flag's when checking.
     tl.store(row + col, rank + 1, mask=ends & (col <= BINS))
+    if STORE_RANKS:  # each row's rank in its run, for _chunk_scatter_ranked
+        tl.store(ranks_ptr + rows, rank, mask=col <= BINS)
     if CHECK_IDS:
         _owned_token_flags(ids_ptr, row + BINS + 1, chunk, CHUNK, LK, E, K, TOKENS)
 
@@ -214,6 +225,23 @@ def _chunk_scatter_sorted(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, ok_ptr, 
     col, rows, rank, _ = _sorted_runs(ids_ptr, chunk, LK, E, CHUNK, BINS)
     pos = tl.where(col == BINS, sentinel_first, tl.gather(first, tl.minimum(col, BINS - 1), 0)) + rank
     valid = col <= BINS
+    tl.store(tim_ptr + rows, pos, mask=valid)
+    tl.store(eti_ptr + pos, (rows // K).to(tl.int32), mask=valid)
+
+
+@triton.jit
+def _chunk_scatter_ranked(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, ok_ptr, eti_ptr, tim_ptr, LK, E, K, WIDTH,
+                          CHUNK: tl.constexpr, BINS: tl.constexpr, CHECK_IDS: tl.constexpr):
+    """``_chunk_scatter_sorted`` without its sort: each row's rank in its run is already in
+    ``tim_ptr`` (stored there by the histogram), and is overwritten by the row's position."""
+    chunk = tl.program_id(0)
+    first, sentinel_first = _chunk_firsts(starts_ptr, totals_ptr, offsets_ptr, ok_ptr, E, chunk, WIDTH, BINS,
+                                          CHECK_IDS)
+    rows = chunk * CHUNK + tl.arange(0, CHUNK)
+    col = _columns(_keys(ids_ptr, rows, LK, E), BINS)
+    valid = col <= BINS
+    rank = tl.load(tim_ptr + rows, mask=valid, other=0)
+    pos = tl.where(col == BINS, sentinel_first, tl.gather(first, tl.minimum(col, BINS - 1), 0)) + rank
     tl.store(tim_ptr + rows, pos, mask=valid)
     tl.store(eti_ptr + pos, (rows // K).to(tl.int32), mask=valid)
 
@@ -284,13 +312,20 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool):
     # K == 0 has no rows and no tokens to check; K is a constexpr (the unrolled pairs).
     check = dict(K=max(K, 1), CHECK_IDS=check_ids, TOKENS=min(128, triton.next_power_of_2(chunk // max(K, 1) + 1)))
     grid = (num_chunks,)
+    ranked = sorted_ and config.dispatch_reuse_ranks
     if sorted_:
-        _chunk_histogram_sorted[grid](ids, counts, LK, E, width, CHUNK=chunk, BINS=BINS, **check, num_warps=8)
+        # With ``ranked`` the histogram keeps each row's rank in token_index_map, which the
+        # scatter then overwrites with the row's position: one sort per chunk, not two.
+        _chunk_histogram_sorted[grid](ids, counts, tim, LK, E, width, CHUNK=chunk, BINS=BINS, **check,
+                                      STORE_RANKS=ranked, num_warps=8)
     else:
         _chunk_histogram[grid](ids, counts, LK, E, chunk, width, BINS=BINS, SUB=SUB, **check)
     cols = 32
     _column_scan[(triton.cdiv(width, cols),)](counts, totals, num_chunks, width, COLS=cols, ROWS=64)
-    if sorted_:
+    if ranked:
+        _chunk_scatter_ranked[grid](ids, counts, totals, offsets, ok, eti, tim, LK, E, K, width, CHUNK=chunk,
+                                    BINS=BINS, CHECK_IDS=check_ids, num_warps=8)
+    elif sorted_:
         _chunk_scatter_sorted[grid](ids, counts, totals, offsets, ok, eti, tim, LK, E, K, width, CHUNK=chunk,
                                     BINS=BINS, CHECK_IDS=check_ids, num_warps=8)
     else:
