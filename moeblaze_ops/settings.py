@@ -128,16 +128,16 @@ class KernelSettings:
         gluon_warp_specialize: the GEMM kinds (of ``GLUON_KINDS``) whose Gluon kernel, where
             ``gluon`` runs it, is the warp-specialised one: copy warps fill the ring and
             the MMA warpgroups only wait, multiply and store (``_row_gemm_ws_kernel``,
-            ``_wgrad_ws_kernel``). Measured slower for the weight gradients, which keep
-            their other kernel (docs/perf-notes.md).
+            ``_wgrad_ws_kernel``). The weight gradients keep their other kernel by default
+            (docs/perf-notes.md).
         row_band: the row GEMMs' output tiles (up, down, dX, dH; eager kernels and
             templates) go in bands of this many row tiles, rows fastest inside a band
             (``grouped_gemm.banded``): the tiles in flight at once then read fewer
             weight tiles, each from L2 for the whole band, instead of every row tile
             streaming its expert's whole weight. 1: columns fastest along each row tile.
-            4 measured best on the H200 (docs/perf-notes.md).
+            The default is chosen by measurement (docs/perf-notes.md).
         wgrad_band: the same for the Gluon weight gradients' [P, Q] tiles, in bands of
-            P-tiles (``gluon_wgrad._wgrad_tile``); 4 measured best too.
+            P-tiles (``gluon_wgrad._wgrad_tile``).
         activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
             [L*K, I]) rather than computing it in its prologue.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down

@@ -107,9 +107,9 @@ def main():
                    help="weight gradients on the Gluon kernel (1) or the portable tl one (0)")
     p.add_argument("--ws", nargs="*", type=int, default=[0, 1],
                    help="the Gluon weight gradients warp-specialised (1) or not (0)")
-    p.add_argument("--row-band", nargs="*", type=int, default=[1],
+    p.add_argument("--row-band", nargs="*", type=int, default=[settings.current().row_band],
                    help="dh and dx: the tile order's band of row tiles (settings.row_band)")
-    p.add_argument("--wgrad-band", nargs="*", type=int, default=[1],
+    p.add_argument("--wgrad-band", nargs="*", type=int, default=[settings.current().wgrad_band],
                    help="the Gluon weight gradients' band of tile rows (settings.wgrad_band)")
     a = p.parse_args()
     for name in a.configs:

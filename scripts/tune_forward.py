@@ -42,7 +42,7 @@ def main():
     p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1],
                    help="the GEMM's weight tiles through TMA (1) or not (0)")
     p.add_argument("--activations", nargs="*", default=["swiglu"], help="the down kernel's activation(s)")
-    p.add_argument("--row-band", nargs="*", type=int, default=[1],
+    p.add_argument("--row-band", nargs="*", type=int, default=[settings.current().row_band],
                    help="the tile order's band of row tiles (settings.row_band)")
     a = p.parse_args()
     tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES

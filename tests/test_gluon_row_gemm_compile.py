@@ -57,7 +57,7 @@ def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, 
     signature = {"a_ptr": f"*{dtype}", "b_desc": _descriptor_type(dtype, block), "bias_ptr": f"*{dtype}",
                  "a_row_ids_ptr": "*i32", "offsets_ptr": "*i32", "out_ptr": f"*{dtype}",
                  **{name: "i32" for name in ["LK", "E", "N", "K", "stride_am", "stride_bias", "stride_om"]}}
-    # Tiles in bands of 8 m-tiles where A is gathered, today's order (bands of 1) where not.
+    # Tiles in bands of 8 m-tiles where A is gathered, columns fastest (bands of 1) where not.
     constexprs = dict(GATHER_A=gather, HAS_BIAS=bias, B_KMAJOR=k_contiguous, GROUPS=16, BAND=8 if gather else 1,
                       BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
@@ -92,7 +92,7 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
                  "b_desc": _descriptor_type(dtype, block), "bias_ptr": f"*{dtype}", "a_row_ids_ptr": "*i32",
                  "offsets_ptr": "*i32", "out_ptr": f"*{dtype}",
                  **{name: "i32" for name in ["LK", "E", "N", "K", "stride_am", "stride_bias", "stride_om"]}}
-    # Tiles in bands of 8 m-tiles where A is gathered, today's order (bands of 1) where not.
+    # Tiles in bands of 8 m-tiles where A is gathered, columns fastest (bands of 1) where not.
     constexprs = dict(GATHER_A=gather, HAS_BIAS=bias, B_KMAJOR=k_contiguous, GROUPS=16, BAND=8 if gather else 1,
                       BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PRODUCER_WARPS=warps,

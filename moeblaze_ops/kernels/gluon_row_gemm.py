@@ -25,6 +25,8 @@ the portable kernel.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -34,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .. import settings
 from ..layouts import linear_dims, linear_strides
 from ..settings import GemmTile
 from . import grouped_gemm as gg
@@ -408,12 +411,14 @@ def applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, transposed: boo
 
 
 def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmTile = TILE,
-                    warp_specialize: bool = True, band: int = 1):
+                    warp_specialize: bool = True, band: Optional[int] = None):
     """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) over every routed row, B an expert
     weight stack in ``transposed`` layout (``layouts``), as
     ``triton_experts.launch_gathered_gemm``; ``tile`` is (M, N, K block, warps, stages)
     with M = 16 * warps; ``warp_specialize`` picks ``_row_gemm_ws_kernel``; ``band`` is the
-    tile order's band of m-tiles (``grouped_gemm.banded``)."""
+    tile order's band of m-tiles (``grouped_gemm.banded``), ``settings.row_band`` by
+    default."""
+    band = settings.current().row_band if band is None else band
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
         raise ValueError(f"moeblaze gluon row GEMM: block_m must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")

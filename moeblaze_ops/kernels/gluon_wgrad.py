@@ -19,6 +19,8 @@ else takes the portable kernel.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -27,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
+from .. import settings
 from ..settings import GemmTile
 from . import grouped_gemm as gg
 from .gluon_common import async_load, banded, copy_layout, cta_barrier, on_hopper, wgmma_acc_layout
@@ -240,12 +243,12 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
 
 
 def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: GemmTile = TILE, warp_specialize: bool = False,
-                 band: int = 1):
+                 band: Optional[int] = None):
     """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring); ``tile``
     is (P, Q, R block, warps, stages) with P = 16 * warps; ``warp_specialize`` picks
-    ``_wgrad_ws_kernel``; ``band`` is the tile order's band of P tiles (``_wgrad_tile``)."""
-    if band < 1:
-        raise ValueError(f"moeblaze gluon weight gradient: band must be at least 1, got {band}")
+    ``_wgrad_ws_kernel``; ``band`` is the tile order's band of P tiles (``_wgrad_tile``),
+    ``settings.wgrad_band`` by default."""
+    band = settings.current().wgrad_band if band is None else band
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
         raise ValueError(f"moeblaze gluon weight gradient: block_m must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")

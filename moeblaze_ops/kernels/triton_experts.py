@@ -134,7 +134,7 @@ def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
     if gluon is not None and gluon.applies(a, b, out, transposed):
         config = settings.current()
         gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, config.tiles.get(kind, gluon.TILE),
-                              kind in config.gluon_warp_specialize, config.row_band)
+                              kind in config.gluon_warp_specialize)
         return
     LK, N = out.shape
     E, _, reduction = linear_dims(b, transposed)

@@ -174,7 +174,7 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
     if gluon is not None and gluon.applies(rows, gathered):
         config = settings.current()
         gluon.launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, config.tiles.get(kind, gluon.TILE),
-                           kind in config.gluon_warp_specialize, config.wgrad_band)
+                           kind in config.gluon_warp_specialize)
         return
     tile = gg.tile_config(kind, rows)
     tiles = E * triton.cdiv(P, tile.block_m) * triton.cdiv(Q, tile.block_n)
