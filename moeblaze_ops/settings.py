@@ -138,6 +138,10 @@ class KernelSettings:
             The default is chosen by measurement (docs/perf-notes.md).
         wgrad_band: the same for the Gluon weight gradients' [P, Q] tiles, in bands of
             P-tiles (``gluon_wgrad._wgrad_tile``).
+        wgrad_rows_tma: the weight-gradient kinds whose Gluon kernel (where ``gluon`` runs
+            it) reads the row-ordered operand by TMA as the MMA's wide side, the gathered
+            rows being the narrow one (``gluon_wgrad._wgrad_rows_tma_kernel``); it takes
+            precedence over ``gluon_warp_specialize`` for those kinds.
         activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
             [L*K, I]) rather than computing it in its prologue.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
@@ -166,7 +170,8 @@ class KernelSettings:
     weight_tma: frozenset = frozenset({"up", "dh", "dx"})
     gluon: frozenset = frozenset({"wgrad_down", "wgrad_up"})
     gluon_warp_specialize: frozenset = frozenset({"up", "down", "dx"})
-    wgrad_band: int = 4
+    wgrad_band: int = 1
+    wgrad_rows_tma: frozenset = frozenset({"wgrad_down", "wgrad_up"})
     row_band: int = 4
     activation_pass: bool = True
     fast_activation: bool = True
@@ -193,6 +198,10 @@ class KernelSettings:
             if not kinds <= set(GLUON_KINDS):
                 raise ValueError(f"moeblaze settings: {name} has GEMM kinds without a Gluon kernel "
                                  f"{sorted(kinds - set(GLUON_KINDS))}; those with one: {GLUON_KINDS}")
+        object.__setattr__(self, "wgrad_rows_tma", frozenset(self.wgrad_rows_tma))
+        if not self.wgrad_rows_tma <= {"wgrad_down", "wgrad_up"}:
+            raise ValueError(f"moeblaze settings: wgrad_rows_tma names weight-gradient kinds only "
+                             f"(wgrad_down, wgrad_up), got {sorted(self.wgrad_rows_tma)}")
         object.__setattr__(self, "backward_templates", frozenset(self.backward_templates))
         if not self.backward_templates <= set(BACKWARD_TEMPLATE_KINDS):
             raise ValueError(f"moeblaze settings: backward_templates has unknown parts "

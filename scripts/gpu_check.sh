@@ -18,6 +18,8 @@
 # SWITCHES=1 measures the other side of each tuning switch (log only); EP=1 adds the
 # expert-parallel GPU tests and benchmark (2 GPUs: kind nvidia-h200-x2) into $OUT/ep/. Test
 # packages missing on the machine are installed from wheels in .whl/ when the call carries them.
+# WGRAD=1 sweeps the Gluon weight gradients (row-ordered operand by TMA or not, bands) and,
+# where Nsight Compute reads the counters, writes each kernel's stall reasons to $OUT/ncu.txt.
 # PEER_SITE=<dir> passes --peer-site <dir> to the benchmark (a peer such as SonicMoE installed
 # there with pip --target: its rows join the tables).
 set -uo pipefail
@@ -108,6 +110,23 @@ if [ "${GLUON_WS:-0}" = 1 ]; then
     --set "gluon={'wgrad_down','wgrad_up','up','down','dx'}" \
     --set "gluon_warp_specialize={'wgrad_down','wgrad_up','up','down','dx'}" --configs olmoe mixtral \
     2>>"$LOG" | tee -a "$LOG"
+fi
+if [ "${WGRAD:-0}" = 1 ]; then
+  echo "== weight gradients: row-ordered operand by cp.async (128x256 tiles) or TMA (256x128)" | tee -a "$LOG"
+  for pair in "128,256,64,8,4:0" "256,128,64,8,4:1"; do
+    python3 scripts/tune_backward.py --configs olmoe qwen3_a3b mixtral --kinds wgrad_down wgrad_up --tiles "${pair%%:*}" \
+      --ws 0 --gluon 1 --rows-tma "${pair##*:}" --wgrad-band 1 4 2>>"$LOG" | tee -a "$LOG"
+  done
+  if command -v ncu >/dev/null; then
+    echo "== stall reasons of the weight gradients (ncu, Mixtral-like dW_up)" | tee -a "$LOG"
+    for pair in "128,256,64,8,4:0" "256,128,64,8,4:1"; do
+      timeout 240 ncu --clock-control none --kernel-name regex:_wgrad --launch-count 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+        python3 scripts/tune_backward.py --configs mixtral --kinds wgrad_up --tiles "${pair%%:*}" --ws 0 --gluon 1 \
+        --rows-tma "${pair##*:}" >> "$OUT/ncu.txt" 2>&1
+    done
+    grep -E "_wgrad|Duration|Throughput|stalled_.*ratio" "$OUT/ncu.txt" | awk '$NF+0 > 0.05 || !/stalled/' | tee -a "$LOG"
+  fi
 fi
 if [ "${SWITCHES:-0}" = 1 ]; then
   # The other side of each tuning switch (docs/perf-notes.md), to compare with the

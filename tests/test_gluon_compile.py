@@ -62,3 +62,35 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, warp_specialize, band
     assert ring <= kernel.metadata.shared <= MAX_SHARED
     if warp_specialize:
         assert _spill_bytes(ptx, tmp_path) == 0
+
+
+@pytest.mark.parametrize("band", [1, 4])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_weight_gradient_rows_tma_kernel_compiles_for_hopper(dtype, band, tmp_path):
+    from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type, _spill_bytes
+
+    from moeblaze_ops.kernels import gluon_wgrad
+
+    tile = gluon_wgrad.ROWS_TMA_TILE
+    ints = ["E", "P", "Q", "stride_rm", "stride_gm", "stride_oe", "stride_op", "stride_oq"]
+    signature = {"rows_desc": _descriptor_type(dtype, [tile.block_k, tile.block_m]), "rows_ptr": f"*{dtype}",
+                 "gathered_ptr": f"*{dtype}", "row_ids_ptr": "*i32", "offsets_ptr": "*i32", "out_ptr": f"*{dtype}",
+                 **{name: "i32" for name in ints}}
+    constexprs = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
+                      BAND=band, num_warps=tile.num_warps)
+    try:
+        kernel = _compile_for_hopper(gluon_wgrad._wgrad_rows_tma_kernel, signature, constexprs, tile.num_warps,
+                                     aligned=["rows_ptr", "gathered_ptr", "row_ids_ptr", "offsets_ptr", "out_ptr", "P",
+                                              "Q", "stride_rm", "stride_gm", "stride_oe", "stride_op"])
+    except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
+        pytest.skip(f"no ptxas: {error}")
+    ptx = kernel.asm["ptx"]
+    # The row-ordered operand by 2-D TMA (and masked cp.async in an expert's last step),
+    # the gathered rows by cp.async, the wgmma as wide as the P block, no spills.
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
+    ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_m}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
+    ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
+    assert ring <= kernel.metadata.shared <= MAX_SHARED
+    assert _spill_bytes(ptx, tmp_path) == 0

@@ -258,6 +258,8 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": ()},
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": settings.GLUON_KINDS},
                                     {"gluon": ()}, {"row_band": 3, "wgrad_band": 3},
+                                    {"wgrad_rows_tma": ("wgrad_down", "wgrad_up")},
+                                    {"wgrad_rows_tma": ()},
                                     {"row_band": 1, "wgrad_band": 1},
                                     {"gluon": settings.GLUON_KINDS, "row_band": 3},
                                     {"gluon": settings.GLUON_KINDS, "row_band": 1}],
@@ -340,21 +342,23 @@ def test_index_arrays_checked_on_the_device(defect, seed):
 # ----------------------------------------------------------------------------- weight-gradient kernels
 
 
-WGRAD_VARIANTS = ["gluon_ws", "gluon", "gluon_band3", "tl"]
+WGRAD_VARIANTS = ["gluon_ws", "gluon", "gluon_band3", "gluon_rows_tma", "gluon_rows_tma_band3", "tl"]
 
 
 def _wgrad_settings(variant):
     """The settings that run weight-gradient kernel ``variant`` (of ``WGRAD_VARIANTS``) for "wgrad_up"."""
     return settings.override(gluon={"wgrad_up"} if variant != "tl" else set(),
                              gluon_warp_specialize={"wgrad_up"} if variant == "gluon_ws" else set(),
-                             wgrad_band=3 if variant == "gluon_band3" else 1)
+                             wgrad_rows_tma={"wgrad_up"} if "rows_tma" in variant else set(),
+                             wgrad_band=3 if variant.endswith("band3") else 1)
 
 
 @pytest.mark.parametrize("gluon", WGRAD_VARIANTS)
 @pytest.mark.parametrize("P,Q,transposed_out", [(192, 2880, False), (1408, 256, True), (64, 16, False)])
 def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
-    """Every weight-gradient kernel, the two Gluon ones (where they apply: these shapes;
-    warp-specialised and not; tiles in bands of 3 tile rows, a short last band at P=1408)
+    """Every weight-gradient kernel, the three Gluon ones (where they apply: these shapes;
+    warp-specialised, with the row-ordered operand by TMA, or neither; tiles in bands of 3
+    tile rows, a short last band at P=1408)
     and the portable tl one: out[e] = A_e^T B[ids_e] against a float64 reference, with
     ragged and empty experts, tiles that run past P and Q, a transposed output view, a
     poisoned output (a tile the order skipped stays NaN), and two runs bitwise equal."""

@@ -10,7 +10,12 @@ expert's end zero-filled, B's rows gathered through ``row_ids``) into a ring of
 asynchronous ``warpgroup_mma``. A^T is the MMA's left operand as a transposed view of the
 [BLOCK_R, BLOCK_P] tile: no register transpose. ``_wgrad_ws_kernel`` is the same product
 warp-specialised: a copy warpgroup fills the ring, the MMA warpgroups only wait, multiply
-and store.
+and store. ``_wgrad_rows_tma_kernel`` is the same product with the roles turned: the
+gathered rows are the MMA's left operand (the 128-wide side, by cp.async) and the
+row-ordered operand its right one (the 256-wide side), read by TMA in every step that
+lies inside the expert, so two thirds of the bytes travel by the copy engine and the
+threads copy a third; the expert's last, partial step stays a masked cp.async, since
+the next expert's rows may hold anything and 0 * inf would reach this expert's sum.
 
 Applies to 16-bit CUDA tensors on capability 9 whose column counts and row strides are
 multiples of 16 elements (the 16-byte copies must not straddle a mask edge); everything
@@ -28,15 +33,19 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import settings
 from ..settings import GemmTile
 from . import grouped_gemm as gg
-from .gluon_common import async_load, banded, copy_layout, cta_barrier, on_hopper, wgmma_acc_layout
+from .gluon_common import async_load, banded, copy_layout, cta_barrier, on_hopper, tma_load, wgmma_acc_layout
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 rows of the
 #: reduction per step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
 TILE = GemmTile(128, 256, 64, 8, 4)
+#: The tile of ``_wgrad_rows_tma_kernel``: 256 P (the row-ordered operand's features, by
+#: TMA) x 128 Q (the gathered rows' features, 16 rows per warp) per program.
+ROWS_TMA_TILE = GemmTile(256, 128, 64, 8, 4)
 #: (warps, registers per thread) of the warp-specialised kernel's copy warpgroup (its
 #: threads each copy 16-byte pieces of both operands and hold their row offsets).
 PRODUCER = (4, 88)
@@ -81,13 +90,13 @@ def _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P: gl.constexpr, BLOCK_Q: gl.cons
 
 
 @gluon.jit
-def _store_expert_tile(out_ptr, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq):
-    """Stores expert ``e``'s [P, Q] accumulator tile at (p0, q0), inside P and Q."""
+def _store_expert_tile(out_ptr, acc, e, m0, n0, M, N, stride_oe, stride_om, stride_on):
+    """Stores expert ``e``'s [M, N] accumulator tile at (m0, n0), inside M and N."""
     layout: gl.constexpr = acc.type.layout
-    ps = p0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
-    qs = q0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
-    gl.store(out_ptr + e.to(gl.int64) * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq,
-             acc.to(out_ptr.dtype.element_ty), mask=(ps < P)[:, None] & (qs < Q)[None, :])
+    ms = m0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    ns = n0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    gl.store(out_ptr + e.to(gl.int64) * stride_oe + ms[:, None] * stride_om + ns[None, :] * stride_on,
+             acc.to(out_ptr.dtype.element_ty), mask=(ms < M)[:, None] & (ns < N)[None, :])
 
 
 @gluon.jit
@@ -143,6 +152,93 @@ def _wgrad_kernel(
             ids = _load_ids(row_ids_ptr, lo + (nxt + 1) * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         _store_expert_tile(out_ptr, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq)
+    cp.wait_group(0)
+
+
+# --------------------------------------------------------------------------- row-ordered operand by TMA
+
+
+@gluon.jit
+def _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, ids, g_slot, r_slot, bar, r0, hi, p0, q0, P, Q,
+                         stride_rm, stride_gm, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr,
+                         num_warps: gl.constexpr):
+    """Starts the copies of reduction step [r0, r0 + BLOCK_R) into one ring slot: the
+    gathered rows ``ids`` [BLOCK_R, BLOCK_Q] by cp.async, and the row-ordered [BLOCK_R,
+    BLOCK_P] by TMA onto ``bar`` where the step lies inside the expert, else by masked
+    cp.async (then ``bar`` completes its phase with a plain arrive)."""
+    if r0 + BLOCK_R <= hi:
+        mbarrier.expect(bar, rows_desc.block_type.nbytes)
+        tma_load(rows_desc, [r0, p0], bar, r_slot)
+    else:
+        layout: gl.constexpr = copy_layout(BLOCK_P, num_warps)
+        ra = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, layout))
+        pa = p0 + gl.arange(0, BLOCK_P, layout=gl.SliceLayout(0, layout))
+        async_load(r_slot, rows_ptr + ra.to(gl.int64)[:, None] * stride_rm + pa[None, :],
+                    mask=(ra < hi)[:, None] & (pa < P)[None, :])
+        mbarrier.arrive(bar)
+    g_layout: gl.constexpr = copy_layout(BLOCK_Q, num_warps)
+    rb = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, g_layout))
+    qb = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, g_layout))
+    async_load(g_slot, gathered_ptr + ids[:, None] * stride_gm + qb[None, :],
+                mask=(rb < hi)[:, None] & (qb < Q)[None, :])
+
+
+@gluon.jit
+def _wgrad_rows_tma_kernel(
+    rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr,
+    E, P, Q,
+    stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
+    BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
+    BAND: gl.constexpr, num_warps: gl.constexpr,
+):
+    # The ring as in _wgrad_kernel (step i in the MMA, i - 1 possibly still in it, i + 1 ..
+    # i + AHEAD landing); each slot also has an mbarrier for its TMA bytes. ``step`` counts
+    # this program's steps over all its tiles: a slot's phase is how often it was filled.
+    AHEAD: gl.constexpr = NUM_STAGES - 2
+    dtype: gl.constexpr = rows_ptr.dtype.element_ty
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, num_warps)
+    g_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
+    r_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_P], rows_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    step = 0
+    for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
+        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+        steps = gl.cdiv(hi - lo, BLOCK_R)
+        cta_barrier()  # the previous tile's MMAs (every warpgroup's) are done before its slots are refilled
+        for i in gl.static_range(AHEAD):
+            if i < steps:
+                r0 = lo + i * BLOCK_R
+                slot = (step + i) % NUM_STAGES
+                _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr,
+                                     _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, num_warps), g_ring.index(slot),
+                                     r_ring.index(slot), bars.index(slot), r0, hi, p0, q0, P, Q, stride_rm, stride_gm,
+                                     BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
+            cp.commit_group()
+        ids = _load_ids(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
+        acc = gl.zeros([BLOCK_Q, BLOCK_P], gl.float32, acc_layout)
+        for i in range(steps):
+            slot = step % NUM_STAGES
+            cp.wait_group(AHEAD - 1)  # this thread's cp.async copies of step i have landed
+            mbarrier.wait(bars.index(slot), (step // NUM_STAGES) & 1)  # ... and the TMA bytes
+            cta_barrier()  # every thread's copies landed; every warpgroup's MMA of step i - 2 is done
+            fence_async_shared()
+            acc = warpgroup_mma(g_ring.index(slot).permute((1, 0)), r_ring.index(slot), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            nxt = i + AHEAD
+            if nxt < steps:
+                ns = (step + AHEAD) % NUM_STAGES
+                _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, ids, g_ring.index(ns), r_ring.index(ns),
+                                     bars.index(ns), lo + nxt * BLOCK_R, hi, p0, q0, P, Q, stride_rm, stride_gm,
+                                     BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
+            cp.commit_group()
+            ids = _load_ids(row_ids_ptr, lo + (nxt + 1) * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        # acc is this tile's [Q, P] block: stored through out's strides in that order.
+        _store_expert_tile(out_ptr, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op)
     cp.wait_group(0)
 
 
@@ -242,25 +338,35 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
             and rows.data_ptr() % 16 == 0 and gathered.data_ptr() % 16 == 0)
 
 
-def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: GemmTile = TILE, warp_specialize: bool = False,
-                 band: Optional[int] = None):
+def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[GemmTile] = None,
+                 warp_specialize: bool = False, band: Optional[int] = None, rows_tma: bool = False):
     """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring); ``tile``
-    is (P, Q, R block, warps, stages) with P = 16 * warps; ``warp_specialize`` picks
-    ``_wgrad_ws_kernel``; ``band`` is the tile order's band of P tiles (``_wgrad_tile``),
-    ``settings.wgrad_band`` by default."""
+    is (P block, Q block, R block, warps, stages[, programs per SM]), ``TILE`` or
+    ``ROWS_TMA_TILE`` by default; ``rows_tma`` picks ``_wgrad_rows_tma_kernel`` (Q block
+    = 16 * warps), else ``warp_specialize`` picks ``_wgrad_ws_kernel`` (P block = 16 *
+    warps, as ``_wgrad_kernel``'s); ``band`` is the tile order's band of P tiles
+    (``_wgrad_tile``), ``settings.wgrad_band`` by default."""
     band = settings.current().wgrad_band if band is None else band
-    if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
-        raise ValueError(f"moeblaze gluon weight gradient: block_m must be 16 * num_warps and num_stages at least 3, "
+    rows_tma = rows_tma and rows.shape[0] > 0  # (a TMA descriptor needs rows to describe)
+    tile = tile or (ROWS_TMA_TILE if rows_tma else TILE)
+    mma_rows = tile.block_n if rows_tma else tile.block_m  # the MMA's M: 16 rows per warp
+    if mma_rows != 16 * tile.num_warps or tile.num_stages < 3:
+        side = "block_n" if rows_tma else "block_m"
+        raise ValueError(f"moeblaze gluon weight gradient: {side} must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")
     E, P, Q = grad_w_pq.shape
     tiles = E * triton.cdiv(P, tile.block_m) * triton.cdiv(Q, tile.block_n)
-    args = (rows, gathered, row_ids, offsets, grad_w_pq, E, P, Q, rows.stride(0), gathered.stride(0),
-            *grad_w_pq.stride())
+    args = (gathered, row_ids, offsets, grad_w_pq, E, P, Q, rows.stride(0), gathered.stride(0), *grad_w_pq.stride())
     blocks = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
                   BAND=band, num_warps=tile.num_warps)
-    grid = (gg.num_programs(rows.device, tiles),)
-    if warp_specialize:
+    grid = (gg.num_programs(rows.device, tiles, tile.programs_per_sm),)
+    if rows_tma:
+        block = [tile.block_k, tile.block_m]
+        gl_dtype = gl.bfloat16 if rows.dtype == torch.bfloat16 else gl.float16
+        rows_desc = TensorDescriptor.from_tensor(rows, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+        _wgrad_rows_tma_kernel[grid](rows_desc, rows, *args, **blocks)
+    elif warp_specialize:
         warps, regs = PRODUCER
-        _wgrad_ws_kernel[grid](*args, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **blocks)
+        _wgrad_ws_kernel[grid](rows, *args, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **blocks)
     else:
-        _wgrad_kernel[grid](*args, **blocks)
+        _wgrad_kernel[grid](rows, *args, **blocks)
