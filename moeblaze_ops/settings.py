@@ -179,7 +179,7 @@ class KernelSettings:
     column_slab: Optional[int] = 512
     dispatch_sorted_min_bins: Optional[int] = 128
     dispatch_sort_chunk: int = 1024
-    dispatch_reuse_ranks: bool = False
+    dispatch_reuse_ranks: bool = True
     backward_templates: frozenset = frozenset({"dx"})
 
     def __post_init__(self):

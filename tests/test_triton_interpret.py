@@ -95,8 +95,8 @@ def test_backward_kernels_skip_frozen(trainable, recompute, seed):
 #: The dispatch kernel families: one-hot tiles (chunks of 64 rows at these sizes), sorted
 #: chunks of 16 rows (many chunk edges) and of 128 (padding past the last row).
 DISPATCH_FAMILIES = {"onehot": dict(dispatch_sorted_min_bins=None),
-                     "sorted16": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=16),
-                     "sorted128": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=128),
+                     "sorted16": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=16, dispatch_reuse_ranks=False),
+                     "sorted128": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=128, dispatch_reuse_ranks=False),
                      "ranked16": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=16, dispatch_reuse_ranks=True)}
 
 
