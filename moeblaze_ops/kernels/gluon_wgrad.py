@@ -184,41 +184,6 @@ def _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, ids, g_slot, r_slot,
 
 
 @gluon.jit
-def _next_rows_step(p_tile, p_p0, p_q0, p_r0, p_hi, total, offsets_ptr, P, Q, BLOCK_P: gl.constexpr,
-                    BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, BAND: gl.constexpr):
-    """The step after rows ``p_r0`` of tile ``p_tile`` in this program's sequence: the
-    tile's next BLOCK_R rows, else the first rows of its next tile that has any (an empty
-    expert's tiles have no steps). Past the program's last tile ``p_tile`` >= ``total``
-    and the step has no rows."""
-    p_r0 += BLOCK_R
-    while (p_r0 >= p_hi) & (p_tile < total):
-        p_tile += gl.num_programs(0)
-        _, p_p0, p_q0, lo, hi = _wgrad_tile(gl.minimum(p_tile, total - 1), offsets_ptr, P, Q, BLOCK_P, BLOCK_Q,
-                                            BAND)
-        p_r0 = gl.where(p_tile < total, lo, 0)
-        p_hi = gl.where(p_tile < total, hi, 0)
-    return p_tile, p_p0, p_q0, p_r0, p_hi
-
-
-@gluon.jit
-def _produce_rows_step(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring, r_ring, bars, slot,
-                       p_tile, p_p0, p_q0, p_r0, p_hi, p_ids, total, P, Q, stride_rm, stride_gm,
-                       BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, BAND: gl.constexpr,
-                       num_warps: gl.constexpr):
-    """Starts the copies of the producer's step into ring slot ``slot`` (nothing past the
-    program's last tile), moves to the next step and loads its gathered rows' ids, a step
-    before their copies need them."""
-    if p_tile < total:
-        _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, p_ids, g_ring.index(slot), r_ring.index(slot),
-                             bars.index(slot), p_r0, p_hi, p_p0, p_q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
-                             BLOCK_R, num_warps)
-        p_tile, p_p0, p_q0, p_r0, p_hi = _next_rows_step(p_tile, p_p0, p_q0, p_r0, p_hi, total, offsets_ptr, P, Q,
-                                                         BLOCK_P, BLOCK_Q, BLOCK_R, BAND)
-        p_ids = _load_ids(row_ids_ptr, p_r0, p_hi, BLOCK_Q, BLOCK_R, num_warps)
-    return p_tile, p_p0, p_q0, p_r0, p_hi, p_ids
-
-
-@gluon.jit
 def _wgrad_rows_tma_kernel(
     rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr,
     E, P, Q,
@@ -227,10 +192,8 @@ def _wgrad_rows_tma_kernel(
     BAND: gl.constexpr, num_warps: gl.constexpr,
 ):
     # The ring as in _wgrad_kernel (step i in the MMA, i - 1 possibly still in it, i + 1 ..
-    # i + AHEAD landing), each slot with an mbarrier for its TMA bytes. Steps are numbered
-    # over all this program's tiles, and the producer (p_*) walks them AHEAD steps before
-    # the MMA across tile edges: the next tile's first copies land during this tile's
-    # last MMAs and its store, which matters where experts have few rows.
+    # i + AHEAD landing); each slot also has an mbarrier for its TMA bytes. ``step`` counts
+    # this program's steps over all its tiles: a slot's phase is how often it was filled.
     AHEAD: gl.constexpr = NUM_STAGES - 2
     dtype: gl.constexpr = rows_ptr.dtype.element_ty
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, num_warps)
@@ -240,38 +203,38 @@ def _wgrad_rows_tma_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(bars.index(s), count=1)
-    total = E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q)
-
-    zero = gl.program_id(0) * 0  # (the producer's state is loop-carried: runtime integers from the start)
-    p_tile, p_p0, p_q0, p_r0, p_hi = _next_rows_step(gl.program_id(0) - gl.num_programs(0), zero, zero,
-                                                     zero - BLOCK_R, zero, total, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q,
-                                                     BLOCK_R, BAND)
-    p_ids = _load_ids(row_ids_ptr, p_r0, p_hi, BLOCK_Q, BLOCK_R, num_warps)
-    # One commit group per step, empty past the last, so that "all but AHEAD - 1 groups
-    # landed" always means "step i landed".
-    for s in gl.static_range(AHEAD):
-        p_tile, p_p0, p_q0, p_r0, p_hi, p_ids = _produce_rows_step(
-            rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring, r_ring, bars, s, p_tile, p_p0, p_q0,
-            p_r0, p_hi, p_ids, total, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, BAND, num_warps)
-        cp.commit_group()
-
     step = 0
-    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
         e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+        steps = gl.cdiv(hi - lo, BLOCK_R)
+        cta_barrier()  # the previous tile's MMAs (every warpgroup's) are done before its slots are refilled
+        for i in gl.static_range(AHEAD):
+            if i < steps:
+                r0 = lo + i * BLOCK_R
+                slot = (step + i) % NUM_STAGES
+                _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr,
+                                     _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, num_warps), g_ring.index(slot),
+                                     r_ring.index(slot), bars.index(slot), r0, hi, p0, q0, P, Q, stride_rm, stride_gm,
+                                     BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
+            cp.commit_group()
+        ids = _load_ids(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
         acc = gl.zeros([BLOCK_Q, BLOCK_P], gl.float32, acc_layout)
-        for _ in range(lo, hi, BLOCK_R):
+        for i in range(steps):
             slot = step % NUM_STAGES
-            cp.wait_group(AHEAD - 1)  # this thread's cp.async copies of this step have landed
+            cp.wait_group(AHEAD - 1)  # this thread's cp.async copies of step i have landed
             mbarrier.wait(bars.index(slot), (step // NUM_STAGES) & 1)  # ... and the TMA bytes
-            cta_barrier()  # every thread's copies landed; every warpgroup's MMA of step - 2 is done
+            cta_barrier()  # every thread's copies landed; every warpgroup's MMA of step i - 2 is done
             fence_async_shared()
             acc = warpgroup_mma(g_ring.index(slot).permute((1, 0)), r_ring.index(slot), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            p_tile, p_p0, p_q0, p_r0, p_hi, p_ids = _produce_rows_step(
-                rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring, r_ring, bars,
-                (step + AHEAD) % NUM_STAGES, p_tile, p_p0, p_q0, p_r0, p_hi, p_ids, total, P, Q, stride_rm, stride_gm,
-                BLOCK_P, BLOCK_Q, BLOCK_R, BAND, num_warps)
+            nxt = i + AHEAD
+            if nxt < steps:
+                ns = (step + AHEAD) % NUM_STAGES
+                _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, ids, g_ring.index(ns), r_ring.index(ns),
+                                     bars.index(ns), lo + nxt * BLOCK_R, hi, p0, q0, P, Q, stride_rm, stride_gm,
+                                     BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
             cp.commit_group()
+            ids = _load_ids(row_ids_ptr, lo + (nxt + 1) * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         # acc is this tile's [Q, P] block: stored through out's strides in that order.
