@@ -6,6 +6,7 @@ import torch
 from conftest import make_layer, make_topk_ids, rel_err
 from kernel_cases import check_backward, check_dispatch_bitwise, check_forward, check_frozen_grads
 from moeblaze_ops import ACTIVATIONS, moe_experts, settings
+from moeblaze_ops.settings import GemmTile
 from reference import reference_moe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -342,12 +343,14 @@ def test_index_arrays_checked_on_the_device(defect, seed):
 # ----------------------------------------------------------------------------- weight-gradient kernels
 
 
-WGRAD_VARIANTS = ["gluon_ws", "gluon", "gluon_band3", "gluon_rows_tma", "gluon_rows_tma_band3", "tl"]
+WGRAD_VARIANTS = ["gluon_ws", "gluon", "gluon_band3", "gluon_rows_tma", "gluon_rows_tma_band3",
+                  "gluon_rows_tma_2_per_sm", "tl"]
 
 
 def _wgrad_settings(variant):
     """The settings that run weight-gradient kernel ``variant`` (of ``WGRAD_VARIANTS``) for "wgrad_up"."""
-    return settings.override(gluon={"wgrad_up"} if variant != "tl" else set(),
+    tiles = {"wgrad_up": GemmTile(128, 128, 64, 8, 3, 2)} if variant.endswith("2_per_sm") else {}
+    return settings.override(tiles=tiles, gluon={"wgrad_up"} if variant != "tl" else set(),
                              gluon_warp_specialize={"wgrad_up"} if variant == "gluon_ws" else set(),
                              wgrad_rows_tma={"wgrad_up"} if "rows_tma" in variant else set(),
                              wgrad_band=3 if variant.endswith("band3") else 1)

@@ -46,6 +46,9 @@ TILE = GemmTile(128, 256, 64, 8, 4)
 #: The tile of ``_wgrad_rows_tma_kernel``: 256 P (the row-ordered operand's features, by
 #: TMA) x 128 Q (the gathered rows' features, 16 rows per warp) per program.
 ROWS_TMA_TILE = GemmTile(256, 128, 64, 8, 4)
+#: The register file of one SM (sm_90): a tile with several programs per SM caps each
+#: thread's registers to share it.
+REGISTERS_PER_SM = 65536
 #: (warps, registers per thread) of the warp-specialised kernel's copy warpgroup (its
 #: threads each copy 16-byte pieces of both operands and hold their row offsets).
 PRODUCER = (4, 88)
@@ -341,7 +344,8 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
 def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[GemmTile] = None,
                  warp_specialize: bool = False, band: Optional[int] = None, rows_tma: bool = False):
     """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring); ``tile``
-    is (P block, Q block, R block, warps, stages[, programs per SM]), ``TILE`` or
+    is (P block, Q block, R block, warps, stages[, programs per SM: registers capped to
+    fit]), ``TILE`` or
     ``ROWS_TMA_TILE`` by default; ``rows_tma`` picks ``_wgrad_rows_tma_kernel`` (Q block
     = 16 * warps), else ``warp_specialize`` picks ``_wgrad_ws_kernel`` (P block = 16 *
     warps, as ``_wgrad_kernel``'s); ``band`` is the tile order's band of P tiles
@@ -360,6 +364,8 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     blocks = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
                   BAND=band, num_warps=tile.num_warps)
     grid = (gg.num_programs(rows.device, tiles, tile.programs_per_sm),)
+    if tile.programs_per_sm > 1:  # registers capped so that that many programs fit an SM's file at once
+        blocks["maxnreg"] = REGISTERS_PER_SM // (tile.programs_per_sm * 32 * tile.num_warps) // 8 * 8
     if rows_tma:
         block = [tile.block_k, tile.block_m]
         gl_dtype = gl.bfloat16 if rows.dtype == torch.bfloat16 else gl.float16
