@@ -24,23 +24,29 @@ def _compile_for_hopper(fn, signature, constexprs, num_warps, aligned):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
-@pytest.mark.parametrize("band", [1, 8])
-@pytest.mark.parametrize("warp_specialize", [False, True], ids=["one_partition", "warp_specialized"])
+@pytest.mark.parametrize("band", [1, 4])
+@pytest.mark.parametrize("variant", ["one_partition", "warp_specialized", "rows_tma"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_weight_gradient_kernels_compile_for_hopper(dtype, warp_specialize, band, tmp_path):
-    from test_gluon_row_gemm_compile import MAX_SHARED, _spill_bytes
+def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_path):
+    from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type, _spill_bytes
 
     from moeblaze_ops.kernels import gluon_wgrad
 
-    tile = gluon_wgrad.TILE
+    rows_tma, warp_specialize = variant == "rows_tma", variant == "warp_specialized"
+    tile = gluon_wgrad.ROWS_TMA_TILE if rows_tma else gluon_wgrad.TILE
     ints = ["E", "P", "Q", "stride_rm", "stride_gm", "stride_oe", "stride_op", "stride_oq"]
     signature = {"rows_ptr": f"*{dtype}", "gathered_ptr": f"*{dtype}", "row_ids_ptr": "*i32", "offsets_ptr": "*i32",
                  "out_ptr": f"*{dtype}", **{name: "i32" for name in ints}}
     constexprs = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
                       BAND=band, num_warps=tile.num_warps)
-    if warp_specialize:
+    if rows_tma:
+        signature = {"rows_desc": _descriptor_type(dtype, [tile.block_k, tile.block_m]), **signature}
+        kernel_fn = gluon_wgrad._wgrad_rows_tma_kernel
+    elif warp_specialize:
         constexprs.update(zip(("PRODUCER_WARPS", "PRODUCER_REGS"), gluon_wgrad.PRODUCER))
-    kernel_fn = gluon_wgrad._wgrad_ws_kernel if warp_specialize else gluon_wgrad._wgrad_kernel
+        kernel_fn = gluon_wgrad._wgrad_ws_kernel
+    else:
+        kernel_fn = gluon_wgrad._wgrad_kernel
     try:
         kernel = _compile_for_hopper(kernel_fn, signature, constexprs, tile.num_warps,
                                      aligned=["rows_ptr", "gathered_ptr", "row_ids_ptr", "offsets_ptr", "out_ptr", "P",
@@ -48,49 +54,22 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, warp_specialize, band
     except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
         pytest.skip(f"no ptxas: {error}")
     ptx = kernel.asm["ptx"]
-    # The pipeline it is written for: 16-byte cp.async copies into shared memory and
-    # asynchronous wgmma reading A transposed from there; warp-specialised, the copies
-    # come from the copy warpgroup, each thread arriving on the slot's barrier when they
-    # land, its registers cut back and the MMA warpgroups' raised.
+    # The pipeline they are written for: 16-byte cp.async copies into shared memory and
+    # asynchronous wgmma reading the left operand transposed from there, as wide as the
+    # operand on the right (the gathered rows', or with rows_tma the row-ordered operand's,
+    # which then comes by 2-D TMA). Warp-specialised, the copies come from the copy
+    # warpgroup, each thread arriving on the slot's barrier when they land, its registers
+    # cut back and the MMA warpgroups' raised.
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
+    if rows_tma:
+        assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
     if warp_specialize:
         assert re.search(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)
         assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx)
     ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
+    wide = tile.block_m if rows_tma else tile.block_n
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{wide}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
     assert ring <= kernel.metadata.shared <= MAX_SHARED
-    if warp_specialize:
+    if warp_specialize or rows_tma:
         assert _spill_bytes(ptx, tmp_path) == 0
-
-
-@pytest.mark.parametrize("band", [1, 4])
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_weight_gradient_rows_tma_kernel_compiles_for_hopper(dtype, band, tmp_path):
-    from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type, _spill_bytes
-
-    from moeblaze_ops.kernels import gluon_wgrad
-
-    tile = gluon_wgrad.ROWS_TMA_TILE
-    ints = ["E", "P", "Q", "stride_rm", "stride_gm", "stride_oe", "stride_op", "stride_oq"]
-    signature = {"rows_desc": _descriptor_type(dtype, [tile.block_k, tile.block_m]), "rows_ptr": f"*{dtype}",
-                 "gathered_ptr": f"*{dtype}", "row_ids_ptr": "*i32", "offsets_ptr": "*i32", "out_ptr": f"*{dtype}",
-                 **{name: "i32" for name in ints}}
-    constexprs = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
-                      BAND=band, num_warps=tile.num_warps)
-    try:
-        kernel = _compile_for_hopper(gluon_wgrad._wgrad_rows_tma_kernel, signature, constexprs, tile.num_warps,
-                                     aligned=["rows_ptr", "gathered_ptr", "row_ids_ptr", "offsets_ptr", "out_ptr", "P",
-                                              "Q", "stride_rm", "stride_gm", "stride_oe", "stride_op"])
-    except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
-        pytest.skip(f"no ptxas: {error}")
-    ptx = kernel.asm["ptx"]
-    # The row-ordered operand by 2-D TMA (and masked cp.async in an expert's last step),
-    # the gathered rows by cp.async, the wgmma as wide as the P block, no spills.
-    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
-    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
-    ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_m}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
-    ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
-    assert ring <= kernel.metadata.shared <= MAX_SHARED
-    assert _spill_bytes(ptx, tmp_path) == 0
