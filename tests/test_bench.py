@@ -98,7 +98,7 @@ def test_a_peer_that_cannot_run_on_cpu_is_left_out_with_a_note(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("item", ["no_such_setting=1", "column_slab", "dispatch_sort_chunk=100", "gluon={'wgrad'}",
-                                  "wgrad_band=0"])
+                                  "wgrad_band=0", "wgrad_rows_tma={'up'}"])
 def test_bad_setting_is_a_usage_error(tmp_path, item, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--device", "cpu", "--configs", "--out", str(tmp_path), "--set", item])
