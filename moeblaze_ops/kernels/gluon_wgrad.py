@@ -434,14 +434,15 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
 def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[GemmTile] = None,
                  warp_specialize: bool = False, band: Optional[int] = None, rows_tma: bool = False,
                  across_tiles: bool = False):
-    """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring); ``tile``
-    is (P block, Q block, R block, warps, stages[, programs per SM: registers capped to
-    fit]), ``TILE`` or
-    ``ROWS_TMA_TILE`` by default; ``rows_tma`` picks ``_wgrad_rows_tma_kernel`` (Q block
-    = 16 * warps), else ``warp_specialize`` picks ``_wgrad_ws_kernel`` (P block = 16 *
-    warps, as ``_wgrad_kernel``'s); ``band`` is the tile order's band of P tiles
-    (``_wgrad_tile``), ``settings.wgrad_band`` by default; ``across_tiles`` (with
-    ``rows_tma``) picks ``_wgrad_rows_tma_cross_tile_kernel``."""
+    """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring).
+
+    ``tile`` is (P block, Q block, R block, warps, stages[, programs per SM, registers
+    then capped to fit]), ``ROWS_TMA_TILE`` or ``TILE`` by default. ``rows_tma`` picks
+    ``_wgrad_rows_tma_kernel`` (Q block = 16 * warps), or with ``across_tiles``
+    ``_wgrad_rows_tma_cross_tile_kernel``; else ``warp_specialize`` picks
+    ``_wgrad_ws_kernel`` and its absence ``_wgrad_kernel`` (P block = 16 * warps).
+    ``band`` is the tile order's band of P tiles (``_wgrad_tile``), ``settings.wgrad_band``
+    by default."""
     if grad_w_pq.numel() == 0:
         return
     band = settings.current().wgrad_band if band is None else band
