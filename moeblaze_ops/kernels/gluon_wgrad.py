@@ -189,6 +189,36 @@ def _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, ids, g_slot, r_slot,
 
 
 @gluon.jit
+def _rows_tma_ring(rows_desc, dtype: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr,
+                   NUM_STAGES: gl.constexpr):
+    """The rows-TMA kernels' ring: ``NUM_STAGES`` slots of gathered rows [BLOCK_R,
+    BLOCK_Q] and of row-ordered tiles (``rows_desc``'s block), and one mbarrier per slot
+    for its TMA bytes."""
+    g_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
+    r_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + rows_desc.block_type.shape, rows_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    return g_ring, r_ring, bars
+
+
+@gluon.jit
+def _rows_tma_mma_step(g_ring, r_ring, bars, acc, step, AHEAD: gl.constexpr):
+    """One reduction step of the rows-TMA kernels: wait until step ``step``'s copies have
+    landed (cp.async and TMA bytes), then run its asynchronous wgmma, leaving it in flight
+    and step - 1's done."""
+    NUM_STAGES: gl.constexpr = g_ring.type.shape[0]
+    slot = step % NUM_STAGES
+    cp.wait_group(AHEAD - 1)  # this thread's cp.async copies of this step have landed
+    mbarrier.wait(bars.index(slot), (step // NUM_STAGES) & 1)  # ... and the TMA bytes
+    cta_barrier()  # every thread's copies landed; every warpgroup's MMA of step - 2 is done
+    fence_async_shared()
+    acc = warpgroup_mma(g_ring.index(slot).permute((1, 0)), r_ring.index(slot), acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+
+
+@gluon.jit
 def _wgrad_rows_tma_kernel(
     rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr,
     E, P, Q,
@@ -202,12 +232,7 @@ def _wgrad_rows_tma_kernel(
     AHEAD: gl.constexpr = NUM_STAGES - 2
     dtype: gl.constexpr = rows_ptr.dtype.element_ty
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, num_warps)
-    g_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
-    r_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_P], rows_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(bars.index(s), count=1)
+    g_ring, r_ring, bars = _rows_tma_ring(rows_desc, dtype, BLOCK_Q, BLOCK_R, NUM_STAGES)
     step = 0
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
         e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
@@ -225,13 +250,7 @@ def _wgrad_rows_tma_kernel(
         ids = _load_ids(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
         acc = gl.zeros([BLOCK_Q, BLOCK_P], gl.float32, acc_layout)
         for i in range(steps):
-            slot = step % NUM_STAGES
-            cp.wait_group(AHEAD - 1)  # this thread's cp.async copies of step i have landed
-            mbarrier.wait(bars.index(slot), (step // NUM_STAGES) & 1)  # ... and the TMA bytes
-            cta_barrier()  # every thread's copies landed; every warpgroup's MMA of step i - 2 is done
-            fence_async_shared()
-            acc = warpgroup_mma(g_ring.index(slot).permute((1, 0)), r_ring.index(slot), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            acc = _rows_tma_mma_step(g_ring, r_ring, bars, acc, step, AHEAD)
             nxt = i + AHEAD
             if nxt < steps:
                 ns = (step + AHEAD) % NUM_STAGES
@@ -257,6 +276,23 @@ def _tile_or_none(tile, total, offsets_ptr, P, Q, BLOCK_P: gl.constexpr, BLOCK_Q
 
 
 @gluon.jit
+def _next_producer_step(p_tile, p_p0, p_q0, p_r0, p_hi, n_p0, n_q0, n_lo, n_hi, row_ids_ptr, offsets_ptr, total, P, Q,
+                        BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, BAND: gl.constexpr,
+                        num_warps: gl.constexpr):
+    """The cross-tile producer's next step: the tile's next BLOCK_R rows, or past its last
+    step the program's next tile (whose bounds n_* were loaded a tile early; the one after
+    it loads now), and the step's gathered-row ids, loaded a step before their copies."""
+    p_r0 += BLOCK_R
+    if p_r0 >= p_hi:
+        p_tile += gl.num_programs(0)
+        p_p0, p_q0, p_r0, p_hi = n_p0, n_q0, n_lo, n_hi
+        _, n_p0, n_q0, n_lo, n_hi = _tile_or_none(p_tile + gl.num_programs(0), total, offsets_ptr, P, Q, BLOCK_P,
+                                                  BLOCK_Q, BAND)
+    p_ids = _load_ids(row_ids_ptr, p_r0, p_hi, BLOCK_Q, BLOCK_R, num_warps)
+    return p_tile, p_p0, p_q0, p_r0, p_hi, n_p0, n_q0, n_lo, n_hi, p_ids
+
+
+@gluon.jit
 def _wgrad_rows_tma_cross_tile_kernel(
     rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr,
     E, P, Q,
@@ -273,12 +309,7 @@ def _wgrad_rows_tma_cross_tile_kernel(
     AHEAD: gl.constexpr = NUM_STAGES - 2
     dtype: gl.constexpr = rows_ptr.dtype.element_ty
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, num_warps)
-    g_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
-    r_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_P], rows_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(bars.index(s), count=1)
+    g_ring, r_ring, bars = _rows_tma_ring(rows_desc, dtype, BLOCK_Q, BLOCK_R, NUM_STAGES)
     total = E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q)
     nprog = gl.num_programs(0)
 
@@ -294,13 +325,9 @@ def _wgrad_rows_tma_cross_tile_kernel(
                                  bars.index(i), p_r0, p_hi, p_p0, p_q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
                                  BLOCK_R, num_warps)
         cp.commit_group()
-        p_r0 += BLOCK_R
-        if p_r0 >= p_hi:  # that was the tile's last step
-            p_tile += nprog
-            p_p0, p_q0, p_r0, p_hi = n_p0, n_q0, n_lo, n_hi
-            _, n_p0, n_q0, n_lo, n_hi = _tile_or_none(p_tile + nprog, total, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q,
-                                                      BAND)
-        p_ids = _load_ids(row_ids_ptr, p_r0, p_hi, BLOCK_Q, BLOCK_R, num_warps)
+        p_tile, p_p0, p_q0, p_r0, p_hi, n_p0, n_q0, n_lo, n_hi, p_ids = _next_producer_step(
+            p_tile, p_p0, p_q0, p_r0, p_hi, n_p0, n_q0, n_lo, n_hi, row_ids_ptr, offsets_ptr, total, P, Q, BLOCK_P,
+            BLOCK_Q, BLOCK_R, BAND, num_warps)
 
     e, p0, q0, lo, hi = _tile_or_none(gl.program_id(0), total, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
     for tile in range(gl.program_id(0), total, nprog):
@@ -308,26 +335,16 @@ def _wgrad_rows_tma_cross_tile_kernel(
                                                                    BLOCK_Q, BAND)
         acc = gl.zeros([BLOCK_Q, BLOCK_P], gl.float32, acc_layout)
         for _ in range(gl.maximum(gl.cdiv(hi - lo, BLOCK_R), 1)):
-            slot = step % NUM_STAGES
-            cp.wait_group(AHEAD - 1)  # this thread's cp.async copies of this step have landed
-            mbarrier.wait(bars.index(slot), (step // NUM_STAGES) & 1)  # ... and the TMA bytes
-            cta_barrier()  # every thread's copies landed; every warpgroup's MMA of step - 2 is done
-            fence_async_shared()
-            acc = warpgroup_mma(g_ring.index(slot).permute((1, 0)), r_ring.index(slot), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            acc = _rows_tma_mma_step(g_ring, r_ring, bars, acc, step, AHEAD)
             ns = (step + AHEAD) % NUM_STAGES
             if p_tile < total:
                 _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, p_ids, g_ring.index(ns), r_ring.index(ns),
                                      bars.index(ns), p_r0, p_hi, p_p0, p_q0, P, Q, stride_rm, stride_gm, BLOCK_P,
                                      BLOCK_Q, BLOCK_R, num_warps)
             cp.commit_group()
-            p_r0 += BLOCK_R
-            if p_r0 >= p_hi:
-                p_tile += nprog
-                p_p0, p_q0, p_r0, p_hi = n_p0, n_q0, n_lo, n_hi
-                _, n_p0, n_q0, n_lo, n_hi = _tile_or_none(p_tile + nprog, total, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q,
-                                                          BAND)
-            p_ids = _load_ids(row_ids_ptr, p_r0, p_hi, BLOCK_Q, BLOCK_R, num_warps)
+            p_tile, p_p0, p_q0, p_r0, p_hi, n_p0, n_q0, n_lo, n_hi, p_ids = _next_producer_step(
+                p_tile, p_p0, p_q0, p_r0, p_hi, n_p0, n_q0, n_lo, n_hi, row_ids_ptr, offsets_ptr, total, P, Q, BLOCK_P,
+                BLOCK_Q, BLOCK_R, BAND, num_warps)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         _store_expert_tile(out_ptr, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op)
