@@ -65,20 +65,36 @@ def _load_ids(row_ids_ptr, r0, hi, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr,
 
 
 @gluon.jit
+def _copy_rows(slot, rows_ptr, r0, hi, p0, P, stride_rm, BLOCK_P: gl.constexpr, BLOCK_R: gl.constexpr,
+               num_warps: gl.constexpr):
+    """Starts the cp.async copy of the row-ordered operand's [BLOCK_R, BLOCK_P] tile at
+    rows [r0, r0 + BLOCK_R), columns from p0, into ``slot`` (zeros past ``hi`` and P)."""
+    layout: gl.constexpr = copy_layout(BLOCK_P, num_warps)
+    ra = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, layout))
+    pa = p0 + gl.arange(0, BLOCK_P, layout=gl.SliceLayout(0, layout))
+    async_load(slot, rows_ptr + ra.to(gl.int64)[:, None] * stride_rm + pa[None, :],
+                mask=(ra < hi)[:, None] & (pa < P)[None, :])
+
+
+@gluon.jit
+def _copy_gathered(slot, gathered_ptr, ids, r0, hi, q0, Q, stride_gm, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """Starts the cp.async copy of the gathered rows ``ids`` (``_load_ids``) of reduction
+    step [r0, r0 + BLOCK_R), columns from q0, into ``slot`` (zeros past ``hi`` and Q)."""
+    layout: gl.constexpr = copy_layout(BLOCK_Q, num_warps)
+    rb = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, layout))
+    qb = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, layout))
+    async_load(slot, gathered_ptr + ids[:, None] * stride_gm + qb[None, :],
+                mask=(rb < hi)[:, None] & (qb < Q)[None, :])
+
+
+@gluon.jit
 def _issue_step(rows_ptr, gathered_ptr, ids, a_slot, b_slot, r0, hi, p0, q0, P, Q, stride_rm, stride_gm,
                 BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
     """Starts the copies of reduction step [r0, r0 + BLOCK_R) into one ring slot: A
     [BLOCK_R, BLOCK_P] and B [BLOCK_R, BLOCK_Q], B's rows ``ids`` (``_load_ids``)."""
-    a_layout: gl.constexpr = copy_layout(BLOCK_P, num_warps)
-    b_layout: gl.constexpr = copy_layout(BLOCK_Q, num_warps)
-    ra = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, a_layout))
-    pa = p0 + gl.arange(0, BLOCK_P, layout=gl.SliceLayout(0, a_layout))
-    async_load(a_slot, rows_ptr + ra.to(gl.int64)[:, None] * stride_rm + pa[None, :],
-                mask=(ra < hi)[:, None] & (pa < P)[None, :])
-    rb = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, b_layout))
-    qb = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, b_layout))
-    async_load(b_slot, gathered_ptr + ids[:, None] * stride_gm + qb[None, :],
-                mask=(rb < hi)[:, None] & (qb < Q)[None, :])
+    _copy_rows(a_slot, rows_ptr, r0, hi, p0, P, stride_rm, BLOCK_P, BLOCK_R, num_warps)
+    _copy_gathered(b_slot, gathered_ptr, ids, r0, hi, q0, Q, stride_gm, BLOCK_Q, BLOCK_R, num_warps)
 
 
 @gluon.jit
@@ -175,17 +191,9 @@ def _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, ids, g_slot, r_slot,
         mbarrier.expect(bar, rows_desc.block_type.nbytes)
         tma_load(rows_desc, [r0, p0], bar, r_slot)
     else:
-        layout: gl.constexpr = copy_layout(BLOCK_P, num_warps)
-        ra = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, layout))
-        pa = p0 + gl.arange(0, BLOCK_P, layout=gl.SliceLayout(0, layout))
-        async_load(r_slot, rows_ptr + ra.to(gl.int64)[:, None] * stride_rm + pa[None, :],
-                    mask=(ra < hi)[:, None] & (pa < P)[None, :])
+        _copy_rows(r_slot, rows_ptr, r0, hi, p0, P, stride_rm, BLOCK_P, BLOCK_R, num_warps)
         mbarrier.arrive(bar)
-    g_layout: gl.constexpr = copy_layout(BLOCK_Q, num_warps)
-    rb = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, g_layout))
-    qb = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, g_layout))
-    async_load(g_slot, gathered_ptr + ids[:, None] * stride_gm + qb[None, :],
-                mask=(rb < hi)[:, None] & (qb < Q)[None, :])
+    _copy_gathered(g_slot, gathered_ptr, ids, r0, hi, q0, Q, stride_gm, BLOCK_Q, BLOCK_R, num_warps)
 
 
 @gluon.jit
