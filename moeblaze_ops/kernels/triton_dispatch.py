@@ -217,16 +217,25 @@ def _chunk_histogram_sorted(ids_ptr, counts_ptr, ranks_ptr, LK, E, WIDTH, CHUNK:
 
 
 @triton.jit
+def _place_rows(first, sentinel_first, col, rows, rank, eti_ptr, tim_ptr, K, BINS: tl.constexpr):
+    """Writes a sorted-chunk scatter's rows: each row (of table column ``col``, ``rank``-th
+    of the chunk's rows in that column) goes to its column's first position in this chunk
+    plus its rank; ``token_index_map`` gets the position, ``expert_token_indices`` the row's
+    token. Padding and negative ids (columns past BINS) write nothing."""
+    pos = tl.where(col == BINS, sentinel_first, tl.gather(first, tl.minimum(col, BINS - 1), 0)) + rank
+    valid = col <= BINS
+    tl.store(tim_ptr + rows, pos, mask=valid)
+    tl.store(eti_ptr + pos, (rows // K).to(tl.int32), mask=valid)
+
+
+@triton.jit
 def _chunk_scatter_sorted(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, ok_ptr, eti_ptr, tim_ptr, LK, E, K, WIDTH,
                           CHUNK: tl.constexpr, BINS: tl.constexpr, CHECK_IDS: tl.constexpr):
     chunk = tl.program_id(0)
     first, sentinel_first = _chunk_firsts(starts_ptr, totals_ptr, offsets_ptr, ok_ptr, E, chunk, WIDTH, BINS,
                                           CHECK_IDS)
     col, rows, rank, _ = _sorted_runs(ids_ptr, chunk, LK, E, CHUNK, BINS)
-    pos = tl.where(col == BINS, sentinel_first, tl.gather(first, tl.minimum(col, BINS - 1), 0)) + rank
-    valid = col <= BINS
-    tl.store(tim_ptr + rows, pos, mask=valid)
-    tl.store(eti_ptr + pos, (rows // K).to(tl.int32), mask=valid)
+    _place_rows(first, sentinel_first, col, rows, rank, eti_ptr, tim_ptr, K, BINS)
 
 
 @triton.jit
@@ -241,9 +250,7 @@ def _chunk_scatter_ranked(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, ok_ptr, 
     col = _columns(_keys(ids_ptr, rows, LK, E), BINS)
     valid = col <= BINS
     rank = tl.load(tim_ptr + rows, mask=valid, other=0)
-    pos = tl.where(col == BINS, sentinel_first, tl.gather(first, tl.minimum(col, BINS - 1), 0)) + rank
-    tl.store(tim_ptr + rows, pos, mask=valid)
-    tl.store(eti_ptr + pos, (rows // K).to(tl.int32), mask=valid)
+    _place_rows(first, sentinel_first, col, rows, rank, eti_ptr, tim_ptr, K, BINS)
 
 
 @triton.jit
