@@ -142,9 +142,6 @@ class KernelSettings:
             it) reads the row-ordered operand by TMA as the MMA's wide side, the gathered
             rows being the narrow one (``gluon_wgrad._wgrad_rows_tma_kernel``); it takes
             precedence over ``gluon_warp_specialize`` for those kinds.
-        wgrad_prefetch_across_tiles: that kernel's copies run ahead across its tile edges
-            (``gluon_wgrad._wgrad_rows_tma_cross_tile_kernel``), for experts with few rows
-            per tile; off until the GPU times it (docs/perf-notes.md).
         activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
             [L*K, I]) rather than computing it in its prologue.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
@@ -175,7 +172,6 @@ class KernelSettings:
     gluon_warp_specialize: frozenset = frozenset({"up", "down", "dx"})
     wgrad_band: int = 1
     wgrad_rows_tma: frozenset = frozenset({"wgrad_down", "wgrad_up"})
-    wgrad_prefetch_across_tiles: bool = False
     row_band: int = 4
     activation_pass: bool = True
     fast_activation: bool = True

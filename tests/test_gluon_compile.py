@@ -25,14 +25,14 @@ def _compile_for_hopper(fn, signature, constexprs, num_warps, aligned):
 
 
 @pytest.mark.parametrize("band", [1, 4])
-@pytest.mark.parametrize("variant", ["one_partition", "warp_specialized", "rows_tma", "rows_tma_across_tiles"])
+@pytest.mark.parametrize("variant", ["one_partition", "warp_specialized", "rows_tma"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_path):
     from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type, _spill_bytes
 
     from moeblaze_ops.kernels import gluon_wgrad
 
-    rows_tma, warp_specialize = variant.startswith("rows_tma"), variant == "warp_specialized"
+    rows_tma, warp_specialize = variant == "rows_tma", variant == "warp_specialized"
     tile = gluon_wgrad.ROWS_TMA_TILE if rows_tma else gluon_wgrad.TILE
     ints = ["E", "P", "Q", "stride_rm", "stride_gm", "stride_oe", "stride_op", "stride_oq"]
     signature = {"rows_ptr": f"*{dtype}", "gathered_ptr": f"*{dtype}", "row_ids_ptr": "*i32", "offsets_ptr": "*i32",
@@ -41,8 +41,7 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
                       BAND=band, num_warps=tile.num_warps)
     if rows_tma:
         signature = {"rows_desc": _descriptor_type(dtype, [tile.block_k, tile.block_m]), **signature}
-        kernel_fn = (gluon_wgrad._wgrad_rows_tma_cross_tile_kernel if variant.endswith("across_tiles")
-                     else gluon_wgrad._wgrad_rows_tma_kernel)
+        kernel_fn = gluon_wgrad._wgrad_rows_tma_kernel
     elif warp_specialize:
         constexprs.update(zip(("PRODUCER_WARPS", "PRODUCER_REGS"), gluon_wgrad.PRODUCER))
         kernel_fn = gluon_wgrad._wgrad_ws_kernel

@@ -16,8 +16,6 @@ row-ordered operand its right one (the 256-wide side), read by TMA in every step
 lies inside the expert, so two thirds of the bytes travel by the copy engine and the
 threads copy a third; the expert's last, partial step stays a masked cp.async, since
 the next expert's rows may hold anything and 0 * inf would reach this expert's sum.
-``_wgrad_rows_tma_cross_tile_kernel`` is that kernel with its copies running ahead across
-tile edges (for experts with few rows).
 
 Applies to 16-bit CUDA tensors on capability 9 whose column counts and row strides are
 multiples of 16 elements (the 16-byte copies must not straddle a mask edge); everything
@@ -274,92 +272,6 @@ def _wgrad_rows_tma_kernel(
     cp.wait_group(0)
 
 
-@gluon.jit
-def _tile_or_none(tile, total, offsets_ptr, P, Q, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BAND: gl.constexpr):
-    """``_wgrad_tile`` for a tile that may lie past the program's last (``total`` tiles):
-    there it has no rows (lo = hi = 0)."""
-    e, p0, q0, lo, hi = _wgrad_tile(gl.minimum(tile, total - 1), offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
-    inside = tile < total
-    return e, p0, q0, gl.where(inside, lo, 0), gl.where(inside, hi, 0)
-
-
-@gluon.jit
-def _next_producer_step(p_tile, p_p0, p_q0, p_r0, p_hi, n_p0, n_q0, n_lo, n_hi, row_ids_ptr, offsets_ptr, total, P, Q,
-                        BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, BAND: gl.constexpr,
-                        num_warps: gl.constexpr):
-    """The cross-tile producer's next step: the tile's next BLOCK_R rows, or past its last
-    step the program's next tile (whose bounds n_* were loaded a tile early; the one after
-    it loads now), and the step's gathered-row ids, loaded a step before their copies."""
-    p_r0 += BLOCK_R
-    if p_r0 >= p_hi:
-        p_tile += gl.num_programs(0)
-        p_p0, p_q0, p_r0, p_hi = n_p0, n_q0, n_lo, n_hi
-        _, n_p0, n_q0, n_lo, n_hi = _tile_or_none(p_tile + gl.num_programs(0), total, offsets_ptr, P, Q, BLOCK_P,
-                                                  BLOCK_Q, BAND)
-    p_ids = _load_ids(row_ids_ptr, p_r0, p_hi, BLOCK_Q, BLOCK_R, num_warps)
-    return p_tile, p_p0, p_q0, p_r0, p_hi, n_p0, n_q0, n_lo, n_hi, p_ids
-
-
-@gluon.jit
-def _wgrad_rows_tma_cross_tile_kernel(
-    rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr,
-    E, P, Q,
-    stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
-    BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    BAND: gl.constexpr, num_warps: gl.constexpr,
-):
-    # _wgrad_rows_tma_kernel with its copies running AHEAD steps ahead across tile edges:
-    # a tile's first copies land during the last tile's MMAs and store, which is most of
-    # the time where an expert has few rows (4 steps a tile at DeepSeek-V3-like sizes).
-    # Every tile has at least one step (an empty expert's tile one of zeros, copied
-    # masked), so the producer's walk (p_*) needs no search for the next tile with rows;
-    # it and the MMA loop each load the next tile's bounds a tile early.
-    AHEAD: gl.constexpr = NUM_STAGES - 2
-    dtype: gl.constexpr = rows_ptr.dtype.element_ty
-    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, num_warps)
-    g_ring, r_ring, bars = _rows_tma_ring(rows_desc, dtype, BLOCK_Q, BLOCK_R, NUM_STAGES)
-    total = E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q)
-    nprog = gl.num_programs(0)
-
-    p_tile = gl.program_id(0)
-    _, p_p0, p_q0, p_r0, p_hi = _tile_or_none(p_tile, total, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
-    _, n_p0, n_q0, n_lo, n_hi = _tile_or_none(p_tile + nprog, total, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
-    p_ids = _load_ids(row_ids_ptr, p_r0, p_hi, BLOCK_Q, BLOCK_R, num_warps)
-    step = 0
-    # Steps issued so far run to step + AHEAD; the loop below issues one per step it consumes.
-    for i in gl.static_range(AHEAD):
-        if p_tile < total:
-            _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, p_ids, g_ring.index(i), r_ring.index(i),
-                                 bars.index(i), p_r0, p_hi, p_p0, p_q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
-                                 BLOCK_R, num_warps)
-        cp.commit_group()
-        p_tile, p_p0, p_q0, p_r0, p_hi, n_p0, n_q0, n_lo, n_hi, p_ids = _next_producer_step(
-            p_tile, p_p0, p_q0, p_r0, p_hi, n_p0, n_q0, n_lo, n_hi, row_ids_ptr, offsets_ptr, total, P, Q, BLOCK_P,
-            BLOCK_Q, BLOCK_R, BAND, num_warps)
-
-    e, p0, q0, lo, hi = _tile_or_none(gl.program_id(0), total, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
-    for tile in range(gl.program_id(0), total, nprog):
-        next_e, next_p0, next_q0, next_lo, next_hi = _tile_or_none(tile + nprog, total, offsets_ptr, P, Q, BLOCK_P,
-                                                                   BLOCK_Q, BAND)
-        acc = gl.zeros([BLOCK_Q, BLOCK_P], gl.float32, acc_layout)
-        for _ in range(gl.maximum(gl.cdiv(hi - lo, BLOCK_R), 1)):
-            acc = _rows_tma_mma_step(g_ring, r_ring, bars, acc, step, AHEAD)
-            ns = (step + AHEAD) % NUM_STAGES
-            if p_tile < total:
-                _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, p_ids, g_ring.index(ns), r_ring.index(ns),
-                                     bars.index(ns), p_r0, p_hi, p_p0, p_q0, P, Q, stride_rm, stride_gm, BLOCK_P,
-                                     BLOCK_Q, BLOCK_R, num_warps)
-            cp.commit_group()
-            p_tile, p_p0, p_q0, p_r0, p_hi, n_p0, n_q0, n_lo, n_hi, p_ids = _next_producer_step(
-                p_tile, p_p0, p_q0, p_r0, p_hi, n_p0, n_q0, n_lo, n_hi, row_ids_ptr, offsets_ptr, total, P, Q, BLOCK_P,
-                BLOCK_Q, BLOCK_R, BAND, num_warps)
-            step += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _store_expert_tile(out_ptr, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op)
-        e, p0, q0, lo, hi = next_e, next_p0, next_q0, next_lo, next_hi
-    cp.wait_group(0)
-
-
 # --------------------------------------------------------------------------- warp-specialised
 
 
@@ -457,14 +369,12 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
 
 
 def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[GemmTile] = None,
-                 warp_specialize: bool = False, band: Optional[int] = None, rows_tma: bool = False,
-                 across_tiles: bool = False):
+                 warp_specialize: bool = False, band: Optional[int] = None, rows_tma: bool = False):
     """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring).
 
     ``tile`` is (P block, Q block, R block, warps, stages[, programs per SM, registers
     then capped to fit]), ``ROWS_TMA_TILE`` or ``TILE`` by default. ``rows_tma`` picks
-    ``_wgrad_rows_tma_kernel`` (Q block = 16 * warps), or with ``across_tiles``
-    ``_wgrad_rows_tma_cross_tile_kernel``; else ``warp_specialize`` picks
+    ``_wgrad_rows_tma_kernel`` (Q block = 16 * warps); else ``warp_specialize`` picks
     ``_wgrad_ws_kernel`` and its absence ``_wgrad_kernel`` (P block = 16 * warps).
     ``band`` is the tile order's band of P tiles (``_wgrad_tile``), ``settings.wgrad_band``
     by default."""
@@ -490,8 +400,7 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
         block = [tile.block_k, tile.block_m]
         gl_dtype = gl.bfloat16 if rows.dtype == torch.bfloat16 else gl.float16
         rows_desc = TensorDescriptor.from_tensor(rows, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
-        kernel = _wgrad_rows_tma_cross_tile_kernel if across_tiles else _wgrad_rows_tma_kernel
-        kernel[grid](rows_desc, rows, *args, **blocks)
+        _wgrad_rows_tma_kernel[grid](rows_desc, rows, *args, **blocks)
     elif warp_specialize:
         warps, regs = PRODUCER
         _wgrad_ws_kernel[grid](rows, *args, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **blocks)

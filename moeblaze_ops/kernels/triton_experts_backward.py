@@ -174,8 +174,7 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
     if gluon is not None and gluon.applies(rows, gathered):
         config = settings.current()
         gluon.launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, config.tiles.get(kind),
-                           kind in config.gluon_warp_specialize, rows_tma=kind in config.wgrad_rows_tma,
-                           across_tiles=config.wgrad_prefetch_across_tiles)
+                           kind in config.gluon_warp_specialize, rows_tma=kind in config.wgrad_rows_tma)
         return
     tile = gg.tile_config(kind, rows)
     tiles = E * triton.cdiv(P, tile.block_m) * triton.cdiv(Q, tile.block_n)
