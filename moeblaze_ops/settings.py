@@ -43,6 +43,7 @@ __all__ = [
     "KernelSettings",
     "GEMM_KINDS",
     "GLUON_KINDS",
+    "GLUON_WS_KINDS",
     "BACKWARD_TEMPLATE_KINDS",
     "TILE_TABLE",
     "candidate_tiles",
@@ -56,7 +57,9 @@ __all__ = [
 #: (activation gradient), dX rows, and the two weight gradients.
 GEMM_KINDS = ("up", "down", "dh", "dx", "wgrad_down", "wgrad_up")
 #: The kinds that have a Gluon kernel for Hopper besides their ``tl`` one.
-GLUON_KINDS = ("up", "down", "dx", "wgrad_down", "wgrad_up")
+GLUON_KINDS = ("up", "down", "dh", "dx", "wgrad_down", "wgrad_up")
+#: The kinds whose Gluon kernel also has a warp-specialised form.
+GLUON_WS_KINDS = ("up", "down", "dx", "wgrad_down", "wgrad_up")
 #: The parts of the backward that compiled graphs can run as Inductor templates.
 BACKWARD_TEMPLATE_KINDS = ("dx",)
 
@@ -121,11 +124,11 @@ class KernelSettings:
             they can ("up", "dh", "dx" have the option).
         gluon: the GEMM kinds (of ``GLUON_KINDS``) that run their Gluon kernel, an
             asynchronous cp.async/TMA and wgmma pipeline for Hopper (``kernels.gluon_wgrad``,
-            ``kernels.gluon_row_gemm``), where it applies: 16-bit
+            ``kernels.gluon_row_gemm``, ``kernels.gluon_dh``), where it applies: 16-bit
             CUDA tensors on capability 9 with column counts and row strides that are
             multiples of 16. The other kinds, and every other case, run the portable
             ``tl`` kernels. By default the weight gradients, the kinds measured faster.
-        gluon_warp_specialize: the GEMM kinds (of ``GLUON_KINDS``) whose Gluon kernel, where
+        gluon_warp_specialize: the GEMM kinds (of ``GLUON_WS_KINDS``) whose Gluon kernel, where
             ``gluon`` runs it, is the warp-specialised one: copy warps fill the ring and
             the MMA warpgroups only wait, multiply and store (``_row_gemm_ws_kernel``,
             ``_wgrad_ws_kernel``). The weight gradients keep their other kernel by default
@@ -192,12 +195,13 @@ class KernelSettings:
             if not isinstance(tile, GemmTile):
                 object.__setattr__(self, "tiles", {**self.tiles, kind: GemmTile(*tile)})
         object.__setattr__(self, "weight_tma", frozenset(self.weight_tma))
-        for name in ("gluon", "gluon_warp_specialize"):
+        for name, known, what in (("gluon", GLUON_KINDS, "a Gluon kernel"),
+                                  ("gluon_warp_specialize", GLUON_WS_KINDS, "a warp-specialised Gluon kernel")):
             kinds = frozenset(getattr(self, name))
             object.__setattr__(self, name, kinds)
-            if not kinds <= set(GLUON_KINDS):
-                raise ValueError(f"moeblaze settings: {name} has GEMM kinds without a Gluon kernel "
-                                 f"{sorted(kinds - set(GLUON_KINDS))}; those with one: {GLUON_KINDS}")
+            if not kinds <= set(known):
+                raise ValueError(f"moeblaze settings: {name} has GEMM kinds without {what} "
+                                 f"{sorted(kinds - set(known))}; those with one: {known}")
         object.__setattr__(self, "wgrad_rows_tma", frozenset(self.wgrad_rows_tma))
         if not self.wgrad_rows_tma <= {"wgrad_down", "wgrad_up"}:
             raise ValueError(f"moeblaze settings: wgrad_rows_tma names weight-gradient kinds only "

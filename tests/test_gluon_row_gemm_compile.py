@@ -121,3 +121,67 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
         assert "cp.async.cg" not in ptx
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx)
     _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path)
+
+
+
+def _dh_kernel_facts(dtype, k_contiguous, activation):
+    """What the PTX of the Gluon dH kernel holds (run where ``@triton.jit`` functions compile:
+    its epilogue calls the ``tl`` activation functions, which the interpreter replaces)."""
+    from moeblaze_ops.activations import activation_code
+    from moeblaze_ops.kernels import gluon_dh
+
+    tile = gluon_dh.TILE
+    w_block = [1, tile.block_n, tile.block_k] if k_contiguous else [1, tile.block_k, tile.block_n]
+    signature = {"go_ptr": f"*{dtype}", "w_desc": _descriptor_type(dtype, w_block),
+                 "h_desc": _descriptor_type(dtype, [tile.block_m, tile.block_n]), "eti_ptr": "*i32",
+                 "tw_ptr": "*fp32", "tim_ptr": "*i32", "offsets_ptr": "*i32", "dh_ptr": f"*{dtype}",
+                 "wact_ptr": f"*{dtype}", "part_ptr": "*fp32", "LK": "i32", "E": "i32", "D": "i32", "I": "i32",
+                 "alpha": "fp32", "limit": "fp32", "n_parts": "i32",
+                 **{name: "i32" for name in ["stride_gm", "stride_dhm", "stride_wam", "stride_tw0", "stride_tw1"]}}
+    constexprs = dict(K=8, ACT=int(activation_code(activation)), W_KMAJOR=k_contiguous, WRITE_WACT=True,
+                      FAST_ACT=True, GROUPS=128, BAND=4, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                      BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, num_warps=tile.num_warps)
+    aligned = ["go_ptr", "eti_ptr", "tim_ptr", "offsets_ptr", "dh_ptr", "wact_ptr", "part_ptr", "D", "I",
+               "stride_gm", "stride_dhm", "stride_wam"]
+    ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
+    try:
+        kernel = _compile_for_hopper(gluon_dh._dh_kernel, signature, constexprs, tile.num_warps, aligned=aligned)
+    except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
+        return {"skip": str(error)}
+    ptx = kernel.asm["ptx"]
+    return {
+        "cp_async_16": bool(re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)),
+        "weight_tma": bool(re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global", ptx)),
+        "wgmma": bool(re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}", ptx)),
+        "h_copies": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx)),
+        "shared": kernel.metadata.shared,
+        "least_shared": tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
+                        + 2 * tile.block_m * tile.block_n * 2,
+    }
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "silu"])
+@pytest.mark.parametrize("k_contiguous", [True, False], ids=["k_contiguous", "n_contiguous"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_dh_kernel_compiles_for_hopper(dtype, k_contiguous, activation):
+    """The row GEMM's pipeline (gathered rows by 16-byte cp.async, weights by 3-D TMA, wgmma
+    over the whole 128-column tile), and h by 2-D TMA: both halves when gated. Compiled in
+    a process without the interpreter (see ``_dh_kernel_facts``)."""
+    import json
+    import os
+    import pathlib
+    import sys
+
+    tests = pathlib.Path(__file__).parent
+    code = (f"import json, test_gluon_row_gemm_compile as t; "
+            f"print(json.dumps(t._dh_kernel_facts({dtype!r}, {k_contiguous!r}, {activation!r})))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests.parent), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tests)
+    assert run.returncode == 0, run.stderr[-3000:]
+    facts = json.loads(run.stdout.strip().splitlines()[-1])
+    if "skip" in facts:
+        pytest.skip(f"no ptxas: {facts['skip']}")
+    assert facts["cp_async_16"] and facts["weight_tma"] and facts["wgmma"]
+    assert facts["h_copies"] == (2 if activation == "swiglu" else 1)
+    assert facts["least_shared"] <= facts["shared"] <= MAX_SHARED

@@ -107,6 +107,18 @@ def plain_grad(h, ACT: tl.constexpr, FAST: tl.constexpr = False):
 
 
 @triton.jit
+def backward(grad_a, g, u, alpha, limit, ACT: tl.constexpr, FAST: tl.constexpr):
+    """(dL/dgate, dL/dup, a) from dL/da ``grad_a`` and the raw h tiles ``(g, u)`` as
+    ``load_h_pair`` returns them, in fp32; for the non-gated codes (dL/dh, dL/dh, a)."""
+    if ACT < NUM_GATED:
+        a, da_dg, da_du = gated_grad(g.to(tl.float32), u.to(tl.float32), ACT, alpha, limit, FAST)
+        return grad_a * da_dg, grad_a * da_du, a
+    a, da = plain_grad(g.to(tl.float32), ACT, FAST)
+    d = grad_a * da
+    return d, d, a
+
+
+@triton.jit
 def activate(g, u, alpha, limit, ACT: tl.constexpr, FAST: tl.constexpr):
     """The activation of raw h tiles ``(g, u)`` as ``load_h_pair`` returns them, in fp32."""
     if ACT < NUM_GATED:

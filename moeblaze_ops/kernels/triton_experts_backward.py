@@ -60,12 +60,12 @@ def _dh_kernel(
         w = row_combine_weights(tw_ptr, tim_ptr, tok, rows, real, stride_tw0, stride_tw1, K)[:, None]
         out_rows = dh_ptr + rows.to(tl.int64)[:, None] * stride_dhm
         smask = rmask[:, None] & cmask[None, :]
+        dg, du, a = acts.backward(g * w, hg, hu, alpha, limit, ACT, FAST_ACT)
         if ACT < acts.NUM_GATED:
-            a, da_dg, da_du = acts.gated_grad(hg.to(tl.float32), hu.to(tl.float32), ACT, alpha, limit, FAST_ACT)
             # Both halves converted before either store: storing the first while the second
             # is still fp32 measured slower (docs/perf-notes.md).
-            dg = (g * w * da_dg).to(dh_ptr.dtype.element_ty)
-            du = (g * w * da_du).to(dh_ptr.dtype.element_ty)
+            dg = dg.to(dh_ptr.dtype.element_ty)
+            du = du.to(dh_ptr.dtype.element_ty)
             if INTERLEAVED:
                 tl.store(out_rows + 2 * cols[None, :], dg, mask=smask)
                 tl.store(out_rows + 2 * cols[None, :] + 1, du, mask=smask)
@@ -73,8 +73,7 @@ def _dh_kernel(
                 tl.store(out_rows + cols[None, :], dg, mask=smask)
                 tl.store(out_rows + I + cols[None, :], du, mask=smask)
         else:
-            a, da = acts.plain_grad(hg.to(tl.float32), ACT, FAST_ACT)
-            tl.store(out_rows + cols[None, :], (g * w * da).to(dh_ptr.dtype.element_ty), mask=smask)
+            tl.store(out_rows + cols[None, :], dg.to(dh_ptr.dtype.element_ty), mask=smask)
         if WRITE_WACT:  # w * act(h): the down weight gradient's operand, read from memory there
             tl.store(wact_ptr + rows.to(tl.int64)[:, None] * stride_wam + cols[None, :],
                      (w * a).to(wact_ptr.dtype.element_ty), mask=smask)
@@ -208,12 +207,29 @@ def _pq_view(grad_w, rows_are_outputs, transposed):
     return grad_w if kept else grad_w.transpose(1, 2)
 
 
+def dh_route(grad_out, h, w_down, b_down, *, act, transposed, interleaved):
+    """(the Gluon dH module or None, its tile or the ``tl`` kernel's): the Gluon kernel
+    where ``settings.gluon`` names "dh" and it applies."""
+    gluon = gg.gluon_kernels("dh", h)
+    if gluon is not None and gluon.applies(grad_out, h, w_down, transposed, act < acts.NUM_GATED, interleaved,
+                                           b_down is not None):
+        return gluon, settings.current().tiles.get("dh", gluon.TILE)
+    return None, gg.tile_config("dh", h)
+
+
 def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad_h, wact, parts, bdot, *, act,
               transposed, interleaved, alpha, limit):
-    """dH (into ``grad_h``, which may be ``h``), the router partials, and ``wact`` = w * act(h)
-    (the down weight gradient's operand) unless it is None."""
+    """dH (into ``grad_h``, which may be ``h``), the router partials (``parts``: [L*K,
+    cdiv(I, block_n)] of ``dh_route``'s tile), and ``wact`` = w * act(h) (the down weight
+    gradient's operand) unless it is None."""
+    fast = gg.fast_sigmoid(h, settings.current().dh_fast_activation)
+    gluon, tile = dh_route(grad_out, h, w_down, b_down, act=act, transposed=transposed, interleaved=interleaved)
+    if gluon is not None:
+        gluon.launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact, parts, act=act,
+                        transposed=transposed, alpha=alpha, limit=limit, fast_activation=fast,
+                        band=settings.current().row_band, tile=tile)
+        return
     E, d, I = linear_dims(w_down, transposed)
-    tile = gg.tile_config("dh", h)
     # grad_out rows @ W_e as [d, I]: the forward's product transposed (reduction over d).
     strides = linear_strides(w_down, not transposed)
     w_src, w_tma, w_kmajor = gg.weight_operand(w_down, strides.reduction, tile, "dh")
@@ -228,7 +244,7 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad
         stride_tw0=topk_weights.stride(0), stride_tw1=topk_weights.stride(1), K=topk_weights.shape[1],
         ACT=int(act), INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, WRITE_WACT=wact is not None,
         W_TMA=w_tma, W_KMAJOR=w_kmajor,
-        FAST_ACT=gg.fast_sigmoid(h, settings.current().dh_fast_activation),
+        FAST_ACT=fast,
     )
 
 
@@ -262,7 +278,8 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
         return grad_h, grad_w, grad_b, grad_tw
     # w * act(h), for the weight gradient: written by the dH epilogue (a transient, half of h).
     wact = gg.empty(LK, I, dtype=h.dtype, device=dev) if need_weight_grad else None
-    n_parts = max(1, triton.cdiv(I, gg.tile_config("dh", h).block_n))
+    _, dh_tile = dh_route(grad_out, h, w_down, b_down, act=act, transposed=transposed, interleaved=interleaved)
+    n_parts = max(1, triton.cdiv(I, dh_tile.block_n))
     parts = torch.empty(LK, n_parts, dtype=torch.float32, device=dev)
     bdot = torch.empty(LK, dtype=torch.float32, device=dev)
     launch_dh(grad_out, h, w_down, expert_token_indices, topk_weights, token_index_map, expert_offsets, b_down, grad_h,
