@@ -43,7 +43,6 @@ __all__ = [
     "KernelSettings",
     "GEMM_KINDS",
     "GLUON_KINDS",
-    "GLUON_WS_KINDS",
     "BACKWARD_TEMPLATE_KINDS",
     "TILE_TABLE",
     "candidate_tiles",
@@ -57,9 +56,7 @@ __all__ = [
 #: (activation gradient), dX rows, and the two weight gradients.
 GEMM_KINDS = ("up", "down", "dh", "dx", "wgrad_down", "wgrad_up")
 #: The kinds that have a Gluon kernel for Hopper besides their ``tl`` one.
-GLUON_KINDS = ("up", "down", "dh", "dx", "wgrad_down", "wgrad_up")
-#: The kinds whose Gluon kernel also has a warp-specialised form.
-GLUON_WS_KINDS = ("up", "down", "dx", "wgrad_down", "wgrad_up")
+GLUON_KINDS = ("up", "down", "dx", "wgrad_down", "wgrad_up")
 #: The parts of the backward that compiled graphs can run as Inductor templates.
 BACKWARD_TEMPLATE_KINDS = ("dx",)
 
@@ -124,11 +121,11 @@ class KernelSettings:
             they can ("up", "dh", "dx" have the option).
         gluon: the GEMM kinds (of ``GLUON_KINDS``) that run their Gluon kernel, an
             asynchronous cp.async/TMA and wgmma pipeline for Hopper (``kernels.gluon_wgrad``,
-            ``kernels.gluon_row_gemm``, ``kernels.gluon_dh``), where it applies: 16-bit
+            ``kernels.gluon_row_gemm``), where it applies: 16-bit
             CUDA tensors on capability 9 with column counts and row strides that are
             multiples of 16. The other kinds, and every other case, run the portable
             ``tl`` kernels. By default the weight gradients, the kinds measured faster.
-        gluon_warp_specialize: the GEMM kinds (of ``GLUON_WS_KINDS``) whose Gluon kernel, where
+        gluon_warp_specialize: the GEMM kinds (of ``GLUON_KINDS``) whose Gluon kernel, where
             ``gluon`` runs it, is the warp-specialised one: copy warps fill the ring and
             the MMA warpgroups only wait, multiply and store (``_row_gemm_ws_kernel``,
             ``_wgrad_ws_kernel``). The weight gradients keep their other kernel by default
@@ -141,10 +138,13 @@ class KernelSettings:
             The default is chosen by measurement (docs/perf-notes.md).
         wgrad_band: the same for the Gluon weight gradients' [P, Q] tiles, in bands of
             P-tiles (``gluon_wgrad._wgrad_tile``).
-        wgrad_rows_tma: the weight-gradient kinds whose Gluon kernel (where ``gluon`` runs
-            it) reads the row-ordered operand by TMA as the MMA's wide side, the gathered
-            rows being the narrow one (``gluon_wgrad._wgrad_rows_tma_kernel``); it takes
-            precedence over ``gluon_warp_specialize`` for those kinds.
+        wgrad_rows_tma: per weight-gradient kind, the average routed rows per expert (L*K /
+            E, known on the host) from which its Gluon kernel (where ``gluon`` runs it)
+            reads the row-ordered operand by TMA as the MMA's wide side, the gathered rows
+            being the narrow one (``gluon_wgrad._wgrad_rows_tma_kernel``); it then takes
+            precedence over ``gluon_warp_specialize``. Kinds not named never do; a set of
+            kinds means from 0 rows. The defaults are chosen by measurement
+            (docs/perf-notes.md).
         activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
             [L*K, I]) rather than computing it in its prologue.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
@@ -174,7 +174,7 @@ class KernelSettings:
     gluon: frozenset = frozenset({"wgrad_down", "wgrad_up"})
     gluon_warp_specialize: frozenset = frozenset({"up", "down", "dx"})
     wgrad_band: int = 1
-    wgrad_rows_tma: frozenset = frozenset({"wgrad_down", "wgrad_up"})
+    wgrad_rows_tma: Mapping[str, int] = field(default_factory=lambda: {"wgrad_down": 2048, "wgrad_up": 0})
     row_band: int = 4
     activation_pass: bool = True
     fast_activation: bool = True
@@ -195,17 +195,21 @@ class KernelSettings:
             if not isinstance(tile, GemmTile):
                 object.__setattr__(self, "tiles", {**self.tiles, kind: GemmTile(*tile)})
         object.__setattr__(self, "weight_tma", frozenset(self.weight_tma))
-        for name, known, what in (("gluon", GLUON_KINDS, "a Gluon kernel"),
-                                  ("gluon_warp_specialize", GLUON_WS_KINDS, "a warp-specialised Gluon kernel")):
+        for name in ("gluon", "gluon_warp_specialize"):
             kinds = frozenset(getattr(self, name))
             object.__setattr__(self, name, kinds)
-            if not kinds <= set(known):
-                raise ValueError(f"moeblaze settings: {name} has GEMM kinds without {what} "
-                                 f"{sorted(kinds - set(known))}; those with one: {known}")
-        object.__setattr__(self, "wgrad_rows_tma", frozenset(self.wgrad_rows_tma))
-        if not self.wgrad_rows_tma <= {"wgrad_down", "wgrad_up"}:
+            if not kinds <= set(GLUON_KINDS):
+                raise ValueError(f"moeblaze settings: {name} has GEMM kinds without a Gluon kernel "
+                                 f"{sorted(kinds - set(GLUON_KINDS))}; those with one: {GLUON_KINDS}")
+        rows_tma = self.wgrad_rows_tma
+        rows_tma = dict(rows_tma) if isinstance(rows_tma, Mapping) else dict.fromkeys(rows_tma, 0)
+        object.__setattr__(self, "wgrad_rows_tma", rows_tma)
+        if not set(rows_tma) <= {"wgrad_down", "wgrad_up"}:
             raise ValueError(f"moeblaze settings: wgrad_rows_tma names weight-gradient kinds only "
-                             f"(wgrad_down, wgrad_up), got {sorted(self.wgrad_rows_tma)}")
+                             f"(wgrad_down, wgrad_up), got {sorted(rows_tma)}")
+        if not all(isinstance(n, int) and n >= 0 for n in rows_tma.values()):
+            raise ValueError(f"moeblaze settings: wgrad_rows_tma maps kinds to rows per expert (ints >= 0), "
+                             f"got {rows_tma}")
         object.__setattr__(self, "backward_templates", frozenset(self.backward_templates))
         if not self.backward_templates <= set(BACKWARD_TEMPLATE_KINDS):
             raise ValueError(f"moeblaze settings: backward_templates has unknown parts "

@@ -17,6 +17,7 @@ from moeblaze_ops import settings
 from moeblaze_ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, activation_code
 from moeblaze_ops.bench import CONFIGS, make_inputs
 from moeblaze_ops.kernels import triton_dispatch, triton_experts as te, triton_experts_backward as tb
+from moeblaze_ops.kernels.grouped_gemm import tile_config
 from moeblaze_ops.kernels.triton_combine import combine
 from moeblaze_ops.settings import GemmTile
 
@@ -57,8 +58,7 @@ def kernels(T, d, I, E, K, device="cuda"):
                   limit=CLAMPED_SWIGLU_LIMIT)
 
     def dh():
-        n_parts = triton.cdiv(I, tb.dh_route(go, h, wd, None, act=swiglu["act"], transposed=False,
-                                             interleaved=False)[1].block_n)
+        n_parts = triton.cdiv(I, tile_config("dh", h).block_n)
         part = parts[:LK * n_parts].view(LK, n_parts)  # contiguous, as the kernel indexes it
         tb.launch_dh(go, h, wd, eti, w, tim, offs, None, grad_h, wact, part, bdot, transposed=False, **swiglu)
 
@@ -83,19 +83,17 @@ def variants(kind, a):
     def w_tma(v):
         return (base | {kind}) if v else (base - {kind})
 
-    gluon = settings.current().gluon
     if kind == "dh":
-        return [(f"gluon={g} w_tma={v} fast={f} band={b}",
-                 dict(gluon=(gluon | {kind}) if g else (gluon - {kind}), weight_tma=w_tma(v),
-                      dh_fast_activation=bool(f), row_band=b))
-                for g in a.gluon for v in (a.w_tma if not g else [1]) for f in a.dh_fast for b in a.row_band]
+        return [(f"w_tma={v} fast={f} band={b}", dict(weight_tma=w_tma(v), dh_fast_activation=bool(f), row_band=b))
+                for v in a.w_tma for f in a.dh_fast for b in a.row_band]
     if kind == "dx":
         return [(f"w_tma={v} band={b}", dict(weight_tma=w_tma(v), row_band=b)) for v in a.w_tma for b in a.row_band]
-    ws, rows_tma = settings.current().gluon_warp_specialize, settings.current().wgrad_rows_tma
+    gluon, ws, rows_tma = (settings.current().gluon, settings.current().gluon_warp_specialize,
+                           settings.current().wgrad_rows_tma)
     return [(f"gluon={v} ws={w}" + (f" rows_tma={t} group={g}" if v else ""),
              dict(gluon=(gluon | {kind}) if v else (gluon - {kind}),
                   gluon_warp_specialize=(ws | {kind}) if w else (ws - {kind}),
-                  wgrad_rows_tma=(rows_tma | {kind}) if t else (rows_tma - {kind}),
+                  wgrad_rows_tma={**{k: n for k, n in rows_tma.items() if k != kind}, **({kind: 0} if t else {})},
                   wgrad_band=g))
             for v in a.gluon for w in (a.ws if v else [0]) for t in (a.rows_tma if v else [0])
             for g in (a.wgrad_band if v else [1])]
@@ -111,7 +109,7 @@ def main():
                    help="weight tiles through TMA (1) or not (0): dh and dx read weights")
     p.add_argument("--dh-fast", nargs="*", type=int, default=[0, 1], help="dH epilogue with the approximate sigmoid")
     p.add_argument("--gluon", nargs="*", type=int, default=[1, 0],
-                   help="dh and the weight gradients on their Gluon kernel (1) or the portable tl one (0)")
+                   help="weight gradients on the Gluon kernel (1) or the portable tl one (0)")
     p.add_argument("--ws", nargs="*", type=int, default=[0, 1],
                    help="the Gluon weight gradients warp-specialised (1) or not (0)")
     p.add_argument("--rows-tma", nargs="*", type=int, default=[0],

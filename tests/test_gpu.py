@@ -257,7 +257,7 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                                     {"fast_activation": False}, {"gluon": ("wgrad_down", "wgrad_up")},
                                     {"gluon": settings.GLUON_KINDS},
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": ()},
-                                    {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": settings.GLUON_WS_KINDS},
+                                    {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": settings.GLUON_KINDS},
                                     {"gluon": ()}, {"row_band": 3, "wgrad_band": 3},
                                     {"wgrad_rows_tma": ("wgrad_down", "wgrad_up")},
                                     {"wgrad_rows_tma": ()},

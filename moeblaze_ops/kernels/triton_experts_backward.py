@@ -172,8 +172,10 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
     gluon = gg.gluon_kernels(kind, rows)
     if gluon is not None and gluon.applies(rows, gathered):
         config = settings.current()
+        min_rows = config.wgrad_rows_tma.get(kind)  # per expert, on average
         gluon.launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, config.tiles.get(kind),
-                           kind in config.gluon_warp_specialize, rows_tma=kind in config.wgrad_rows_tma)
+                           kind in config.gluon_warp_specialize,
+                           rows_tma=min_rows is not None and rows.shape[0] >= min_rows * E)
         return
     tile = gg.tile_config(kind, rows)
     tiles = E * triton.cdiv(P, tile.block_m) * triton.cdiv(Q, tile.block_n)
@@ -207,29 +209,13 @@ def _pq_view(grad_w, rows_are_outputs, transposed):
     return grad_w if kept else grad_w.transpose(1, 2)
 
 
-def dh_route(grad_out, h, w_down, b_down, *, act, transposed, interleaved):
-    """(the Gluon dH module or None, its tile or the ``tl`` kernel's): the Gluon kernel
-    where ``settings.gluon`` names "dh" and it applies."""
-    gluon = gg.gluon_kernels("dh", h)
-    if gluon is not None and gluon.applies(grad_out, h, w_down, transposed, act < acts.NUM_GATED, interleaved,
-                                           b_down is not None):
-        return gluon, settings.current().tiles.get("dh", gluon.TILE)
-    return None, gg.tile_config("dh", h)
-
-
 def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad_h, wact, parts, bdot, *, act,
               transposed, interleaved, alpha, limit):
     """dH (into ``grad_h``, which may be ``h``), the router partials (``parts``: [L*K,
-    cdiv(I, block_n)] of ``dh_route``'s tile), and ``wact`` = w * act(h) (the down weight
+    cdiv(I, block_n)] of the "dh" tile), and ``wact`` = w * act(h) (the down weight
     gradient's operand) unless it is None."""
-    fast = gg.fast_sigmoid(h, settings.current().dh_fast_activation)
-    gluon, tile = dh_route(grad_out, h, w_down, b_down, act=act, transposed=transposed, interleaved=interleaved)
-    if gluon is not None:
-        gluon.launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact, parts, act=act,
-                        transposed=transposed, alpha=alpha, limit=limit, fast_activation=fast,
-                        band=settings.current().row_band, tile=tile)
-        return
     E, d, I = linear_dims(w_down, transposed)
+    tile = gg.tile_config("dh", h)
     # grad_out rows @ W_e as [d, I]: the forward's product transposed (reduction over d).
     strides = linear_strides(w_down, not transposed)
     w_src, w_tma, w_kmajor = gg.weight_operand(w_down, strides.reduction, tile, "dh")
@@ -244,7 +230,7 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad
         stride_tw0=topk_weights.stride(0), stride_tw1=topk_weights.stride(1), K=topk_weights.shape[1],
         ACT=int(act), INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, WRITE_WACT=wact is not None,
         W_TMA=w_tma, W_KMAJOR=w_kmajor,
-        FAST_ACT=fast,
+        FAST_ACT=gg.fast_sigmoid(h, settings.current().dh_fast_activation),
     )
 
 
@@ -278,8 +264,7 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
         return grad_h, grad_w, grad_b, grad_tw
     # w * act(h), for the weight gradient: written by the dH epilogue (a transient, half of h).
     wact = gg.empty(LK, I, dtype=h.dtype, device=dev) if need_weight_grad else None
-    _, dh_tile = dh_route(grad_out, h, w_down, b_down, act=act, transposed=transposed, interleaved=interleaved)
-    n_parts = max(1, triton.cdiv(I, dh_tile.block_n))
+    n_parts = max(1, triton.cdiv(I, gg.tile_config("dh", h).block_n))
     parts = torch.empty(LK, n_parts, dtype=torch.float32, device=dev)
     bdot = torch.empty(LK, dtype=torch.float32, device=dev)
     launch_dh(grad_out, h, w_down, expert_token_indices, topk_weights, token_index_map, expert_offsets, b_down, grad_h,
