@@ -298,3 +298,35 @@ def test_row_tiles_in_bands(band, seed):
                       routing="skewed", sentinel_frac=0.2)
         check_backward(45, 40, 24, 3, 2, dtype=torch.float32, device="cpu", seed=seed, bias=True,
                        routing="skewed", sentinel_frac=0.2)
+
+
+@pytest.mark.parametrize("kind", ["wgrad_down", "wgrad_up"])
+@pytest.mark.parametrize("rows_per_expert", [256, 2047, 2048, 4096])
+def test_weight_gradient_orientation_by_rows_per_expert(kind, rows_per_expert, monkeypatch):
+    """``settings.wgrad_rows_tma`` picks the Gluon weight gradient's orientation from the
+    average rows per expert (host shapes, no sync): with the defaults dW_down reads its rows
+    by TMA from 2048 rows per expert, dW_up always; a kind it does not name never does."""
+    from moeblaze_ops.kernels import grouped_gemm, triton_experts_backward
+
+    calls = []
+
+    class FakeGluon:  # stands in for the Hopper module: records the choice, runs nothing
+        @staticmethod
+        def applies(rows, gathered):
+            return True
+
+        @staticmethod
+        def launch_wgrad(*args, rows_tma, **kwargs):
+            calls.append(rows_tma)
+
+    monkeypatch.setattr(grouped_gemm, "gluon_kernels", lambda kind, t: FakeGluon)
+    E, P, Q = 4, 16, 16
+    rows = torch.empty(E * rows_per_expert, P)
+    gathered = torch.empty(8, Q)
+    ids = torch.zeros(E * rows_per_expert, dtype=torch.int32)
+    offsets = torch.arange(E + 1, dtype=torch.int32) * rows_per_expert
+    grad_w = torch.empty(E, P, Q)
+    triton_experts_backward.launch_wgrad(rows, gathered, ids, offsets, grad_w, kind=kind)
+    with settings.override(wgrad_rows_tma={k: 0 for k in ("wgrad_down", "wgrad_up") if k != kind}):
+        triton_experts_backward.launch_wgrad(rows, gathered, ids, offsets, grad_w, kind=kind)
+    assert calls == [kind == "wgrad_up" or rows_per_expert >= 2048, False]
