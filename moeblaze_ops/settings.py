@@ -145,6 +145,9 @@ class KernelSettings:
             precedence over ``gluon_warp_specialize``. Kinds not named never do; a set of
             kinds means from 0 rows. The defaults are chosen by measurement
             (docs/perf-notes.md).
+        wgrad_tma_store: that kernel writes each output tile through shared memory by TMA
+            copies, which run on while it starts the next tile (where TMA can write the
+            gradient), instead of storing from registers; off until the GPU times it.
         activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
             [L*K, I]) rather than computing it in its prologue.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
@@ -175,6 +178,7 @@ class KernelSettings:
     gluon_warp_specialize: frozenset = frozenset({"up", "down", "dx"})
     wgrad_band: int = 1
     wgrad_rows_tma: Mapping[str, int] = field(default_factory=lambda: {"wgrad_down": 2048, "wgrad_up": 0})
+    wgrad_tma_store: bool = False
     row_band: int = 4
     activation_pass: bool = True
     fast_activation: bool = True

@@ -9,7 +9,8 @@
 # GPU_TESTS_K=<pytest -k expr> picks GPU tests; CPU_SUITE=1 adds the CPU suite on that
 # machine's torch (a compatibility check, 3 more minutes); PROFILE=1 adds
 # scripts/profile_step.py (kernel and host time per step) into $OUT/profile.txt;
-# GPU_TEST_WORKERS=<n> sets the pytest-xdist processes (6; one GPU is shared);
+# GPU_TEST_WORKERS=<n> sets the pytest-xdist processes (6; one GPU is shared); GPU_TESTS_TIMEOUT=<s>
+# ends the GPU tests after that many seconds (420);
 # EXAMPLE=1 adds the 100M example (eager, compiled, reduce-overhead; moeblaze and grouped_mm);
 # GLUON_WS=1 times the warp-specialised Gluon kernels (scripts/compare_row_gemm.py,
 # scripts/tune_backward.py) and trains with every Gluon kernel warp-specialised;
@@ -54,7 +55,8 @@ if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
   echo "== GPU tests" | tee -a "$LOG"
   workers=()
   PYTHONPATH=$PYTHONPATH python3 -c "import xdist" 2>/dev/null && workers=(-n "${GPU_TEST_WORKERS:-6}")
-  python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_gluon_row_gemm.py tests/test_lowerings.py -p no:cacheprovider -rf --tb=short --durations=8 "${workers[@]}" \
+  # A kernel that hangs ends the tests, not the whole call.
+  timeout "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_gluon_row_gemm.py tests/test_lowerings.py -p no:cacheprovider -rf --tb=short --durations=8 "${workers[@]}" \
     ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} 2>&1 | tee -a "$LOG" | tail -15
 fi
 if [ "${CPU_SUITE:-0}" = 1 ]; then

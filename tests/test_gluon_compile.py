@@ -25,14 +25,16 @@ def _compile_for_hopper(fn, signature, constexprs, num_warps, aligned):
 
 
 @pytest.mark.parametrize("band", [1, 4])
-@pytest.mark.parametrize("variant", ["one_partition", "warp_specialized", "rows_tma"])
+@pytest.mark.parametrize("variant", ["one_partition", "warp_specialized", "rows_tma", "rows_tma_store_pq",
+                                     "rows_tma_store_qp"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_path):
     from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type, _spill_bytes
 
     from moeblaze_ops.kernels import gluon_wgrad
 
-    rows_tma, warp_specialize = variant == "rows_tma", variant == "warp_specialized"
+    rows_tma, warp_specialize = variant.startswith("rows_tma"), variant == "warp_specialized"
+    tma_store = "store" in variant
     tile = gluon_wgrad.ROWS_TMA_TILE if rows_tma else gluon_wgrad.TILE
     ints = ["E", "P", "Q", "stride_rm", "stride_gm", "stride_oe", "stride_op", "stride_oq"]
     signature = {"rows_ptr": f"*{dtype}", "gathered_ptr": f"*{dtype}", "row_ids_ptr": "*i32", "offsets_ptr": "*i32",
@@ -41,6 +43,12 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
                       BAND=band, num_warps=tile.num_warps)
     if rows_tma:
         signature = {"rows_desc": _descriptor_type(dtype, [tile.block_k, tile.block_m]), **signature}
+        # The output descriptor's box: half a tile, Q contiguous ("pq") or P contiguous.
+        half = [1, tile.block_m // 2, tile.block_n] if variant.endswith("pq") else [1, tile.block_n, tile.block_m // 2]
+        signature["out_desc"] = _descriptor_type(dtype, half)
+        constexprs.update(TMA_STORE=tma_store, OUT_PQ=variant.endswith("pq"))
+        if not tma_store:
+            constexprs["out_desc"] = None
         kernel_fn = gluon_wgrad._wgrad_rows_tma_kernel
     elif warp_specialize:
         constexprs.update(zip(("PRODUCER_WARPS", "PRODUCER_REGS"), gluon_wgrad.PRODUCER))
@@ -69,7 +77,11 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
     ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
     wide = tile.block_m if rows_tma else tile.block_n
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{wide}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
+    if tma_store:  # each half tile by one 3-D TMA copy from shared memory, waited for before its buffer is reused
+        assert re.search(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx)
+        assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
-    assert ring <= kernel.metadata.shared <= MAX_SHARED
+    out_buffer = tile.block_m // 2 * tile.block_n * 2 if tma_store else 0
+    assert ring + out_buffer <= kernel.metadata.shared <= MAX_SHARED
     if warp_specialize or rows_tma:
         assert _spill_bytes(ptx, tmp_path) == 0

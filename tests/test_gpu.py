@@ -260,7 +260,7 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": settings.GLUON_KINDS},
                                     {"gluon": ()}, {"row_band": 3, "wgrad_band": 3},
                                     {"wgrad_rows_tma": ("wgrad_down", "wgrad_up")},
-                                    {"wgrad_rows_tma": ()},
+                                    {"wgrad_rows_tma": ()}, {"wgrad_tma_store": True},
                                     {"row_band": 1, "wgrad_band": 1},
                                     {"gluon": settings.GLUON_KINDS, "row_band": 3},
                                     {"gluon": settings.GLUON_KINDS, "row_band": 1}],
@@ -344,7 +344,7 @@ def test_index_arrays_checked_on_the_device(defect, seed):
 
 
 WGRAD_VARIANTS = ["gluon_ws", "gluon", "gluon_band3", "gluon_rows_tma", "gluon_rows_tma_band3",
-                  "gluon_rows_tma_2_per_sm", "tl"]
+                  "gluon_rows_tma_2_per_sm", "gluon_rows_tma_store", "gluon_rows_tma_store_band3", "tl"]
 
 
 def _wgrad_settings(variant):
@@ -353,6 +353,7 @@ def _wgrad_settings(variant):
     return settings.override(tiles=tiles, gluon={"wgrad_up"} if variant != "tl" else set(),
                              gluon_warp_specialize={"wgrad_up"} if variant == "gluon_ws" else set(),
                              wgrad_rows_tma={"wgrad_up"} if "rows_tma" in variant else set(),
+                             wgrad_tma_store="store" in variant,
                              wgrad_band=3 if variant.endswith("band3") else 1)
 
 
@@ -384,6 +385,8 @@ def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
         view = out.transpose(1, 2) if transposed_out else out
         with _wgrad_settings(gluon):
             launch_wgrad(rows, gathered, ids, offsets, view, kind="wgrad_up")
+        if "store" in gluon:  # the variant writes by TMA here, not through its fallback
+            assert gluon_wgrad._output_descriptor(view, gluon_wgrad.ROWS_TMA_TILE)[0] is not None
         return view
 
     out = run()

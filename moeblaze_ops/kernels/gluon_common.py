@@ -13,10 +13,12 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 
 # Builtins renamed after triton 3.6: the masked cp.async (``async_copy_global_to_shared``,
 # then ``async_load``), the CTA barrier (``thread_barrier``, then ``barrier``) and the TMA
-# load (``async_copy_global_to_shared``, then ``async_load``).
+# load and store (``async_copy_global_to_shared`` / ``async_copy_shared_to_global``, then
+# ``async_load`` / ``async_store``).
 async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 @gluon.constexpr_function

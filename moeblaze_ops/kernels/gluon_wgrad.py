@@ -31,14 +31,14 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import settings
 from ..settings import GemmTile
 from . import grouped_gemm as gg
-from .gluon_common import async_load, banded, copy_layout, cta_barrier, on_hopper, tma_load, wgmma_acc_layout
+from .gluon_common import async_load, banded, copy_layout, cta_barrier, on_hopper, tma_load, tma_store, wgmma_acc_layout
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 rows of the
 #: reduction per step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
@@ -225,12 +225,32 @@ def _rows_tma_mma_step(g_ring, r_ring, bars, acc, step, AHEAD: gl.constexpr):
 
 
 @gluon.jit
+def _store_half_by_tma(out_desc, out_buf, half, e, q0, p0, OUT_PQ: gl.constexpr):
+    """Stores [BLOCK_Q, BLOCK_P / 2] of an expert's gradient at (q0, p0) through the shared
+    buffer ``out_buf`` by a TMA copy, which then runs on while the program goes on. The
+    copy engine clips the tile at the expert's P and Q edges. ``OUT_PQ``: ``out_desc`` is
+    [E, P, Q] (Q contiguous), else [E, Q, P]."""
+    tma.store_wait(0)  # the buffer's last copy has read it (the issuing thread's wait) ...
+    cta_barrier()  # ... before any thread writes it again
+    if OUT_PQ:
+        out_buf.reshape([half.shape[1], half.shape[0]]).permute((1, 0)).store(half.to(out_desc.dtype))
+    else:
+        out_buf.reshape([half.shape[0], half.shape[1]]).store(half.to(out_desc.dtype))
+    fence_async_shared()  # generic-proxy writes before the copy engine (async proxy) reads them
+    cta_barrier()
+    if OUT_PQ:
+        tma_store(out_desc, [e, p0, q0], out_buf)
+    else:
+        tma_store(out_desc, [e, q0, p0], out_buf)
+
+
+@gluon.jit
 def _wgrad_rows_tma_kernel(
-    rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr,
+    rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr, out_desc,
     E, P, Q,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    BAND: gl.constexpr, num_warps: gl.constexpr,
+    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_PQ: gl.constexpr, num_warps: gl.constexpr,
 ):
     # The ring as in _wgrad_kernel (step i in the MMA, i - 1 possibly still in it, i + 1 ..
     # i + AHEAD landing); each slot also has an mbarrier for its TMA bytes. ``step`` counts
@@ -239,6 +259,8 @@ def _wgrad_rows_tma_kernel(
     dtype: gl.constexpr = rows_ptr.dtype.element_ty
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, num_warps)
     g_ring, r_ring, bars = _rows_tma_ring(rows_desc, dtype, BLOCK_Q, BLOCK_R, NUM_STAGES)
+    if TMA_STORE:  # half an output tile: its copy to global memory overlaps the next tile's steps
+        out_buf = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
     step = 0
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
         e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
@@ -268,8 +290,17 @@ def _wgrad_rows_tma_kernel(
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         # acc is this tile's [Q, P] block: stored through out's strides in that order.
-        _store_expert_tile(out_ptr, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op)
+        if TMA_STORE:
+            # P's halves are each thread's own registers (the accumulator holds every
+            # column in 8-column pieces): no data moves between threads to split them.
+            first, second = gl.split(acc.reshape([BLOCK_Q, 2, BLOCK_P // 2]).permute((0, 2, 1)))
+            _store_half_by_tma(out_desc, out_buf, first, e, q0, p0, OUT_PQ)
+            _store_half_by_tma(out_desc, out_buf, second, e, q0, p0 + BLOCK_P // 2, OUT_PQ)
+        else:
+            _store_expert_tile(out_ptr, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op)
     cp.wait_group(0)
+    if TMA_STORE:
+        tma.store_wait(0)  # the last copy has read the buffer before the program's shared memory goes
 
 
 # --------------------------------------------------------------------------- warp-specialised
@@ -368,8 +399,22 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
             and rows.data_ptr() % 16 == 0 and gathered.data_ptr() % 16 == 0)
 
 
+def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile):
+    """``(descriptor, out_pq)``: a TMA descriptor of the weight gradient whose box is half a
+    rows-TMA output tile, over [E, P, Q] where Q is contiguous (``out_pq``) or [E, Q, P]
+    where P is; None where TMA cannot write it (neither contiguous, unaligned)."""
+    out_pq = grad_w_pq.stride(2) == 1
+    view = grad_w_pq if out_pq else grad_w_pq.transpose(1, 2)
+    if view.stride(2) != 1 or view.data_ptr() % 16 or any(s * view.element_size() % 16 for s in view.stride()[:2]):
+        return None, out_pq
+    block = [1, tile.block_m // 2, tile.block_n] if out_pq else [1, tile.block_n, tile.block_m // 2]
+    gl_dtype = gl.bfloat16 if view.dtype == torch.bfloat16 else gl.float16
+    return TensorDescriptor.from_tensor(view, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype)), out_pq
+
+
 def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[GemmTile] = None,
-                 warp_specialize: bool = False, band: Optional[int] = None, rows_tma: bool = False):
+                 warp_specialize: bool = False, band: Optional[int] = None, rows_tma: bool = False,
+                 tma_store: bool = False):
     """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring).
 
     ``tile`` is (P block, Q block, R block, warps, stages[, programs per SM, registers
@@ -377,7 +422,8 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     ``_wgrad_rows_tma_kernel`` (Q block = 16 * warps); else ``warp_specialize`` picks
     ``_wgrad_ws_kernel`` and its absence ``_wgrad_kernel`` (P block = 16 * warps).
     ``band`` is the tile order's band of P tiles (``_wgrad_tile``), ``settings.wgrad_band``
-    by default."""
+    by default. ``tma_store``: the rows-TMA kernel writes its tiles by TMA copies that run
+    on during the next tile (``_store_half_by_tma``), where TMA can write the gradient."""
     if grad_w_pq.numel() == 0:
         return
     band = settings.current().wgrad_band if band is None else band
@@ -400,7 +446,9 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
         block = [tile.block_k, tile.block_m]
         gl_dtype = gl.bfloat16 if rows.dtype == torch.bfloat16 else gl.float16
         rows_desc = TensorDescriptor.from_tensor(rows, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
-        _wgrad_rows_tma_kernel[grid](rows_desc, rows, *args, **blocks)
+        out_desc, out_pq = _output_descriptor(grad_w_pq, tile) if tma_store else (None, False)
+        _wgrad_rows_tma_kernel[grid](rows_desc, rows, *args[:4], out_desc, *args[4:], TMA_STORE=out_desc is not None,
+                                     OUT_PQ=out_pq, **blocks)
     elif warp_specialize:
         warps, regs = PRODUCER
         _wgrad_ws_kernel[grid](rows, *args, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **blocks)

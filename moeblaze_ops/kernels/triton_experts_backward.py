@@ -175,7 +175,8 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
         min_rows = config.wgrad_rows_tma.get(kind)  # per expert, on average
         gluon.launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, config.tiles.get(kind),
                            kind in config.gluon_warp_specialize,
-                           rows_tma=min_rows is not None and rows.shape[0] >= min_rows * E)
+                           rows_tma=min_rows is not None and rows.shape[0] >= min_rows * E,
+                           tma_store=config.wgrad_tma_store)
         return
     tile = gg.tile_config(kind, rows)
     tiles = E * triton.cdiv(P, tile.block_m) * triton.cdiv(Q, tile.block_n)
