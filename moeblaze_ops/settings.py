@@ -145,9 +145,10 @@ class KernelSettings:
             precedence over ``gluon_warp_specialize``. Kinds not named never do; a set of
             kinds means from 0 rows. The defaults are chosen by measurement
             (docs/perf-notes.md).
-        wgrad_tma_store: that kernel writes each output tile through shared memory by TMA
-            copies, which run on while it starts the next tile (where TMA can write the
-            gradient), instead of storing from registers; off until the GPU times it.
+        wgrad_tma_store: the Gluon weight gradients (not the warp-specialised kernel) write
+            each output tile through shared memory by TMA copies, which run on while they
+            start the next tile (where TMA can write the gradient), instead of storing from
+            registers; off until the GPU times it.
         activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
             [L*K, I]) rather than computing it in its prologue.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down

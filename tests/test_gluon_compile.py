@@ -25,8 +25,8 @@ def _compile_for_hopper(fn, signature, constexprs, num_warps, aligned):
 
 
 @pytest.mark.parametrize("band", [1, 4])
-@pytest.mark.parametrize("variant", ["one_partition", "warp_specialized", "rows_tma", "rows_tma_store_pq",
-                                     "rows_tma_store_qp"])
+@pytest.mark.parametrize("variant", ["one_partition", "one_partition_store_mn", "one_partition_store_nm",
+                                     "warp_specialized", "rows_tma", "rows_tma_store_mn", "rows_tma_store_nm"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_path):
     from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type, _spill_bytes
@@ -41,14 +41,16 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
                  "out_ptr": f"*{dtype}", **{name: "i32" for name in ints}}
     constexprs = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
                       BAND=band, num_warps=tile.num_warps)
-    if rows_tma:
-        signature = {"rows_desc": _descriptor_type(dtype, [tile.block_k, tile.block_m]), **signature}
-        # The output descriptor's box: half a tile, Q contiguous ("pq") or P contiguous.
-        half = [1, tile.block_m // 2, tile.block_n] if variant.endswith("pq") else [1, tile.block_n, tile.block_m // 2]
-        signature["out_desc"] = _descriptor_type(dtype, half)
-        constexprs.update(TMA_STORE=tma_store, OUT_PQ=variant.endswith("pq"))
+    if not warp_specialize:
+        # The output descriptor's box: half an [M, N] accumulator tile, in its order ("mn")
+        # or transposed ("nm": M contiguous in the gradient).
+        m, n = (tile.block_n, tile.block_m) if rows_tma else (tile.block_m, tile.block_n)
+        signature["out_desc"] = _descriptor_type(dtype, [1, n // 2, m] if variant.endswith("nm") else [1, m, n // 2])
+        constexprs.update(TMA_STORE=tma_store, OUT_TRANSPOSED=variant.endswith("nm"))
         if not tma_store:
             constexprs["out_desc"] = None
+    if rows_tma:
+        signature = {"rows_desc": _descriptor_type(dtype, [tile.block_k, tile.block_m]), **signature}
         kernel_fn = gluon_wgrad._wgrad_rows_tma_kernel
     elif warp_specialize:
         constexprs.update(zip(("PRODUCER_WARPS", "PRODUCER_REGS"), gluon_wgrad.PRODUCER))

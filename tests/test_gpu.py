@@ -344,7 +344,7 @@ def test_index_arrays_checked_on_the_device(defect, seed):
 
 
 WGRAD_VARIANTS = ["gluon_ws", "gluon", "gluon_band3", "gluon_rows_tma", "gluon_rows_tma_band3",
-                  "gluon_rows_tma_2_per_sm", "gluon_rows_tma_store", "gluon_rows_tma_store_band3", "tl"]
+                  "gluon_rows_tma_2_per_sm", "gluon_rows_tma_store", "gluon_rows_tma_store_band3", "gluon_store", "tl"]
 
 
 def _wgrad_settings(variant):
@@ -362,8 +362,8 @@ def _wgrad_settings(variant):
 def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
     """Every weight-gradient kernel, the three Gluon ones (where they apply: these shapes;
     warp-specialised, with the row-ordered operand by TMA, or neither; tiles in bands of 3
-    tile rows, a short last band at P=1408)
-    and the portable tl one: out[e] = A_e^T B[ids_e] against a float64 reference, with
+    tile rows, a short last band at P=1408; output tiles by TMA copies in both orientations
+    of the gradient) and the portable tl one: out[e] = A_e^T B[ids_e] against a float64 reference, with
     ragged and empty experts, tiles that run past P and Q, a transposed output view, a
     poisoned output (a tile the order skipped stays NaN), and two runs bitwise equal."""
     from moeblaze_ops.kernels import gluon_wgrad
@@ -386,7 +386,9 @@ def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
         with _wgrad_settings(gluon):
             launch_wgrad(rows, gathered, ids, offsets, view, kind="wgrad_up")
         if "store" in gluon:  # the variant writes by TMA here, not through its fallback
-            assert gluon_wgrad._output_descriptor(view, gluon_wgrad.ROWS_TMA_TILE)[0] is not None
+            rows_tma = "rows_tma" in gluon
+            tile = gluon_wgrad.ROWS_TMA_TILE if rows_tma else gluon_wgrad.TILE
+            assert gluon_wgrad._output_descriptor(view, tile, rows_tma)[0] is not None
         return view
 
     out = run()

@@ -119,12 +119,59 @@ def _store_expert_tile(out_ptr, acc, e, m0, n0, M, N, stride_oe, stride_om, stri
 
 
 @gluon.jit
+def _store_half_by_tma(out_desc, out_buf, half, e, m0, n0, TRANSPOSED: gl.constexpr):
+    """Stores [M, N / 2] of expert ``e``'s accumulator tile (an [M, N] block of its gradient)
+    at (m0, n0) through the shared buffer ``out_buf`` by a TMA copy, which then runs on
+    while the program goes on; the copy engine clips it at the gradient's edges.
+    ``out_desc`` is the gradient as [E, M, N], or as [E, N, M] where ``TRANSPOSED``."""
+    tma.store_wait(0)  # the buffer's last copy has read it (the issuing thread's wait) ...
+    cta_barrier()  # ... before any thread writes it again
+    if TRANSPOSED:
+        out_buf.reshape([half.shape[1], half.shape[0]]).permute((1, 0)).store(half.to(out_desc.dtype))
+    else:
+        out_buf.reshape([half.shape[0], half.shape[1]]).store(half.to(out_desc.dtype))
+    fence_async_shared()  # generic-proxy writes before the copy engine (async proxy) reads them
+    cta_barrier()
+    if TRANSPOSED:
+        tma_store(out_desc, [e, n0, m0], out_buf)
+    else:
+        tma_store(out_desc, [e, m0, n0], out_buf)
+
+
+@gluon.jit
+def _store_tile(out_ptr, out_desc, out_buf, acc, e, m0, n0, M, N, stride_oe, stride_om, stride_on,
+                TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr):
+    """Stores expert ``e``'s [M, N] accumulator tile at (m0, n0): by TMA in two halves of
+    N (``_store_half_by_tma``) where ``TMA_STORE``, else from registers through the
+    strides."""
+    if TMA_STORE:
+        # N's halves are each thread's own registers (the accumulator holds every column
+        # in 8-column pieces): no data moves between threads to split them.
+        HALF: gl.constexpr = acc.shape[1] // 2
+        first, second = gl.split(acc.reshape([acc.shape[0], 2, HALF]).permute((0, 2, 1)))
+        _store_half_by_tma(out_desc, out_buf, first, e, m0, n0, OUT_TRANSPOSED)
+        _store_half_by_tma(out_desc, out_buf, second, e, m0, n0 + HALF, OUT_TRANSPOSED)
+    else:
+        _store_expert_tile(out_ptr, acc, e, m0, n0, M, N, stride_oe, stride_om, stride_on)
+
+
+@gluon.jit
+def _output_buffer(out_desc, dtype: gl.constexpr, TMA_STORE: gl.constexpr):
+    """The shared buffer of ``_store_half_by_tma`` (half an output tile), or None."""
+    if TMA_STORE:
+        buf = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
+    else:
+        buf = None
+    return buf
+
+
+@gluon.jit
 def _wgrad_kernel(
-    rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr,
+    rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr, out_desc,
     E, P, Q,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    BAND: gl.constexpr, num_warps: gl.constexpr,
+    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, num_warps: gl.constexpr,
 ):
     # Ring of NUM_STAGES slots: step i in the MMA, step i - 1 possibly still in it (one
     # asynchronous wgmma stays in flight), steps i + 1 .. i + AHEAD landing.
@@ -135,6 +182,7 @@ def _wgrad_kernel(
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_P], dtype))
     b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
+    out_buf = _output_buffer(out_desc, dtype, TMA_STORE)
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
         e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
         steps = gl.cdiv(hi - lo, BLOCK_R)
@@ -170,8 +218,11 @@ def _wgrad_kernel(
             cp.commit_group()
             ids = _load_ids(row_ids_ptr, lo + (nxt + 1) * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _store_expert_tile(out_ptr, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq)
+        _store_tile(out_ptr, out_desc, out_buf, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq, TMA_STORE,
+                    OUT_TRANSPOSED)
     cp.wait_group(0)
+    if TMA_STORE:
+        tma.store_wait(0)  # the last copy has read the buffer before the program's shared memory goes
 
 
 # --------------------------------------------------------------------------- row-ordered operand by TMA
@@ -225,32 +276,12 @@ def _rows_tma_mma_step(g_ring, r_ring, bars, acc, step, AHEAD: gl.constexpr):
 
 
 @gluon.jit
-def _store_half_by_tma(out_desc, out_buf, half, e, q0, p0, OUT_PQ: gl.constexpr):
-    """Stores [BLOCK_Q, BLOCK_P / 2] of an expert's gradient at (q0, p0) through the shared
-    buffer ``out_buf`` by a TMA copy, which then runs on while the program goes on. The
-    copy engine clips the tile at the expert's P and Q edges. ``OUT_PQ``: ``out_desc`` is
-    [E, P, Q] (Q contiguous), else [E, Q, P]."""
-    tma.store_wait(0)  # the buffer's last copy has read it (the issuing thread's wait) ...
-    cta_barrier()  # ... before any thread writes it again
-    if OUT_PQ:
-        out_buf.reshape([half.shape[1], half.shape[0]]).permute((1, 0)).store(half.to(out_desc.dtype))
-    else:
-        out_buf.reshape([half.shape[0], half.shape[1]]).store(half.to(out_desc.dtype))
-    fence_async_shared()  # generic-proxy writes before the copy engine (async proxy) reads them
-    cta_barrier()
-    if OUT_PQ:
-        tma_store(out_desc, [e, p0, q0], out_buf)
-    else:
-        tma_store(out_desc, [e, q0, p0], out_buf)
-
-
-@gluon.jit
 def _wgrad_rows_tma_kernel(
     rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr, out_desc,
     E, P, Q,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_PQ: gl.constexpr, num_warps: gl.constexpr,
+    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, num_warps: gl.constexpr,
 ):
     # The ring as in _wgrad_kernel (step i in the MMA, i - 1 possibly still in it, i + 1 ..
     # i + AHEAD landing); each slot also has an mbarrier for its TMA bytes. ``step`` counts
@@ -259,8 +290,7 @@ def _wgrad_rows_tma_kernel(
     dtype: gl.constexpr = rows_ptr.dtype.element_ty
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, num_warps)
     g_ring, r_ring, bars = _rows_tma_ring(rows_desc, dtype, BLOCK_Q, BLOCK_R, NUM_STAGES)
-    if TMA_STORE:  # half an output tile: its copy to global memory overlaps the next tile's steps
-        out_buf = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
+    out_buf = _output_buffer(out_desc, dtype, TMA_STORE)
     step = 0
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
         e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
@@ -290,14 +320,8 @@ def _wgrad_rows_tma_kernel(
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         # acc is this tile's [Q, P] block: stored through out's strides in that order.
-        if TMA_STORE:
-            # P's halves are each thread's own registers (the accumulator holds every
-            # column in 8-column pieces): no data moves between threads to split them.
-            first, second = gl.split(acc.reshape([BLOCK_Q, 2, BLOCK_P // 2]).permute((0, 2, 1)))
-            _store_half_by_tma(out_desc, out_buf, first, e, q0, p0, OUT_PQ)
-            _store_half_by_tma(out_desc, out_buf, second, e, q0, p0 + BLOCK_P // 2, OUT_PQ)
-        else:
-            _store_expert_tile(out_ptr, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op)
+        _store_tile(out_ptr, out_desc, out_buf, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op, TMA_STORE,
+                    OUT_TRANSPOSED)
     cp.wait_group(0)
     if TMA_STORE:
         tma.store_wait(0)  # the last copy has read the buffer before the program's shared memory goes
@@ -399,17 +423,21 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
             and rows.data_ptr() % 16 == 0 and gathered.data_ptr() % 16 == 0)
 
 
-def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile):
-    """``(descriptor, out_pq)``: a TMA descriptor of the weight gradient whose box is half a
-    rows-TMA output tile, over [E, P, Q] where Q is contiguous (``out_pq``) or [E, Q, P]
-    where P is; None where TMA cannot write it (neither contiguous, unaligned)."""
-    out_pq = grad_w_pq.stride(2) == 1
-    view = grad_w_pq if out_pq else grad_w_pq.transpose(1, 2)
+def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile, rows_tma: bool):
+    """``(descriptor, transposed)`` for ``_store_half_by_tma``: the weight gradient as the
+    kernel's [E, M, N] accumulator tiles lie in it ([E, Q, P] for the rows-TMA kernel,
+    [E, P, Q] for the others), or as [E, N, M] (``transposed``) where M is the contiguous
+    dimension, with a box of half a tile; None where TMA cannot write it."""
+    acc_view = grad_w_pq.transpose(1, 2) if rows_tma else grad_w_pq
+    m, n = (tile.block_n, tile.block_m) if rows_tma else (tile.block_m, tile.block_n)
+    transposed = acc_view.stride(2) != 1
+    view = acc_view.transpose(1, 2) if transposed else acc_view
     if view.stride(2) != 1 or view.data_ptr() % 16 or any(s * view.element_size() % 16 for s in view.stride()[:2]):
-        return None, out_pq
-    block = [1, tile.block_m // 2, tile.block_n] if out_pq else [1, tile.block_n, tile.block_m // 2]
+        return None, transposed
+    block = [1, n // 2, m] if transposed else [1, m, n // 2]
     gl_dtype = gl.bfloat16 if view.dtype == torch.bfloat16 else gl.float16
-    return TensorDescriptor.from_tensor(view, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype)), out_pq
+    return (TensorDescriptor.from_tensor(view, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype)),
+            transposed)
 
 
 def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[GemmTile] = None,
@@ -422,8 +450,9 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     ``_wgrad_rows_tma_kernel`` (Q block = 16 * warps); else ``warp_specialize`` picks
     ``_wgrad_ws_kernel`` and its absence ``_wgrad_kernel`` (P block = 16 * warps).
     ``band`` is the tile order's band of P tiles (``_wgrad_tile``), ``settings.wgrad_band``
-    by default. ``tma_store``: the rows-TMA kernel writes its tiles by TMA copies that run
-    on during the next tile (``_store_half_by_tma``), where TMA can write the gradient."""
+    by default. ``tma_store``: the kernel (not the warp-specialised one) writes its tiles
+    by TMA copies that run on during the next tile (``_store_half_by_tma``), where TMA can
+    write the gradient."""
     if grad_w_pq.numel() == 0:
         return
     band = settings.current().wgrad_band if band is None else band
@@ -442,15 +471,16 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     grid = (gg.num_programs(rows.device, tiles, tile.programs_per_sm),)
     if tile.programs_per_sm > 1:  # registers capped so that that many programs fit an SM's file at once
         blocks["maxnreg"] = REGISTERS_PER_SM // (tile.programs_per_sm * 32 * tile.num_warps) // 8 * 8
+    tma_store = tma_store and (rows_tma or not warp_specialize)  # the warp-specialised kernel stores from registers
+    out_desc, out_transposed = _output_descriptor(grad_w_pq, tile, rows_tma) if tma_store else (None, False)
+    store = dict(TMA_STORE=out_desc is not None, OUT_TRANSPOSED=out_transposed)
     if rows_tma:
         block = [tile.block_k, tile.block_m]
         gl_dtype = gl.bfloat16 if rows.dtype == torch.bfloat16 else gl.float16
         rows_desc = TensorDescriptor.from_tensor(rows, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
-        out_desc, out_pq = _output_descriptor(grad_w_pq, tile) if tma_store else (None, False)
-        _wgrad_rows_tma_kernel[grid](rows_desc, rows, *args[:4], out_desc, *args[4:], TMA_STORE=out_desc is not None,
-                                     OUT_PQ=out_pq, **blocks)
+        _wgrad_rows_tma_kernel[grid](rows_desc, rows, *args[:4], out_desc, *args[4:], **store, **blocks)
     elif warp_specialize:
         warps, regs = PRODUCER
         _wgrad_ws_kernel[grid](rows, *args, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **blocks)
     else:
-        _wgrad_kernel[grid](rows, *args, **blocks)
+        _wgrad_kernel[grid](rows, *args[:4], out_desc, *args[4:], **store, **blocks)
