@@ -96,7 +96,7 @@ def variants(kind, a):
                   wgrad_rows_tma={**{k: n for k, n in rows_tma.items() if k != kind}, **({kind: 0} if t else {})},
                   wgrad_tma_store=bool(s), wgrad_band=g))
             for v in a.gluon for w in (a.ws if v else [0]) for t in (a.rows_tma if v else [0])
-            for s in (a.tma_store if v and t else [0]) for g in (a.wgrad_band if v else [1])]
+            for s in (a.tma_store if v and (t or not w) else [0]) for g in (a.wgrad_band if v else [1])]
 
 
 def main():
@@ -116,8 +116,8 @@ def main():
                    help="the Gluon weight gradients with the row-ordered operand by TMA (1; tiles P=256, "
                         "Q=16*warps) or not (0)")
     p.add_argument("--tma-store", nargs="*", type=int, default=[0],
-                   help="with --rows-tma 1: output tiles written by TMA from shared memory (1) or from "
-                        "registers (0)")
+                   help="Gluon weight gradients (not warp-specialised): output tiles written by TMA from "
+                        "shared memory (1) or from registers (0)")
     p.add_argument("--row-band", nargs="*", type=int, default=[settings.current().row_band],
                    help="dh and dx: the tile order's band of row tiles (settings.row_band)")
     p.add_argument("--wgrad-band", nargs="*", type=int, default=[settings.current().wgrad_band],
