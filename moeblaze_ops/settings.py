@@ -149,6 +149,9 @@ class KernelSettings:
             each output tile through shared memory by TMA copies, which run on while they
             start the next tile (where TMA can write the gradient), instead of storing from
             registers; off until the GPU times it.
+        wgrad_next_tile_first: those kernels start the copies of a tile's first steps
+            before they store the tile before it, so the next tile's pipeline fills during
+            that store; off until the GPU times it.
         activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
             [L*K, I]) rather than computing it in its prologue.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
@@ -180,6 +183,7 @@ class KernelSettings:
     wgrad_band: int = 1
     wgrad_rows_tma: Mapping[str, int] = field(default_factory=lambda: {"wgrad_down": 2048, "wgrad_up": 0})
     wgrad_tma_store: bool = False
+    wgrad_next_tile_first: bool = False
     row_band: int = 4
     activation_pass: bool = True
     fast_activation: bool = True

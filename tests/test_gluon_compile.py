@@ -25,8 +25,9 @@ def _compile_for_hopper(fn, signature, constexprs, num_warps, aligned):
 
 
 @pytest.mark.parametrize("band", [1, 4])
-@pytest.mark.parametrize("variant", ["one_partition", "one_partition_store_mn", "one_partition_store_nm",
-                                     "warp_specialized", "rows_tma", "rows_tma_store_mn", "rows_tma_store_nm"])
+@pytest.mark.parametrize("variant", ["one_partition", "one_partition_store_mn", "one_partition_store_nm_next",
+                                     "warp_specialized", "rows_tma", "rows_tma_next", "rows_tma_store_mn_next",
+                                     "rows_tma_store_nm"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_path):
     from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type, _spill_bytes
@@ -45,8 +46,10 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
         # The output descriptor's box: half an [M, N] accumulator tile, in its order ("mn")
         # or transposed ("nm": M contiguous in the gradient).
         m, n = (tile.block_n, tile.block_m) if rows_tma else (tile.block_m, tile.block_n)
-        signature["out_desc"] = _descriptor_type(dtype, [1, n // 2, m] if variant.endswith("nm") else [1, m, n // 2])
-        constexprs.update(TMA_STORE=tma_store, OUT_TRANSPOSED=variant.endswith("nm"))
+        transposed = "_nm" in variant
+        signature["out_desc"] = _descriptor_type(dtype, [1, n // 2, m] if transposed else [1, m, n // 2])
+        # "next": the next tile's first copies start before this tile's store.
+        constexprs.update(TMA_STORE=tma_store, OUT_TRANSPOSED=transposed, NEXT_TILE_FIRST=variant.endswith("next"))
         if not tma_store:
             constexprs["out_desc"] = None
     if rows_tma:

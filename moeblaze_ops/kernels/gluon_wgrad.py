@@ -166,12 +166,34 @@ def _output_buffer(out_desc, dtype: gl.constexpr, TMA_STORE: gl.constexpr):
 
 
 @gluon.jit
+def _start_tile(rows_ptr, gathered_ptr, row_ids_ptr, a_ring, b_ring, lo, hi, p0, q0, P, Q, stride_rm, stride_gm,
+                BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
+    """``_wgrad_kernel``'s start of a tile: the copies of its first ``NUM_STAGES - 2``
+    steps into the ring's first slots; returns the gathered rows of the step after them."""
+    AHEAD: gl.constexpr = a_ring.type.shape[0] - 2
+    steps = gl.cdiv(hi - lo, BLOCK_R)
+    # One commit group per step, empty past the last, so that "all but AHEAD - 1 groups
+    # landed" always means "step i landed".
+    for i in gl.static_range(AHEAD):
+        if i < steps:
+            r0 = lo + i * BLOCK_R
+            _issue_step(rows_ptr, gathered_ptr, _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, num_warps),
+                        a_ring.index(i), b_ring.index(i), r0, hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P,
+                        BLOCK_Q, BLOCK_R, num_warps)
+        cp.commit_group()
+    # The gathered rows are loaded one step before their copies start, so the load's
+    # latency hides behind an MMA instead of stalling the copies.
+    return _load_ids(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
+
+
+@gluon.jit
 def _wgrad_kernel(
     rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr, out_desc,
     E, P, Q,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, num_warps: gl.constexpr,
+    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, NEXT_TILE_FIRST: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     # Ring of NUM_STAGES slots: step i in the MMA, step i - 1 possibly still in it (one
     # asynchronous wgmma stays in flight), steps i + 1 .. i + AHEAD landing.
@@ -183,23 +205,19 @@ def _wgrad_kernel(
     b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
     out_buf = _output_buffer(out_desc, dtype, TMA_STORE)
-    for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
-        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+    total = E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q)
+    if NEXT_TILE_FIRST:  # the first tile starts here, each next one before its predecessor's epilogue
+        e, p0, q0, lo, hi = _wgrad_tile(gl.program_id(0), offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+        ids = _start_tile(rows_ptr, gathered_ptr, row_ids_ptr, a_ring, b_ring, lo, hi, p0, q0, P, Q, stride_rm,
+                          stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        if not NEXT_TILE_FIRST:
+            e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+            # The previous tile's MMAs (every warpgroup's) are done before its slots are refilled.
+            cta_barrier()
+            ids = _start_tile(rows_ptr, gathered_ptr, row_ids_ptr, a_ring, b_ring, lo, hi, p0, q0, P, Q, stride_rm,
+                              stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
         steps = gl.cdiv(hi - lo, BLOCK_R)
-        # The previous tile's MMAs (every warpgroup's) are done before its slots are refilled.
-        cta_barrier()
-        # One commit group per step, empty past the last, so that "all but AHEAD - 1 groups
-        # landed" always means "step i landed".
-        for i in gl.static_range(AHEAD):
-            if i < steps:
-                r0 = lo + i * BLOCK_R
-                _issue_step(rows_ptr, gathered_ptr, _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, num_warps),
-                            a_ring.index(i), b_ring.index(i), r0, hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P,
-                            BLOCK_Q, BLOCK_R, num_warps)
-            cp.commit_group()
-        # The gathered rows are loaded one step before their copies start, so the load's
-        # latency hides behind an MMA instead of stalling the copies.
-        ids = _load_ids(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
         acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
         for i in range(steps):
             cp.wait_group(AHEAD - 1)  # this thread's copies of step i have landed
@@ -218,8 +236,20 @@ def _wgrad_kernel(
             cp.commit_group()
             ids = _load_ids(row_ids_ptr, lo + (nxt + 1) * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _store_tile(out_ptr, out_desc, out_buf, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq, TMA_STORE,
-                    OUT_TRANSPOSED)
+        if NEXT_TILE_FIRST:
+            # The next tile's first copies land while this one is stored.
+            n_e, n_p0, n_q0, n_lo, n_hi = _wgrad_tile(gl.minimum(tile + gl.num_programs(0), total - 1), offsets_ptr,
+                                                      P, Q, BLOCK_P, BLOCK_Q, BAND)
+            cta_barrier()  # every warpgroup's MMAs of this tile are done: every slot may be refilled
+            if tile + gl.num_programs(0) < total:
+                ids = _start_tile(rows_ptr, gathered_ptr, row_ids_ptr, a_ring, b_ring, n_lo, n_hi, n_p0, n_q0, P, Q,
+                                  stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
+            _store_tile(out_ptr, out_desc, out_buf, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq, TMA_STORE,
+                        OUT_TRANSPOSED)
+            e, p0, q0, lo, hi = n_e, n_p0, n_q0, n_lo, n_hi
+        else:
+            _store_tile(out_ptr, out_desc, out_buf, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq, TMA_STORE,
+                        OUT_TRANSPOSED)
     cp.wait_group(0)
     if TMA_STORE:
         tma.store_wait(0)  # the last copy has read the buffer before the program's shared memory goes
@@ -276,12 +306,35 @@ def _rows_tma_mma_step(g_ring, r_ring, bars, acc, step, AHEAD: gl.constexpr):
 
 
 @gluon.jit
+def _start_rows_tma_tile(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, g_ring, r_ring, bars, step, lo, hi, p0, q0,
+                         P, Q, stride_rm, stride_gm, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
+                         BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
+    """``_wgrad_rows_tma_kernel``'s start of a tile whose first step is the program's
+    ``step``: the copies of its first ``NUM_STAGES - 2`` steps (one commit group each,
+    empty past its last); returns the gathered rows of the step after them."""
+    NUM_STAGES: gl.constexpr = g_ring.type.shape[0]
+    AHEAD: gl.constexpr = NUM_STAGES - 2
+    steps = gl.cdiv(hi - lo, BLOCK_R)
+    for i in gl.static_range(AHEAD):
+        if i < steps:
+            r0 = lo + i * BLOCK_R
+            slot = (step + i) % NUM_STAGES
+            _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr,
+                                 _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, num_warps), g_ring.index(slot),
+                                 r_ring.index(slot), bars.index(slot), r0, hi, p0, q0, P, Q, stride_rm, stride_gm,
+                                 BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
+        cp.commit_group()
+    return _load_ids(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
+
+
+@gluon.jit
 def _wgrad_rows_tma_kernel(
     rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr, out_desc,
     E, P, Q,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, num_warps: gl.constexpr,
+    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, NEXT_TILE_FIRST: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     # The ring as in _wgrad_kernel (step i in the MMA, i - 1 possibly still in it, i + 1 ..
     # i + AHEAD landing); each slot also has an mbarrier for its TMA bytes. ``step`` counts
@@ -291,21 +344,19 @@ def _wgrad_rows_tma_kernel(
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, num_warps)
     g_ring, r_ring, bars = _rows_tma_ring(rows_desc, dtype, BLOCK_Q, BLOCK_R, NUM_STAGES)
     out_buf = _output_buffer(out_desc, dtype, TMA_STORE)
+    total = E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q)
     step = 0
-    for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
-        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+    if NEXT_TILE_FIRST:  # the first tile starts here, each next one before its predecessor's epilogue
+        e, p0, q0, lo, hi = _wgrad_tile(gl.program_id(0), offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+        ids = _start_rows_tma_tile(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, g_ring, r_ring, bars, step, lo, hi,
+                                   p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        if not NEXT_TILE_FIRST:
+            e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+            cta_barrier()  # the previous tile's MMAs (every warpgroup's) are done before its slots are refilled
+            ids = _start_rows_tma_tile(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, g_ring, r_ring, bars, step, lo,
+                                       hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
         steps = gl.cdiv(hi - lo, BLOCK_R)
-        cta_barrier()  # the previous tile's MMAs (every warpgroup's) are done before its slots are refilled
-        for i in gl.static_range(AHEAD):
-            if i < steps:
-                r0 = lo + i * BLOCK_R
-                slot = (step + i) % NUM_STAGES
-                _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr,
-                                     _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, num_warps), g_ring.index(slot),
-                                     r_ring.index(slot), bars.index(slot), r0, hi, p0, q0, P, Q, stride_rm, stride_gm,
-                                     BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
-            cp.commit_group()
-        ids = _load_ids(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
         acc = gl.zeros([BLOCK_Q, BLOCK_P], gl.float32, acc_layout)
         for i in range(steps):
             acc = _rows_tma_mma_step(g_ring, r_ring, bars, acc, step, AHEAD)
@@ -320,8 +371,21 @@ def _wgrad_rows_tma_kernel(
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         # acc is this tile's [Q, P] block: stored through out's strides in that order.
-        _store_tile(out_ptr, out_desc, out_buf, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op, TMA_STORE,
-                    OUT_TRANSPOSED)
+        if NEXT_TILE_FIRST:
+            # The next tile's first copies land while this one is stored.
+            n_e, n_p0, n_q0, n_lo, n_hi = _wgrad_tile(gl.minimum(tile + gl.num_programs(0), total - 1), offsets_ptr,
+                                                      P, Q, BLOCK_P, BLOCK_Q, BAND)
+            cta_barrier()  # every warpgroup's MMAs of this tile are done: every slot may be refilled
+            if tile + gl.num_programs(0) < total:
+                ids = _start_rows_tma_tile(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, g_ring, r_ring, bars, step,
+                                           n_lo, n_hi, n_p0, n_q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
+                                           BLOCK_R, num_warps)
+            _store_tile(out_ptr, out_desc, out_buf, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op, TMA_STORE,
+                        OUT_TRANSPOSED)
+            e, p0, q0, lo, hi = n_e, n_p0, n_q0, n_lo, n_hi
+        else:
+            _store_tile(out_ptr, out_desc, out_buf, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op, TMA_STORE,
+                        OUT_TRANSPOSED)
     cp.wait_group(0)
     if TMA_STORE:
         tma.store_wait(0)  # the last copy has read the buffer before the program's shared memory goes
@@ -442,7 +506,7 @@ def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile, rows_tma: bool):
 
 def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[GemmTile] = None,
                  warp_specialize: bool = False, band: Optional[int] = None, rows_tma: bool = False,
-                 tma_store: bool = False):
+                 tma_store: bool = False, next_tile_first: bool = False):
     """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring).
 
     ``tile`` is (P block, Q block, R block, warps, stages[, programs per SM, registers
@@ -452,7 +516,8 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     ``band`` is the tile order's band of P tiles (``_wgrad_tile``), ``settings.wgrad_band``
     by default. ``tma_store``: the kernel (not the warp-specialised one) writes its tiles
     by TMA copies that run on during the next tile (``_store_half_by_tma``), where TMA can
-    write the gradient."""
+    write the gradient. ``next_tile_first``: it starts the copies of its next tile's first
+    steps before it stores a tile."""
     if grad_w_pq.numel() == 0:
         return
     band = settings.current().wgrad_band if band is None else band
@@ -473,14 +538,14 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
         blocks["maxnreg"] = REGISTERS_PER_SM // (tile.programs_per_sm * 32 * tile.num_warps) // 8 * 8
     tma_store = tma_store and (rows_tma or not warp_specialize)  # the warp-specialised kernel stores from registers
     out_desc, out_transposed = _output_descriptor(grad_w_pq, tile, rows_tma) if tma_store else (None, False)
-    store = dict(TMA_STORE=out_desc is not None, OUT_TRANSPOSED=out_transposed)
+    pipeline = dict(TMA_STORE=out_desc is not None, OUT_TRANSPOSED=out_transposed, NEXT_TILE_FIRST=next_tile_first)
     if rows_tma:
         block = [tile.block_k, tile.block_m]
         gl_dtype = gl.bfloat16 if rows.dtype == torch.bfloat16 else gl.float16
         rows_desc = TensorDescriptor.from_tensor(rows, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
-        _wgrad_rows_tma_kernel[grid](rows_desc, rows, *args[:4], out_desc, *args[4:], **store, **blocks)
+        _wgrad_rows_tma_kernel[grid](rows_desc, rows, *args[:4], out_desc, *args[4:], **pipeline, **blocks)
     elif warp_specialize:
         warps, regs = PRODUCER
         _wgrad_ws_kernel[grid](rows, *args, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **blocks)
     else:
-        _wgrad_kernel[grid](rows, *args[:4], out_desc, *args[4:], **store, **blocks)
+        _wgrad_kernel[grid](rows, *args[:4], out_desc, *args[4:], **pipeline, **blocks)
