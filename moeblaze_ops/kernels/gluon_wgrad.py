@@ -156,6 +156,15 @@ def _store_tile(out_ptr, out_desc, out_buf, acc, e, m0, n0, M, N, stride_oe, str
 
 
 @gluon.jit
+def _drain(TMA_STORE: gl.constexpr):
+    """Waits for the program's last copies: cp.async groups, and the last TMA store, which
+    must have read its buffer before the program's shared memory goes."""
+    cp.wait_group(0)
+    if TMA_STORE:
+        tma.store_wait(0)
+
+
+@gluon.jit
 def _output_buffer(out_desc, dtype: gl.constexpr, TMA_STORE: gl.constexpr):
     """The shared buffer of ``_store_half_by_tma`` (half an output tile), or None."""
     if TMA_STORE:
@@ -244,15 +253,11 @@ def _wgrad_kernel(
             if tile + gl.num_programs(0) < total:
                 ids = _start_tile(rows_ptr, gathered_ptr, row_ids_ptr, a_ring, b_ring, n_lo, n_hi, n_p0, n_q0, P, Q,
                                   stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
-            _store_tile(out_ptr, out_desc, out_buf, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq, TMA_STORE,
-                        OUT_TRANSPOSED)
+        _store_tile(out_ptr, out_desc, out_buf, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq, TMA_STORE,
+                    OUT_TRANSPOSED)
+        if NEXT_TILE_FIRST:
             e, p0, q0, lo, hi = n_e, n_p0, n_q0, n_lo, n_hi
-        else:
-            _store_tile(out_ptr, out_desc, out_buf, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq, TMA_STORE,
-                        OUT_TRANSPOSED)
-    cp.wait_group(0)
-    if TMA_STORE:
-        tma.store_wait(0)  # the last copy has read the buffer before the program's shared memory goes
+    _drain(TMA_STORE)
 
 
 # --------------------------------------------------------------------------- row-ordered operand by TMA
@@ -380,15 +385,11 @@ def _wgrad_rows_tma_kernel(
                 ids = _start_rows_tma_tile(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, g_ring, r_ring, bars, step,
                                            n_lo, n_hi, n_p0, n_q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
                                            BLOCK_R, num_warps)
-            _store_tile(out_ptr, out_desc, out_buf, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op, TMA_STORE,
-                        OUT_TRANSPOSED)
+        _store_tile(out_ptr, out_desc, out_buf, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op, TMA_STORE,
+                    OUT_TRANSPOSED)
+        if NEXT_TILE_FIRST:
             e, p0, q0, lo, hi = n_e, n_p0, n_q0, n_lo, n_hi
-        else:
-            _store_tile(out_ptr, out_desc, out_buf, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op, TMA_STORE,
-                        OUT_TRANSPOSED)
-    cp.wait_group(0)
-    if TMA_STORE:
-        tma.store_wait(0)  # the last copy has read the buffer before the program's shared memory goes
+    _drain(TMA_STORE)
 
 
 # --------------------------------------------------------------------------- warp-specialised
