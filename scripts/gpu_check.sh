@@ -19,7 +19,8 @@
 # SWITCHES=1 measures the other side of each tuning switch (log only); EP=1 adds the
 # expert-parallel GPU tests and benchmark (2 GPUs: kind nvidia-h200-x2) into $OUT/ep/. Test
 # packages missing on the machine are installed from wheels in .whl/ when the call carries them.
-# WGRAD=1 sweeps the Gluon weight gradients (row-ordered operand by TMA or not, bands) and,
+# WGRAD=1 sweeps the Gluon weight gradients (row-ordered operand by TMA or not, TMA-store
+# epilogue or not, next tile started first or not) and,
 # where Nsight Compute reads the counters, writes each kernel's stall reasons to $OUT/ncu.txt.
 # PEER_SITE=<dir> passes --peer-site <dir> to the benchmark (a peer such as SonicMoE installed
 # there with pip --target: its rows join the tables).
@@ -114,11 +115,12 @@ if [ "${GLUON_WS:-0}" = 1 ]; then
     2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${WGRAD:-0}" = 1 ]; then
-  echo "== weight gradients: row-ordered operand by cp.async (128x256 tiles) or TMA (256x128)" | tee -a "$LOG"
+  echo "== weight gradients: row-ordered operand by cp.async (128x256 tiles) or TMA (256x128); tiles stored" \
+    "from registers or by TMA; the next tile started before or after a tile's store" | tee -a "$LOG"
   for pair in "128,256,64,8,4:0" "256,128,64,8,4:1"; do
-    python3 scripts/tune_backward.py --configs olmoe qwen3_a3b mixtral deepseek_v3 --kinds wgrad_down wgrad_up \
-      --tiles "${pair%%:*}" --ws 0 --gluon 1 --rows-tma "${pair##*:}" --wgrad-band 1 4 \
-      2>>"$LOG" | tee -a "$LOG"
+    python3 scripts/tune_backward.py --configs olmoe mixtral deepseek_v3 --kinds wgrad_down wgrad_up \
+      --tiles "${pair%%:*}" --ws 0 --gluon 1 --rows-tma "${pair##*:}" --tma-store 0 1 --next-tile-first 0 1 \
+      --wgrad-band 1 2>>"$LOG" | tee -a "$LOG"
   done
   if command -v ncu >/dev/null; then
     echo "== stall reasons of the weight gradients (ncu, Mixtral-like dW_up)" | tee -a "$LOG"
