@@ -217,6 +217,7 @@ def _wgrad_kernel(
     total = E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q)
     if NEXT_TILE_FIRST:  # the first tile starts here, each next one before its predecessor's epilogue
         e, p0, q0, lo, hi = _wgrad_tile(gl.program_id(0), offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+        cta_barrier()  # as before every tile's start
         ids = _start_tile(rows_ptr, gathered_ptr, row_ids_ptr, a_ring, b_ring, lo, hi, p0, q0, P, Q, stride_rm,
                           stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
@@ -353,6 +354,7 @@ def _wgrad_rows_tma_kernel(
     step = 0
     if NEXT_TILE_FIRST:  # the first tile starts here, each next one before its predecessor's epilogue
         e, p0, q0, lo, hi = _wgrad_tile(gl.program_id(0), offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+        cta_barrier()  # the ring's barriers are set up before the first copies use them
         ids = _start_rows_tma_tile(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, g_ring, r_ring, bars, step, lo, hi,
                                    p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
