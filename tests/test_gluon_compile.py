@@ -90,3 +90,29 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
     assert ring + out_buffer <= kernel.metadata.shared <= MAX_SHARED
     if warp_specialize or rows_tma:
         assert _spill_bytes(ptx, tmp_path) == 0
+
+
+@pytest.mark.parametrize("rows_tma", [False, True], ids=["one_partition", "rows_tma"])
+@pytest.mark.parametrize("q_contiguous", [True, False])
+def test_weight_gradient_output_descriptor(rows_tma, q_contiguous):
+    """The TMA-store epilogue's descriptor (``gluon_wgrad._output_descriptor``) describes the
+    gradient's own memory with its contiguous dimension last: in the accumulator's [E, M,
+    N] order where N is contiguous, else transposed ([E, N, M]); half a tile per box; and
+    no descriptor where TMA cannot write (a row stride that is not 16-byte aligned)."""
+    import torch
+
+    from moeblaze_ops.kernels import gluon_wgrad
+
+    E, P, Q = 3, 192, 2880
+    storage = torch.empty(E, P, Q, dtype=torch.bfloat16) if q_contiguous else torch.empty(E, Q, P, dtype=torch.bfloat16)
+    grad_w_pq = storage if q_contiguous else storage.transpose(1, 2)  # [E, P, Q] either way
+    tile = gluon_wgrad.ROWS_TMA_TILE if rows_tma else gluon_wgrad.TILE
+    desc, transposed = gluon_wgrad._output_descriptor(grad_w_pq, tile, rows_tma)
+    # The accumulator is [Q, P] for the rows-TMA kernel, [P, Q] for the other.
+    m, n = (tile.block_n, tile.block_m) if rows_tma else (tile.block_m, tile.block_n)
+    assert transposed == (q_contiguous == rows_tma)  # the accumulator's M is the contiguous side
+    assert tuple(desc.shape) == tuple(storage.shape) and tuple(desc.strides) == storage.stride()
+    assert desc.base.data_ptr() == storage.data_ptr()
+    assert list(desc.block_shape) == ([1, n // 2, m] if transposed else [1, m, n // 2])
+    unaligned = torch.empty(E, P, Q + 1, dtype=torch.bfloat16)[:, :, :Q]
+    assert gluon_wgrad._output_descriptor(unaligned, tile, rows_tma)[0] is None
