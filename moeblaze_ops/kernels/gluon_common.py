@@ -9,7 +9,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 # Builtins renamed after triton 3.6: the masked cp.async (``async_copy_global_to_shared``,
 # then ``async_load``), the CTA barrier (``thread_barrier``, then ``barrier``) and the TMA
@@ -32,6 +32,22 @@ def copy_layout(cols, num_warps):
 def wgmma_acc_layout(cols, num_warps):
     """The wgmma accumulator: warps stacked along the rows, 16 rows each, ``cols`` wide."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
+
+
+@gluon.jit
+def copy_tma_ring(dtype: gl.constexpr, tma_desc, NUM_STAGES: gl.constexpr, COPY_ROWS: gl.constexpr,
+                  COPY_COLS: gl.constexpr):
+    """A ring of ``NUM_STAGES`` shared-memory slots for a pipeline with two operands: one
+    copied by cp.async ([COPY_ROWS, COPY_COLS] slots), one by TMA (``tma_desc``'s block), and
+    one mbarrier per slot, on which its TMA bytes land. Returns (cp.async ring, TMA ring,
+    barriers)."""
+    copy_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, COPY_ROWS, COPY_COLS],
+                                          gl.NVMMASharedLayout.get_default_for([COPY_ROWS, COPY_COLS], dtype))
+    tma_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + tma_desc.block_type.shape, tma_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    return copy_ring, tma_ring, bars
 
 
 @gluon.jit

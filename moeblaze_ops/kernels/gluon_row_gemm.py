@@ -40,7 +40,8 @@ from .. import settings
 from ..layouts import linear_dims, linear_strides
 from ..settings import GemmTile
 from . import grouped_gemm as gg
-from .gluon_common import async_load, banded, copy_layout, cta_barrier, on_hopper, tma_load, wgmma_acc_layout
+from .gluon_common import (async_load, banded, copy_layout, copy_tma_ring, cta_barrier, on_hopper, tma_load,
+                           wgmma_acc_layout)
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 of K per
 #: step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
@@ -194,26 +195,25 @@ def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, sl
 
 
 @gluon.jit
-def _ring(dtype: gl.constexpr, b_desc, NUM_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
-    """The ring of ``NUM_STAGES`` shared-memory slots (A [BLOCK_M, BLOCK_K] by cp.async, B
-    by TMA) and each slot's mbarrier, on which its B copy completes."""
-    a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
-    b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    return a_ring, b_ring, bars
+def _row_gemm_kernel(
+    a_ptr, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr,
+    LK, E, N, K,
+    stride_am, stride_bias, stride_om,
+    GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
+    BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    # Ring of NUM_STAGES slots: step c in the MMA, step c - 1 possibly still in it (one
+    # asynchronous wgmma stays in flight), steps c + 1 .. c + AHEAD landing.
+    AHEAD: gl.constexpr = NUM_STAGES - 2
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
+    a_ring, b_ring, bars = copy_tma_ring(dtype, b_desc, NUM_STAGES, BLOCK_M, BLOCK_K)
 
+    tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
+                                                  num_warps)
 
-@gluon.jit
-def _first_copies(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, tile_end, n_tiles, k_steps, LK, E,
-                  K, stride_am, GATHER_A: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, BAND: gl.constexpr, num_warps: gl.constexpr):
-    """Starts the copies of this program's first ``NUM_STAGES - 2`` steps and returns the
-    producer's state (``_produce``'s ``p_*`` values), which then walks the program's tiles
-    and their steps that many steps before the MMA."""
-    AHEAD: gl.constexpr = a_ring.type.shape[0] - 2
+    # The producer walks this program's tiles and their steps AHEAD steps before the MMA.
     p_tile = gl.program_id(0)
     p_k = 0
     p_grp, p_row0, p_end, p_n0 = _row_tile(p_tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
@@ -226,70 +226,32 @@ def _first_copies(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bar
             p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
             GATHER_A, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, BAND, num_warps)
         cp.commit_group()
-    return p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs
 
-
-@gluon.jit
-def _tile_steps(acc, step, a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, tile_end, n_tiles,
-                k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
-                GATHER_A: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_K: gl.constexpr, BAND: gl.constexpr, num_warps: gl.constexpr):
-    """The ``k_steps`` reduction steps of one expert tile into ``acc``, ``step`` counting the
-    program's steps (its ring slot and its barrier's phase), each starting the copies of
-    the step ``NUM_STAGES - 2`` ahead. Returns the finished accumulator (every MMA waited
-    for), the step count and the producer's state."""
-    # Ring of NUM_STAGES slots: step c in the MMA, step c - 1 possibly still in it (one
-    # asynchronous wgmma stays in flight), steps c + 1 .. c + AHEAD landing.
-    NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
-    AHEAD: gl.constexpr = NUM_STAGES - 2
-    for _ in range(k_steps):
-        slot = step % NUM_STAGES
-        cp.wait_group(AHEAD - 1)  # this thread's A copies of this step have landed
-        fence_async_shared()  # ... and are visible to wgmma (async proxy) once every thread passes the barrier
-        mbarrier.wait(bars.index(slot), (step // NUM_STAGES) & 1)
-        # Every thread's copies have landed, and every warpgroup's MMA of step - 2 is
-        # done (each waited for it in the step before): its slot is refilled below.
-        cta_barrier()
-        acc = warpgroup_mma(a_ring.index(slot), _b_operand(b_ring, slot, B_KMAJOR, BLOCK_N, BLOCK_K), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _produce(
-            a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, (step + AHEAD) % NUM_STAGES,
-            tile_end, n_tiles, k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K,
-            stride_am, GATHER_A, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, BAND, num_warps)
-        cp.commit_group()
-        step += 1
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    return acc, step, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs
-
-
-@gluon.jit
-def _row_gemm_kernel(
-    a_ptr, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr,
-    LK, E, N, K,
-    stride_am, stride_bias, stride_om,
-    GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
-    BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
-):
-    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
-    a_ring, b_ring, bars = _ring(a_ptr.dtype.element_ty, b_desc, NUM_STAGES, BLOCK_M, BLOCK_K)
-    tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
-                                                  num_warps)
-    p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _first_copies(
-        a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, tile_end, n_tiles, k_steps, LK, E, K,
-        stride_am, GATHER_A, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, BAND, num_warps)
-    step = 0
+    step = 0  # steps consumed by this program: its ring slot and its barrier's phase
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         if grp < E:  # sentinel tiles store zeros
             if HAS_BIAS:
                 bias = _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N, num_warps)
-            acc, step, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _tile_steps(
-                acc, step, a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, tile_end, n_tiles,
-                k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
-                GATHER_A, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, BAND, num_warps)
+            for _ in range(k_steps):
+                slot = step % NUM_STAGES
+                cp.wait_group(AHEAD - 1)  # this thread's A copies of this step have landed
+                fence_async_shared()  # ... and are visible to wgmma (async proxy) once every thread passes the barrier
+                mbarrier.wait(bars.index(slot), (step // NUM_STAGES) & 1)
+                # Every thread's copies have landed, and every warpgroup's MMA of step - 2 is
+                # done (each waited for it in the step before): its slot is refilled below.
+                cta_barrier()
+                acc = warpgroup_mma(a_ring.index(slot), _b_operand(b_ring, slot, B_KMAJOR, BLOCK_N, BLOCK_K), acc,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _produce(
+                    a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, (step + AHEAD) % NUM_STAGES,
+                    tile_end, n_tiles, k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K,
+                    stride_am, GATHER_A, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, BAND, num_warps)
+                cp.commit_group()
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if HAS_BIAS:
                 acc = _add_bias(acc, bias)
         _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om)

@@ -38,7 +38,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .. import settings
 from ..settings import GemmTile
 from . import grouped_gemm as gg
-from .gluon_common import async_load, banded, copy_layout, cta_barrier, on_hopper, tma_load, tma_store, wgmma_acc_layout
+from .gluon_common import (async_load, banded, copy_layout, copy_tma_ring, cta_barrier, on_hopper, tma_load, tma_store,
+                           wgmma_acc_layout)
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 rows of the
 #: reduction per step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
@@ -282,21 +283,6 @@ def _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, ids, g_slot, r_slot,
 
 
 @gluon.jit
-def _rows_tma_ring(rows_desc, dtype: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr,
-                   NUM_STAGES: gl.constexpr):
-    """The rows-TMA kernels' ring: ``NUM_STAGES`` slots of gathered rows [BLOCK_R,
-    BLOCK_Q] and of row-ordered tiles (``rows_desc``'s block), and one mbarrier per slot
-    for its TMA bytes."""
-    g_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
-    r_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + rows_desc.block_type.shape, rows_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    return g_ring, r_ring, bars
-
-
-@gluon.jit
 def _rows_tma_mma_step(g_ring, r_ring, bars, acc, step, AHEAD: gl.constexpr):
     """One reduction step of the rows-TMA kernels: wait until step ``step``'s copies have
     landed (cp.async and TMA bytes), then run its asynchronous wgmma, leaving it in flight
@@ -348,7 +334,7 @@ def _wgrad_rows_tma_kernel(
     AHEAD: gl.constexpr = NUM_STAGES - 2
     dtype: gl.constexpr = rows_ptr.dtype.element_ty
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, num_warps)
-    g_ring, r_ring, bars = _rows_tma_ring(rows_desc, dtype, BLOCK_Q, BLOCK_R, NUM_STAGES)
+    g_ring, r_ring, bars = copy_tma_ring(dtype, rows_desc, NUM_STAGES, BLOCK_R, BLOCK_Q)
     out_buf = _output_buffer(out_desc, dtype, TMA_STORE)
     total = E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q)
     step = 0
