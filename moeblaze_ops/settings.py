@@ -147,8 +147,14 @@ class KernelSettings:
             (docs/perf-notes.md).
         wgrad_tma_store: the Gluon weight gradients (not the warp-specialised kernel) write
             each output tile through shared memory by TMA copies, which run on while they
-            start the next tile (where TMA can write the gradient), instead of storing from
-            registers; off until the GPU times it.
+            start the next tile (where TMA can write the gradient and a program has more
+            than one tile), instead of storing from registers.
+        wgrad_tma_store_transposed_max_rows: with ``wgrad_tma_store``, tiles that reach the
+            gradient transposed (the accumulator's columns are the gradient's contiguous
+            dimension, written through a permuted shared-memory store) go by TMA only up to
+            this many average routed rows per expert, where the store is a large part of a
+            tile's time; None: at any count. The default is chosen by measurement
+            (docs/perf-notes.md).
         wgrad_next_tile_first: those kernels start the copies of a tile's first steps
             before they store the tile before it, so the next tile's pipeline fills during
             that store; off until the GPU times it.
@@ -182,7 +188,8 @@ class KernelSettings:
     gluon_warp_specialize: frozenset = frozenset({"up", "down", "dx"})
     wgrad_band: int = 1
     wgrad_rows_tma: Mapping[str, int] = field(default_factory=lambda: {"wgrad_down": 2048, "wgrad_up": 0})
-    wgrad_tma_store: bool = False
+    wgrad_tma_store: bool = True
+    wgrad_tma_store_transposed_max_rows: Optional[int] = 1024
     wgrad_next_tile_first: bool = False
     row_band: int = 4
     activation_pass: bool = True
@@ -228,6 +235,10 @@ class KernelSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"moeblaze settings: {name} must be a positive int, got {value!r}")
+        max_rows = self.wgrad_tma_store_transposed_max_rows
+        if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 0):
+            raise ValueError(f"moeblaze settings: wgrad_tma_store_transposed_max_rows must be an int >= 0 or None, "
+                             f"got {max_rows!r}")
         if self.column_slab is not None and self.column_slab < 1:
             raise ValueError(f"moeblaze settings: column_slab must be positive or None, got {self.column_slab}")
         if self.dispatch_sort_chunk < 16 or self.dispatch_sort_chunk & (self.dispatch_sort_chunk - 1):

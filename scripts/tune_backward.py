@@ -95,7 +95,8 @@ def variants(kind, a):
              dict(gluon=(gluon | {kind}) if v else (gluon - {kind}),
                   gluon_warp_specialize=(ws | {kind}) if w else (ws - {kind}),
                   wgrad_rows_tma={**{k: r for k, r in rows_tma.items() if k != kind}, **({kind: 0} if t else {})},
-                  wgrad_tma_store=bool(s), wgrad_next_tile_first=bool(n), wgrad_band=g))
+                  wgrad_tma_store=bool(s), wgrad_tma_store_transposed_max_rows=None,
+                  wgrad_next_tile_first=bool(n), wgrad_band=g))
             for v in a.gluon for w in (a.ws if v else [0]) for t in (a.rows_tma if v else [0])
             for s in (a.tma_store if v and (t or not w) else [0]) for n in (a.next_tile_first if v and (t or not w) else [0])
             for g in (a.wgrad_band if v else [1])]

@@ -116,3 +116,41 @@ def test_weight_gradient_output_descriptor(rows_tma, q_contiguous):
     assert list(desc.block_shape) == ([1, n // 2, m] if transposed else [1, m, n // 2])
     unaligned = torch.empty(E, P, Q + 1, dtype=torch.bfloat16)[:, :, :Q]
     assert gluon_wgrad._output_descriptor(unaligned, tile, rows_tma)[0] is None
+
+
+@pytest.mark.parametrize("rows_tma", [False, True], ids=["one_partition", "rows_tma"])
+@pytest.mark.parametrize("q_contiguous", [True, False])
+@pytest.mark.parametrize("rows_per_expert", [256, 4096])
+@pytest.mark.parametrize("programs", [4, 1000])
+def test_weight_gradient_store_choice(rows_tma, q_contiguous, rows_per_expert, programs, monkeypatch):
+    """``launch_wgrad`` stores by TMA only where a program has a next tile to run the store
+    beside (more tiles than programs), and a transposed store only up to
+    ``transposed_store_max_rows`` rows per expert; the launch gets the descriptor's
+    orientation. The kernels are stand-ins that record their launch (no GPU)."""
+    import torch
+
+    from moeblaze_ops.kernels import gluon_wgrad, grouped_gemm
+
+    launches = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append(meta)
+
+    monkeypatch.setattr(gluon_wgrad, "_wgrad_kernel", FakeKernel())
+    monkeypatch.setattr(gluon_wgrad, "_wgrad_rows_tma_kernel", FakeKernel())
+    monkeypatch.setattr(grouped_gemm, "num_programs", lambda device, tiles, per_sm=1: min(programs, tiles))
+    E, P, Q = 3, 512, 1024  # 12 to 24 tiles
+    storage = torch.empty(E, P, Q, dtype=torch.bfloat16) if q_contiguous else torch.empty(E, Q, P, dtype=torch.bfloat16)
+    grad_w_pq = storage if q_contiguous else storage.transpose(1, 2)
+    rows = torch.empty(E * rows_per_expert, P, dtype=torch.bfloat16)
+    gathered = torch.empty(16, Q, dtype=torch.bfloat16)
+    ids = torch.zeros(rows.shape[0], dtype=torch.int32)
+    offsets = torch.arange(E + 1, dtype=torch.int32) * rows_per_expert
+    for store in (False, True):
+        gluon_wgrad.launch_wgrad(rows, gathered, ids, offsets, grad_w_pq, rows_tma=rows_tma, tma_store=store,
+                                 transposed_store_max_rows=1024)
+    transposed = q_contiguous == rows_tma
+    expected = programs < 12 and (not transposed or rows_per_expert <= 1024)
+    assert [meta["TMA_STORE"] for meta in launches] == [False, expected]
+    assert launches[1]["OUT_TRANSPOSED"] == (expected and transposed)

@@ -495,7 +495,8 @@ def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile, rows_tma: bool):
 
 def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[GemmTile] = None,
                  warp_specialize: bool = False, band: Optional[int] = None, rows_tma: bool = False,
-                 tma_store: bool = False, next_tile_first: bool = False):
+                 tma_store: bool = False, transposed_store_max_rows: Optional[int] = None,
+                 next_tile_first: bool = False):
     """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring).
 
     ``tile`` is (P block, Q block, R block, warps, stages[, programs per SM, registers
@@ -505,8 +506,10 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     ``band`` is the tile order's band of P tiles (``_wgrad_tile``), ``settings.wgrad_band``
     by default. ``tma_store``: the kernel (not the warp-specialised one) writes its tiles
     by TMA copies that run on during the next tile (``_store_half_by_tma``), where TMA can
-    write the gradient. ``next_tile_first``: it starts the copies of its next tile's first
-    steps before it stores a tile."""
+    write the gradient and each program has a next tile; tiles that reach the gradient
+    transposed (through a permuted shared-memory write) only up to
+    ``transposed_store_max_rows`` average rows per expert (None: any). ``next_tile_first``:
+    it starts the copies of its next tile's first steps before it stores a tile."""
     if grad_w_pq.numel() == 0:
         return
     band = settings.current().wgrad_band if band is None else band
@@ -525,8 +528,12 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     grid = (gg.num_programs(rows.device, tiles, tile.programs_per_sm),)
     if tile.programs_per_sm > 1:  # registers capped so that that many programs fit an SM's file at once
         blocks["maxnreg"] = REGISTERS_PER_SM // (tile.programs_per_sm * 32 * tile.num_warps) // 8 * 8
-    tma_store = tma_store and (rows_tma or not warp_specialize)  # the warp-specialised kernel stores from registers
+    # The warp-specialised kernel stores from registers; a program with one tile has no
+    # next one to run its store beside.
+    tma_store = tma_store and (rows_tma or not warp_specialize) and tiles > grid[0]
     out_desc, out_transposed = _output_descriptor(grad_w_pq, tile, rows_tma) if tma_store else (None, False)
+    if out_transposed and transposed_store_max_rows is not None and rows.shape[0] > transposed_store_max_rows * E:
+        out_desc, out_transposed = None, False
     pipeline = dict(TMA_STORE=out_desc is not None, OUT_TRANSPOSED=out_transposed, NEXT_TILE_FIRST=next_tile_first)
     if rows_tma:
         block = [tile.block_k, tile.block_m]

@@ -176,7 +176,9 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
         gluon.launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, config.tiles.get(kind),
                            kind in config.gluon_warp_specialize,
                            rows_tma=min_rows is not None and rows.shape[0] >= min_rows * E,
-                           tma_store=config.wgrad_tma_store, next_tile_first=config.wgrad_next_tile_first)
+                           tma_store=config.wgrad_tma_store,
+                           transposed_store_max_rows=config.wgrad_tma_store_transposed_max_rows,
+                           next_tile_first=config.wgrad_next_tile_first)
         return
     tile = gg.tile_config(kind, rows)
     tiles = E * triton.cdiv(P, tile.block_m) * triton.cdiv(Q, tile.block_n)
