@@ -125,6 +125,10 @@ class KernelSettings:
             CUDA tensors on capability 9 with column counts and row strides that are
             multiples of 16. The other kinds, and every other case, run the portable
             ``tl`` kernels. By default the weight gradients, the kinds measured faster.
+        gluon_min_flop: the fewest operations (2 x rows x columns x reduction) of a GEMM that
+            runs its Gluon kernel where ``gluon`` names it; smaller ones run the ``tl``
+            kernel, whose launch costs a third of the host time: in a layer that small the
+            host's launches, not the GPU, set the step's time (docs/perf-notes.md).
         gluon_warp_specialize: the GEMM kinds (of ``GLUON_KINDS``) whose Gluon kernel, where
             ``gluon`` runs it, is the warp-specialised one: copy warps fill the ring and
             the MMA warpgroups only wait, multiply and store (``_row_gemm_ws_kernel``,
@@ -149,15 +153,6 @@ class KernelSettings:
             each output tile through shared memory by TMA copies, which run on while they
             start the next tile (where TMA can write the gradient and a program has more
             than one tile), instead of storing from registers.
-        wgrad_tma_store_transposed_max_rows: with ``wgrad_tma_store``, tiles that reach the
-            gradient transposed (the accumulator's columns are the gradient's contiguous
-            dimension, written through a permuted shared-memory store) go by TMA only up to
-            this many average routed rows per expert, where the store is a large part of a
-            tile's time; None: at any count. The default is chosen by measurement
-            (docs/perf-notes.md).
-        wgrad_next_tile_first: those kernels start the copies of a tile's first steps
-            before they store the tile before it, so the next tile's pipeline fills during
-            that store; off until the GPU times it.
         activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
             [L*K, I]) rather than computing it in its prologue.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
@@ -185,12 +180,11 @@ class KernelSettings:
     h_tma: bool = True
     weight_tma: frozenset = frozenset({"up", "dh", "dx"})
     gluon: frozenset = frozenset({"wgrad_down", "wgrad_up"})
+    gluon_min_flop: int = 10**11
     gluon_warp_specialize: frozenset = frozenset({"up", "down", "dx"})
     wgrad_band: int = 1
     wgrad_rows_tma: Mapping[str, int] = field(default_factory=lambda: {"wgrad_down": 2048, "wgrad_up": 0})
     wgrad_tma_store: bool = True
-    wgrad_tma_store_transposed_max_rows: Optional[int] = 1024
-    wgrad_next_tile_first: bool = False
     row_band: int = 4
     activation_pass: bool = True
     fast_activation: bool = True
@@ -235,10 +229,8 @@ class KernelSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"moeblaze settings: {name} must be a positive int, got {value!r}")
-        max_rows = self.wgrad_tma_store_transposed_max_rows
-        if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 0):
-            raise ValueError(f"moeblaze settings: wgrad_tma_store_transposed_max_rows must be an int >= 0 or None, "
-                             f"got {max_rows!r}")
+        if not isinstance(self.gluon_min_flop, int) or self.gluon_min_flop < 0:
+            raise ValueError(f"moeblaze settings: gluon_min_flop must be an int >= 0, got {self.gluon_min_flop!r}")
         if self.column_slab is not None and self.column_slab < 1:
             raise ValueError(f"moeblaze settings: column_slab must be positive or None, got {self.column_slab}")
         if self.dispatch_sort_chunk < 16 or self.dispatch_sort_chunk & (self.dispatch_sort_chunk - 1):

@@ -119,7 +119,7 @@ if [ "${WGRAD:-0}" = 1 ]; then
     "from registers or by TMA; the next tile started before or after a tile's store" | tee -a "$LOG"
   for pair in "128,256,64,8,4:0" "256,128,64,8,4:1"; do
     python3 scripts/tune_backward.py --configs olmoe mixtral deepseek_v3 --kinds wgrad_down wgrad_up \
-      --tiles "${pair%%:*}" --ws 0 --gluon 1 --rows-tma "${pair##*:}" --tma-store 0 1 --next-tile-first 0 1 \
+      --tiles "${pair%%:*}" --ws 0 --gluon 1 --rows-tma "${pair##*:}" --tma-store 0 1 \
       --wgrad-band 1 2>>"$LOG" | tee -a "$LOG"
   done
   if command -v ncu >/dev/null; then

@@ -5,6 +5,7 @@ Python functions by own time under cProfile.
     python scripts/host_overhead.py --no-kernels --device cpu --config tiny
     python scripts/host_overhead.py --compile   # the layer under torch.compile (fullgraph)
     python scripts/host_overhead.py --op-calls  # each op through torch.ops against its kernel alone
+    python scripts/host_overhead.py --launches  # one Triton launch through the JIT and around it
 
 Small layers are launch-bound: the device finishes each kernel before the host has
 launched the next, so every microsecond here is a microsecond of the step.
@@ -59,6 +60,10 @@ def op_calls(x, ids, w, wgu, wd, n):
     calls = {
         "dispatch": (lambda: torch.ops.moeblaze.dispatch(ids, wgu.shape[0]),
                      lambda: backend.dispatch(ids, wgu.shape[0])),
+        "expert_up": (lambda: torch.ops.moeblaze.expert_up(x, wgu, eti, offsets, tim),
+                      lambda: backend.expert_up(x, wgu, eti, offsets, tim, None, False)),
+        "expert_down": (lambda: torch.ops.moeblaze.expert_down(*down_args[1:]),
+                        lambda: backend.expert_down(*down_args[1:])),
         "expert_up_backward": (lambda: torch.ops.moeblaze.expert_up_backward(*up_args),
                                lambda: backend.expert_up_backward(*up_args, True, True)),
         "expert_down_backward": (lambda: torch.ops.moeblaze.expert_down_backward(*down_args),
@@ -80,6 +85,82 @@ def op_calls(x, ids, w, wgu, wd, n):
         print(f"{name}: {times[0]:.1f} us per call through torch.ops, {times[1]:.1f} us its kernels alone")
 
 
+def launch_costs(n):
+    """Prints the host microseconds of one launch of a small Triton kernel (the combine, 13
+    arguments) through the JIT (``kernel[grid](...)``: argument binding, cache lookup,
+    launcher), through the compiled kernel's own runner, and through its launcher alone;
+    then what one TMA descriptor of a weight costs to make on the host."""
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from moeblaze_ops.kernels import triton_combine as tc
+
+    L, K, d, E = 512, 4, 512, 32
+    rows = torch.randn(L * K, d, device="cuda", dtype=torch.bfloat16)
+    tim = torch.randperm(L * K, device="cuda", dtype=torch.int32)
+    weights = torch.rand(L, K, device="cuda")
+    offsets = torch.tensor([0] * E + [L * K], device="cuda", dtype=torch.int32)
+    out = torch.empty(L, d, device="cuda", dtype=torch.bfloat16)
+    grid = (triton.cdiv(L, tc.COMBINE_TILE[0]), triton.cdiv(d, tc.COMBINE_TILE[1]))
+    args = (rows, tim, weights, offsets, out, L, d, E, rows.stride(0), weights.stride(0), weights.stride(1),
+            out.stride(0))
+    meta = dict(K=K, BLOCK_L=tc.COMBINE_TILE[0], BLOCK_D=tc.COMBINE_TILE[1], WEIGHTED=True)
+    compiled = tc._combine_kernel[grid](*args, **meta)
+    stream = torch.cuda.current_stream().cuda_stream
+    grid = (*grid, 1)
+    runner = compiled[grid]
+    all_args = (*args, *meta.values())  # the launcher takes constexprs in their places and skips them
+
+    def direct():
+        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *all_args)
+
+    w = torch.randn(32, 1024, 512, device="cuda", dtype=torch.bfloat16)
+    # A weight gradient of the 100M example's layer at its batch (64 rows per expert), by
+    # the Gluon kernel in each form and by the tl one.
+    from moeblaze_ops import settings
+    from moeblaze_ops.kernels import triton_experts_backward as tb
+    E, P, Q = 32, 512, 512
+    wg_rows = torch.randn(E * 64, P, device="cuda", dtype=torch.bfloat16)
+    wg_gathered = torch.randn(L, Q, device="cuda", dtype=torch.bfloat16)
+    wg_ids = torch.randint(0, L, (E * 64,), device="cuda", dtype=torch.int32)
+    wg_offsets = torch.arange(E + 1, device="cuda", dtype=torch.int32) * 64
+    wg_out = torch.empty(E, Q, P, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+
+    def wgrad(**changes):
+        def call():
+            with settings.override(gluon_min_flop=0, **changes):
+                tb.launch_wgrad(wg_rows, wg_gathered, wg_ids, wg_offsets, wg_out, kind="wgrad_up")
+        return call
+
+    def wgrad_override_only():
+        with settings.override(wgrad_tma_store=True):
+            pass
+
+    calls = {
+        "JIT launch (kernel[grid](...))": lambda: tc._combine_kernel[grid](*args, **meta),
+        "compiled kernel's runner": lambda: runner(*all_args, stream=stream),
+        "launcher alone": direct,
+        "one weight TMA descriptor (TensorDescriptor.from_tensor)":
+            lambda: TensorDescriptor.from_tensor(w.view(-1, 512), [64, 128]),
+        "settings.override alone": wgrad_override_only,
+        "weight gradient, Gluon, rows by TMA, tiles by TMA": wgrad(wgrad_rows_tma={"wgrad_up"}),
+        "weight gradient, Gluon, rows by TMA, tiles from registers": wgrad(wgrad_rows_tma={"wgrad_up"},
+                                                                           wgrad_tma_store=False),
+        "weight gradient, Gluon, cp.async rows": wgrad(wgrad_rows_tma=(), wgrad_tma_store=False),
+        "weight gradient, tl": wgrad(gluon=()),
+    }
+    for name, fn in calls.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        print(f"{name}: {(time.perf_counter() - t0) / n * 1e6:.1f} us")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="qwen3_100m", choices=[*CONFIGS, "tiny"])
@@ -91,7 +172,11 @@ def main():
     p.add_argument("--op-calls", action="store_true",
                    help="host time of one call of each op through torch.ops.moeblaze, then of its backend "
                         "function alone (what a compiled graph's extern call costs beyond the kernels)")
+    p.add_argument("--launches", action="store_true",
+                   help="host time of one Triton launch, through the JIT and around it (CUDA)")
     a = p.parse_args()
+    if a.launches:
+        return launch_costs(max(a.steps, 1000))
     shape = (64, 32, 16, 8, 2) if a.config == "tiny" else CONFIGS[a.config]
     x, ids, w, wgu, wd = make_inputs(*shape, device=a.device)
     if a.no_kernels:

@@ -1,7 +1,7 @@
 """Sweeps tile configs of the backward GEMM kernels on benchmark shapes (GPU).
 
     python scripts/tune_backward.py [--configs olmoe mixtral] [--kinds dh dx wgrad_down wgrad_up]
-        [--w-tma 0 1] [--dh-fast 0 1] [--gluon 0 1] [--ws 0 1] [--rows-tma 0 1] [--tma-store 0 1] [--next-tile-first 0 1]
+        [--w-tma 0 1] [--dh-fast 0 1] [--gluon 0 1] [--ws 0 1] [--rows-tma 0 1] [--tma-store 0 1]
         [--row-band 1 8]
         [--wgrad-band 1 8 16]
 
@@ -91,14 +91,13 @@ def variants(kind, a):
         return [(f"w_tma={v} band={b}", dict(weight_tma=w_tma(v), row_band=b)) for v in a.w_tma for b in a.row_band]
     gluon, ws, rows_tma = (settings.current().gluon, settings.current().gluon_warp_specialize,
                            settings.current().wgrad_rows_tma)
-    return [(f"gluon={v} ws={w}" + (f" rows_tma={t} tma_store={s} next_first={n} group={g}" if v else ""),
-             dict(gluon=(gluon | {kind}) if v else (gluon - {kind}),
+    return [(f"gluon={v} ws={w}" + (f" rows_tma={t} tma_store={s} group={g}" if v else ""),
+             dict(gluon=(gluon | {kind}) if v else (gluon - {kind}), gluon_min_flop=0,
                   gluon_warp_specialize=(ws | {kind}) if w else (ws - {kind}),
                   wgrad_rows_tma={**{k: r for k, r in rows_tma.items() if k != kind}, **({kind: 0} if t else {})},
-                  wgrad_tma_store=bool(s), wgrad_tma_store_transposed_max_rows=None,
-                  wgrad_next_tile_first=bool(n), wgrad_band=g))
+                  wgrad_tma_store=bool(s), wgrad_band=g))
             for v in a.gluon for w in (a.ws if v else [0]) for t in (a.rows_tma if v else [0])
-            for s in (a.tma_store if v and (t or not w) else [0]) for n in (a.next_tile_first if v and (t or not w) else [0])
+            for s in (a.tma_store if v and (t or not w) else [0])
             for g in (a.wgrad_band if v else [1])]
 
 
@@ -121,9 +120,6 @@ def main():
     p.add_argument("--tma-store", nargs="*", type=int, default=[0],
                    help="Gluon weight gradients (not warp-specialised): output tiles written by TMA from "
                         "shared memory (1) or from registers (0)")
-    p.add_argument("--next-tile-first", nargs="*", type=int, default=[0],
-                   help="Gluon weight gradients (not warp-specialised): a tile's first copies start before "
-                        "the tile before it is stored (1) or after (0)")
     p.add_argument("--row-band", nargs="*", type=int, default=[settings.current().row_band],
                    help="dh and dx: the tile order's band of row tiles (settings.row_band)")
     p.add_argument("--wgrad-band", nargs="*", type=int, default=[settings.current().wgrad_band],

@@ -25,9 +25,8 @@ def _compile_for_hopper(fn, signature, constexprs, num_warps, aligned):
 
 
 @pytest.mark.parametrize("band", [1, 4])
-@pytest.mark.parametrize("variant", ["one_partition", "one_partition_store_mn", "one_partition_store_nm_next",
-                                     "warp_specialized", "rows_tma", "rows_tma_next", "rows_tma_store_mn_next",
-                                     "rows_tma_store_nm"])
+@pytest.mark.parametrize("variant", ["one_partition", "one_partition_store_mn", "one_partition_store_nm",
+                                     "warp_specialized", "rows_tma", "rows_tma_store_mn", "rows_tma_store_nm"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_path):
     from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type, _spill_bytes
@@ -48,8 +47,7 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
         m, n = (tile.block_n, tile.block_m) if rows_tma else (tile.block_m, tile.block_n)
         transposed = "_nm" in variant
         signature["out_desc"] = _descriptor_type(dtype, [1, n // 2, m] if transposed else [1, m, n // 2])
-        # "next": the next tile's first copies start before this tile's store.
-        constexprs.update(TMA_STORE=tma_store, OUT_TRANSPOSED=transposed, NEXT_TILE_FIRST=variant.endswith("next"))
+        constexprs.update(TMA_STORE=tma_store, OUT_TRANSPOSED=transposed)
         if not tma_store:
             constexprs["out_desc"] = None
     if rows_tma:
@@ -120,13 +118,11 @@ def test_weight_gradient_output_descriptor(rows_tma, q_contiguous):
 
 @pytest.mark.parametrize("rows_tma", [False, True], ids=["one_partition", "rows_tma"])
 @pytest.mark.parametrize("q_contiguous", [True, False])
-@pytest.mark.parametrize("rows_per_expert", [256, 4096])
 @pytest.mark.parametrize("programs", [4, 1000])
-def test_weight_gradient_store_choice(rows_tma, q_contiguous, rows_per_expert, programs, monkeypatch):
+def test_weight_gradient_store_choice(rows_tma, q_contiguous, programs, monkeypatch):
     """``launch_wgrad`` stores by TMA only where a program has a next tile to run the store
-    beside (more tiles than programs), and a transposed store only up to
-    ``transposed_store_max_rows`` rows per expert; the launch gets the descriptor's
-    orientation. The kernels are stand-ins that record their launch (no GPU)."""
+    beside (more tiles than programs), in the orientation of the gradient's memory. The
+    kernels are stand-ins that record their launch (no GPU)."""
     import torch
 
     from moeblaze_ops.kernels import gluon_wgrad, grouped_gemm
@@ -140,7 +136,7 @@ def test_weight_gradient_store_choice(rows_tma, q_contiguous, rows_per_expert, p
     monkeypatch.setattr(gluon_wgrad, "_wgrad_kernel", FakeKernel())
     monkeypatch.setattr(gluon_wgrad, "_wgrad_rows_tma_kernel", FakeKernel())
     monkeypatch.setattr(grouped_gemm, "num_programs", lambda device, tiles, per_sm=1: min(programs, tiles))
-    E, P, Q = 3, 512, 1024  # 12 to 24 tiles
+    E, P, Q, rows_per_expert = 3, 512, 1024, 256  # 12 to 24 tiles
     storage = torch.empty(E, P, Q, dtype=torch.bfloat16) if q_contiguous else torch.empty(E, Q, P, dtype=torch.bfloat16)
     grad_w_pq = storage if q_contiguous else storage.transpose(1, 2)
     rows = torch.empty(E * rows_per_expert, P, dtype=torch.bfloat16)
@@ -148,9 +144,7 @@ def test_weight_gradient_store_choice(rows_tma, q_contiguous, rows_per_expert, p
     ids = torch.zeros(rows.shape[0], dtype=torch.int32)
     offsets = torch.arange(E + 1, dtype=torch.int32) * rows_per_expert
     for store in (False, True):
-        gluon_wgrad.launch_wgrad(rows, gathered, ids, offsets, grad_w_pq, rows_tma=rows_tma, tma_store=store,
-                                 transposed_store_max_rows=1024)
-    transposed = q_contiguous == rows_tma
-    expected = programs < 12 and (not transposed or rows_per_expert <= 1024)
+        gluon_wgrad.launch_wgrad(rows, gathered, ids, offsets, grad_w_pq, rows_tma=rows_tma, tma_store=store)
+    expected = programs < 12
     assert [meta["TMA_STORE"] for meta in launches] == [False, expected]
-    assert launches[1]["OUT_TRANSPOSED"] == (expected and transposed)
+    assert launches[1]["OUT_TRANSPOSED"] == (expected and q_contiguous == rows_tma)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernel_cases import check_backward, check_dispatch_bitwise, check_forward, check_frozen_grads
-from conftest import make_layer
+from conftest import make_layer, rel_err
 from moeblaze_ops import ACTIVATIONS, moe_experts, settings
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -319,14 +319,54 @@ def test_weight_gradient_orientation_by_rows_per_expert(kind, rows_per_expert, m
         def launch_wgrad(*args, rows_tma, **kwargs):
             calls.append(rows_tma)
 
-    monkeypatch.setattr(grouped_gemm, "gluon_kernels", lambda kind, t: FakeGluon)
+    monkeypatch.setattr(grouped_gemm, "gluon_kernels", lambda kind, t, flop: FakeGluon)
     E, P, Q = 4, 16, 16
     rows = torch.empty(E * rows_per_expert, P)
     gathered = torch.empty(8, Q)
     ids = torch.zeros(E * rows_per_expert, dtype=torch.int32)
     offsets = torch.arange(E + 1, dtype=torch.int32) * rows_per_expert
     grad_w = torch.empty(E, P, Q)
-    triton_experts_backward.launch_wgrad(rows, gathered, ids, offsets, grad_w, kind=kind)
-    with settings.override(wgrad_rows_tma={k: 0 for k in ("wgrad_down", "wgrad_up") if k != kind}):
+    with settings.override(gluon_min_flop=0):  # a GEMM this small runs tl by default
         triton_experts_backward.launch_wgrad(rows, gathered, ids, offsets, grad_w, kind=kind)
+        with settings.override(wgrad_rows_tma={k: 0 for k in ("wgrad_down", "wgrad_up") if k != kind}):
+            triton_experts_backward.launch_wgrad(rows, gathered, ids, offsets, grad_w, kind=kind)
     assert calls == [kind == "wgrad_up" or rows_per_expert >= 2048, False]
+
+
+@pytest.mark.parametrize("kind", ["up", "wgrad_up"])
+def test_small_gemms_run_tl(kind):
+    """``grouped_gemm.gluon_kernels`` gives a GEMM of fewer operations than
+    ``settings.gluon_min_flop`` no Gluon kernel, where ``settings.gluon`` names its kind;
+    from that count on, its module. Only the device matters here, so a CUDA-looking stand-in
+    takes the tensor's place."""
+    pytest.importorskip("triton.experimental.gluon")
+    from moeblaze_ops.kernels import grouped_gemm
+
+    class OnCuda:
+        is_cuda = True
+
+    with settings.override(gluon={kind}, gluon_min_flop=1000):
+        assert grouped_gemm.gluon_kernels(kind, OnCuda(), 999) is None
+        assert grouped_gemm.gluon_kernels(kind, OnCuda(), 1000) is not None
+    with settings.override(gluon=(), gluon_min_flop=0):
+        assert grouped_gemm.gluon_kernels(kind, OnCuda(), 10**15) is None
+
+
+def test_weight_gradient_counts_its_operations(monkeypatch):
+    """The weight gradient asks for its kernel with its operation count (2 x rows x P x Q),
+    and where no Gluon kernel comes back, runs tl: right against float64."""
+    from moeblaze_ops.kernels import grouped_gemm, triton_experts_backward
+
+    asked = []
+    monkeypatch.setattr(grouped_gemm, "gluon_kernels", lambda kind, t, flop: asked.append(flop))
+    g = torch.Generator().manual_seed(7)
+    E, LK, P, Q = 3, 40, 16, 24
+    rows, gathered = torch.randn(LK, P, generator=g), torch.randn(30, Q, generator=g)
+    ids = torch.randint(0, 30, (LK,), dtype=torch.int32, generator=g)
+    offsets = torch.tensor([0, 9, 9, LK], dtype=torch.int32)
+    grad_w = torch.full((E, P, Q), float("nan"))
+    triton_experts_backward.launch_wgrad(rows, gathered, ids, offsets, grad_w, kind="wgrad_up")
+    assert asked == [2 * LK * P * Q]
+    ref = torch.stack([rows[a:b].double().T @ gathered[ids[a:b].long()].double()
+                       for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
+    assert rel_err(grad_w, ref) < 1e-5

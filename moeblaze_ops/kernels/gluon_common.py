@@ -10,6 +10,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # Builtins renamed after triton 3.6: the masked cp.async (``async_copy_global_to_shared``,
 # then ``async_load``), the CTA barrier (``thread_barrier``, then ``barrier``) and the TMA
@@ -19,6 +20,18 @@ async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def host_descriptor(t: torch.Tensor, block) -> TensorDescriptor:
+    """A TMA descriptor of 16-bit ``t`` with ``block`` boxes in the swizzled shared layout
+    wgmma reads. The layout is made once per block and dtype: on every launch it cost
+    more host time than the descriptor itself."""
+    return TensorDescriptor.from_tensor(t, list(block), _shared_layout(tuple(block), t.dtype))
 
 
 @gluon.constexpr_function

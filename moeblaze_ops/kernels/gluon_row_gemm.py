@@ -34,14 +34,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import settings
 from ..layouts import linear_dims, linear_strides
 from ..settings import GemmTile
 from . import grouped_gemm as gg
-from .gluon_common import (async_load, banded, copy_layout, copy_tma_ring, cta_barrier, on_hopper, tma_load,
-                           wgmma_acc_layout)
+from .gluon_common import (async_load, banded, copy_layout, copy_tma_ring, cta_barrier, host_descriptor, on_hopper,
+                           tma_load, wgmma_acc_layout)
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 of K per
 #: step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
@@ -424,8 +423,7 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
         return
     view, kmajor = _weight_view(b, transposed)
     block = [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n]
-    gl_dtype = gl.bfloat16 if b.dtype == torch.bfloat16 else gl.float16
-    b_desc = TensorDescriptor.from_tensor(view, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+    b_desc = host_descriptor(view, block)
     max_tiles = (triton.cdiv(LK, tile.block_m) + E + 1) * triton.cdiv(N, tile.block_n)
     grid = (gg.num_programs(a.device, max_tiles),)
     common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=triton.next_power_of_2(E + 1), BAND=band,
@@ -437,7 +435,7 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
             a_src = a
         else:
             a_block = [tile.block_m, tile.block_k]
-            a_src = TensorDescriptor.from_tensor(a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl_dtype))
+            a_src = host_descriptor(a, a_block)
         warps, regs = PRODUCER_GATHER if gather else PRODUCER_TMA
         _row_gemm_ws_kernel[grid](
             a_src, b_desc, bias, a_row_ids, offsets, out, LK, E, N, K,

@@ -33,13 +33,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import settings
 from ..settings import GemmTile
 from . import grouped_gemm as gg
-from .gluon_common import (async_load, banded, copy_layout, copy_tma_ring, cta_barrier, on_hopper, tma_load, tma_store,
-                           wgmma_acc_layout)
+from .gluon_common import (async_load, banded, copy_layout, copy_tma_ring, cta_barrier, host_descriptor, on_hopper,
+                           tma_load, tma_store, wgmma_acc_layout)
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 rows of the
 #: reduction per step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
@@ -202,8 +201,7 @@ def _wgrad_kernel(
     E, P, Q,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, NEXT_TILE_FIRST: gl.constexpr,
-    num_warps: gl.constexpr,
+    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, num_warps: gl.constexpr,
 ):
     # Ring of NUM_STAGES slots: step i in the MMA, step i - 1 possibly still in it (one
     # asynchronous wgmma stays in flight), steps i + 1 .. i + AHEAD landing.
@@ -216,18 +214,12 @@ def _wgrad_kernel(
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
     out_buf = _output_buffer(out_desc, dtype, TMA_STORE)
     total = E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q)
-    if NEXT_TILE_FIRST:  # the first tile starts here, each next one before its predecessor's epilogue
-        e, p0, q0, lo, hi = _wgrad_tile(gl.program_id(0), offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
-        cta_barrier()  # as before every tile's start
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+        # The previous tile's MMAs (every warpgroup's) are done before its slots are refilled.
+        cta_barrier()
         ids = _start_tile(rows_ptr, gathered_ptr, row_ids_ptr, a_ring, b_ring, lo, hi, p0, q0, P, Q, stride_rm,
                           stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
-    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-        if not NEXT_TILE_FIRST:
-            e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
-            # The previous tile's MMAs (every warpgroup's) are done before its slots are refilled.
-            cta_barrier()
-            ids = _start_tile(rows_ptr, gathered_ptr, row_ids_ptr, a_ring, b_ring, lo, hi, p0, q0, P, Q, stride_rm,
-                              stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
         steps = gl.cdiv(hi - lo, BLOCK_R)
         acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
         for i in range(steps):
@@ -247,18 +239,8 @@ def _wgrad_kernel(
             cp.commit_group()
             ids = _load_ids(row_ids_ptr, lo + (nxt + 1) * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if NEXT_TILE_FIRST:
-            # The next tile's first copies land while this one is stored.
-            n_e, n_p0, n_q0, n_lo, n_hi = _wgrad_tile(gl.minimum(tile + gl.num_programs(0), total - 1), offsets_ptr,
-                                                      P, Q, BLOCK_P, BLOCK_Q, BAND)
-            cta_barrier()  # every warpgroup's MMAs of this tile are done: every slot may be refilled
-            if tile + gl.num_programs(0) < total:
-                ids = _start_tile(rows_ptr, gathered_ptr, row_ids_ptr, a_ring, b_ring, n_lo, n_hi, n_p0, n_q0, P, Q,
-                                  stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
         _store_tile(out_ptr, out_desc, out_buf, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq, TMA_STORE,
                     OUT_TRANSPOSED)
-        if NEXT_TILE_FIRST:
-            e, p0, q0, lo, hi = n_e, n_p0, n_q0, n_lo, n_hi
     _drain(TMA_STORE)
 
 
@@ -325,8 +307,7 @@ def _wgrad_rows_tma_kernel(
     E, P, Q,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, NEXT_TILE_FIRST: gl.constexpr,
-    num_warps: gl.constexpr,
+    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, num_warps: gl.constexpr,
 ):
     # The ring as in _wgrad_kernel (step i in the MMA, i - 1 possibly still in it, i + 1 ..
     # i + AHEAD landing); each slot also has an mbarrier for its TMA bytes. ``step`` counts
@@ -338,17 +319,11 @@ def _wgrad_rows_tma_kernel(
     out_buf = _output_buffer(out_desc, dtype, TMA_STORE)
     total = E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q)
     step = 0
-    if NEXT_TILE_FIRST:  # the first tile starts here, each next one before its predecessor's epilogue
-        e, p0, q0, lo, hi = _wgrad_tile(gl.program_id(0), offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
-        cta_barrier()  # the ring's barriers are set up before the first copies use them
-        ids = _start_rows_tma_tile(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, g_ring, r_ring, bars, step, lo, hi,
-                                   p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-        if not NEXT_TILE_FIRST:
-            e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
-            cta_barrier()  # the previous tile's MMAs (every warpgroup's) are done before its slots are refilled
-            ids = _start_rows_tma_tile(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, g_ring, r_ring, bars, step, lo,
-                                       hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
+        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+        cta_barrier()  # the previous tile's MMAs (every warpgroup's) are done before its slots are refilled
+        ids = _start_rows_tma_tile(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, g_ring, r_ring, bars, step, lo,
+                                   hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
         steps = gl.cdiv(hi - lo, BLOCK_R)
         acc = gl.zeros([BLOCK_Q, BLOCK_P], gl.float32, acc_layout)
         for i in range(steps):
@@ -364,19 +339,8 @@ def _wgrad_rows_tma_kernel(
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         # acc is this tile's [Q, P] block: stored through out's strides in that order.
-        if NEXT_TILE_FIRST:
-            # The next tile's first copies land while this one is stored.
-            n_e, n_p0, n_q0, n_lo, n_hi = _wgrad_tile(gl.minimum(tile + gl.num_programs(0), total - 1), offsets_ptr,
-                                                      P, Q, BLOCK_P, BLOCK_Q, BAND)
-            cta_barrier()  # every warpgroup's MMAs of this tile are done: every slot may be refilled
-            if tile + gl.num_programs(0) < total:
-                ids = _start_rows_tma_tile(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, g_ring, r_ring, bars, step,
-                                           n_lo, n_hi, n_p0, n_q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
-                                           BLOCK_R, num_warps)
         _store_tile(out_ptr, out_desc, out_buf, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op, TMA_STORE,
                     OUT_TRANSPOSED)
-        if NEXT_TILE_FIRST:
-            e, p0, q0, lo, hi = n_e, n_p0, n_q0, n_lo, n_hi
     _drain(TMA_STORE)
 
 
@@ -488,15 +452,12 @@ def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile, rows_tma: bool):
     if view.stride(2) != 1 or view.data_ptr() % 16 or any(s * view.element_size() % 16 for s in view.stride()[:2]):
         return None, transposed
     block = [1, n // 2, m] if transposed else [1, m, n // 2]
-    gl_dtype = gl.bfloat16 if view.dtype == torch.bfloat16 else gl.float16
-    return (TensorDescriptor.from_tensor(view, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype)),
-            transposed)
+    return host_descriptor(view, block), transposed
 
 
 def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[GemmTile] = None,
                  warp_specialize: bool = False, band: Optional[int] = None, rows_tma: bool = False,
-                 tma_store: bool = False, transposed_store_max_rows: Optional[int] = None,
-                 next_tile_first: bool = False):
+                 tma_store: bool = False):
     """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring).
 
     ``tile`` is (P block, Q block, R block, warps, stages[, programs per SM, registers
@@ -506,10 +467,7 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     ``band`` is the tile order's band of P tiles (``_wgrad_tile``), ``settings.wgrad_band``
     by default. ``tma_store``: the kernel (not the warp-specialised one) writes its tiles
     by TMA copies that run on during the next tile (``_store_half_by_tma``), where TMA can
-    write the gradient and each program has a next tile; tiles that reach the gradient
-    transposed (through a permuted shared-memory write) only up to
-    ``transposed_store_max_rows`` average rows per expert (None: any). ``next_tile_first``:
-    it starts the copies of its next tile's first steps before it stores a tile."""
+    write the gradient and each program has a next tile."""
     if grad_w_pq.numel() == 0:
         return
     band = settings.current().wgrad_band if band is None else band
@@ -532,13 +490,10 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     # next one to run its store beside.
     tma_store = tma_store and (rows_tma or not warp_specialize) and tiles > grid[0]
     out_desc, out_transposed = _output_descriptor(grad_w_pq, tile, rows_tma) if tma_store else (None, False)
-    if out_transposed and transposed_store_max_rows is not None and rows.shape[0] > transposed_store_max_rows * E:
-        out_desc, out_transposed = None, False
-    pipeline = dict(TMA_STORE=out_desc is not None, OUT_TRANSPOSED=out_transposed, NEXT_TILE_FIRST=next_tile_first)
+    pipeline = dict(TMA_STORE=out_desc is not None, OUT_TRANSPOSED=out_transposed)
     if rows_tma:
         block = [tile.block_k, tile.block_m]
-        gl_dtype = gl.bfloat16 if rows.dtype == torch.bfloat16 else gl.float16
-        rows_desc = TensorDescriptor.from_tensor(rows, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+        rows_desc = host_descriptor(rows, block)
         _wgrad_rows_tma_kernel[grid](rows_desc, rows, *args[:4], out_desc, *args[4:], **pipeline, **blocks)
     elif warp_specialize:
         warps, regs = PRODUCER

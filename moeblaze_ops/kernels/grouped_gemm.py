@@ -262,11 +262,13 @@ _GLUON_MODULES = {"up": "gluon_row_gemm", "down": "gluon_row_gemm", "dx": "gluon
                   "wgrad_down": "gluon_wgrad", "wgrad_up": "gluon_wgrad"}
 
 
-def gluon_kernels(kind: str, t: torch.Tensor):
-    """The Gluon kernel module GEMM ``kind`` runs on tensors like ``t``, or None: where
-    ``settings.gluon`` names the kind and ``t`` is on CUDA (the module is imported then, and
-    never where this Triton has no Gluon). The module's ``applies`` has the last word."""
-    if kind not in settings.current().gluon or not t.is_cuda or kind not in _GLUON_MODULES:
+def gluon_kernels(kind: str, t: torch.Tensor, flop: int):
+    """The Gluon kernel module GEMM ``kind`` of ``flop`` operations runs on tensors like
+    ``t``, or None: where ``settings.gluon`` names the kind, ``t`` is on CUDA and the GEMM
+    has at least ``settings.gluon_min_flop`` (the module is imported then, and never where
+    this Triton has no Gluon). The module's ``applies`` has the last word."""
+    config = settings.current()
+    if kind not in config.gluon or not t.is_cuda or kind not in _GLUON_MODULES or flop < config.gluon_min_flop:
         return None
     try:
         return importlib.import_module(f"{__package__}.{_GLUON_MODULES[kind]}")

@@ -130,7 +130,7 @@ def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
     expert weight stack in ``transposed`` layout read as [E, in, out] (``layouts``);
     ``kind`` picks the tile, whether B comes through TMA, and the Gluon kernel where
     ``settings.gluon`` names it and it applies."""
-    gluon = gg.gluon_kernels(kind, a)
+    gluon = gg.gluon_kernels(kind, a, 2 * out.numel() * linear_dims(b, transposed)[2])
     if gluon is not None and gluon.applies(a, b, out, transposed):
         config = settings.current()
         gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, config.tiles.get(kind, gluon.TILE),

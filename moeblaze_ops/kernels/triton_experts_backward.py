@@ -169,16 +169,14 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
     ``kind`` ("wgrad_up" or "wgrad_down") picks the tile, and the Gluon kernel where
     ``settings.gluon`` names it and it applies."""
     E, P, Q = grad_w_pq.shape
-    gluon = gg.gluon_kernels(kind, rows)
+    gluon = gg.gluon_kernels(kind, rows, 2 * rows.shape[0] * P * Q)
     if gluon is not None and gluon.applies(rows, gathered):
         config = settings.current()
         min_rows = config.wgrad_rows_tma.get(kind)  # per expert, on average
         gluon.launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, config.tiles.get(kind),
                            kind in config.gluon_warp_specialize,
                            rows_tma=min_rows is not None and rows.shape[0] >= min_rows * E,
-                           tma_store=config.wgrad_tma_store,
-                           transposed_store_max_rows=config.wgrad_tma_store_transposed_max_rows,
-                           next_tile_first=config.wgrad_next_tile_first)
+                           tma_store=config.wgrad_tma_store)
         return
     tile = gg.tile_config(kind, rows)
     tiles = E * triton.cdiv(P, tile.block_m) * triton.cdiv(Q, tile.block_n)
