@@ -370,3 +370,16 @@ def test_weight_gradient_counts_its_operations(monkeypatch):
     ref = torch.stack([rows[a:b].double().T @ gathered[ids[a:b].long()].double()
                        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
     assert rel_err(grad_w, ref) < 1e-5
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 63, 64, 65, 1000, 2**20 + 1])
+@pytest.mark.parametrize("b", [1, 16, 128, 1024])
+def test_host_index_math_matches_triton(n, b):
+    """The launchers' host ``cdiv`` and ``next_power_of_2`` (plain Python: Triton's are
+    constexpr functions, slow on the host) give Triton's values."""
+    import triton
+
+    from moeblaze_ops.kernels import grouped_gemm
+
+    assert grouped_gemm.cdiv(n, b) == triton.cdiv(n, b)
+    assert grouped_gemm.next_power_of_2(n) == triton.next_power_of_2(n)

@@ -28,7 +28,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -424,9 +423,9 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     view, kmajor = _weight_view(b, transposed)
     block = [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n]
     b_desc = host_descriptor(view, block)
-    max_tiles = (triton.cdiv(LK, tile.block_m) + E + 1) * triton.cdiv(N, tile.block_n)
+    max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(N, tile.block_n)
     grid = (gg.num_programs(a.device, max_tiles),)
-    common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=triton.next_power_of_2(E + 1), BAND=band,
+    common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=gg.next_power_of_2(E + 1), BAND=band,
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
                   num_warps=tile.num_warps)
     if warp_specialize:

@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -479,7 +478,7 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
         raise ValueError(f"moeblaze gluon weight gradient: {side} must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")
     E, P, Q = grad_w_pq.shape
-    tiles = E * triton.cdiv(P, tile.block_m) * triton.cdiv(Q, tile.block_n)
+    tiles = E * gg.cdiv(P, tile.block_m) * gg.cdiv(Q, tile.block_n)
     args = (gathered, row_ids, offsets, grad_w_pq, E, P, Q, rows.stride(0), gathered.stride(0), *grad_w_pq.stride())
     blocks = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
                   BAND=band, num_warps=tile.num_warps)

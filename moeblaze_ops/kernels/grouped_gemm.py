@@ -206,6 +206,18 @@ def store_tile(out_ptr, rows, cols, stride_om, acc, mask):
 # --------------------------------------------------------------------------- host side
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of host ints: ``triton.cdiv`` is a constexpr function, which costs
+    microseconds a call on the host, tens of times a step."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (n >= 1) of a host int, as ``triton.next_power_of_2``
+    (also a constexpr function)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def empty(*shape, dtype, device) -> torch.Tensor:
     """A buffer the kernels fill; NaN-filled first under ``settings.poison``, so an element
     a kernel forgets to write shows."""
@@ -249,9 +261,9 @@ def launch_row_gemm(kernel, tile: GemmTile, dtype: torch.dtype, device: torch.de
     """Launches a GEMM on the persistent ``row_tile`` schedule over ``n_cols`` output columns
     (``kwargs`` holds the kernel's arguments, ``LK`` and ``E`` among them)."""
     LK, E = kwargs["LK"], kwargs["E"]
-    max_tiles = (triton.cdiv(LK, tile.block_m) + E + 1) * triton.cdiv(n_cols, tile.block_n)
+    max_tiles = (cdiv(LK, tile.block_m) + E + 1) * cdiv(n_cols, tile.block_n)
     grid = (num_programs(device, max_tiles, tile.programs_per_sm),)
-    kernel[grid](**kwargs, GROUPS=triton.next_power_of_2(E + 1), BAND=settings.current().row_band,
+    kernel[grid](**kwargs, GROUPS=next_power_of_2(E + 1), BAND=settings.current().row_band,
                  PRECISION=precision(dtype),
                  BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
                  num_stages=tile.num_stages)

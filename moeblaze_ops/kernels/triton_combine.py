@@ -78,7 +78,7 @@ def combine(rows, token_index_map, topk_weights, expert_offsets, out, E):
         return out
     K = token_index_map.shape[0] // L
     BLOCK_L, BLOCK_D = COMBINE_TILE if rows.is_cuda else (16, 16)
-    grid = (triton.cdiv(L, BLOCK_L), triton.cdiv(d, BLOCK_D))
+    grid = (gg.cdiv(L, BLOCK_L), gg.cdiv(d, BLOCK_D))
     weighted = topk_weights is not None
     _combine_kernel[grid](
         rows, token_index_map, topk_weights, expert_offsets, out, L, d, E,

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from .. import settings
 from ..checks import id_value_messages, index_values_message
+from . import grouped_gemm as gg
 
 SUB = 64  # rows a one-hot step ranks at once
 
@@ -279,7 +280,7 @@ def assert_index_arrays(op, expert_token_indices, expert_offsets, token_index_ma
     LK = token_index_map.shape[0]
     E = expert_offsets.shape[0] - 1
     BLOCK = 1024
-    programs = max(1, triton.cdiv(max(LK, E), BLOCK))
+    programs = max(1, gg.cdiv(max(LK, E), BLOCK))
     ok = torch.empty(programs, dtype=torch.int32, device=token_index_map.device)
     _check_index_arrays[(programs,)](expert_token_indices, expert_offsets, token_index_map, ok, LK, E, num_tokens,
                                      BLOCK=BLOCK)
@@ -288,7 +289,7 @@ def assert_index_arrays(op, expert_token_indices, expert_offsets, token_index_ma
 
 def _chunk_size(LK: int) -> int:
     # Enough programs to fill the GPU, few enough chunks that the column scan stays short.
-    return max(SUB, min(8192, triton.next_power_of_2(triton.cdiv(LK, 1024))))
+    return max(SUB, min(8192, gg.next_power_of_2(gg.cdiv(LK, 1024))))
 
 
 def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool):
@@ -299,16 +300,16 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool):
     LK = L * K
     dev = topk_ids.device
     E = num_experts
-    BINS = triton.next_power_of_2(E)
+    BINS = gg.next_power_of_2(E)
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
     config = settings.current()
     sorted_ = config.dispatch_sorted_min_bins is not None and BINS >= config.dispatch_sorted_min_bins
-    chunk = min(config.dispatch_sort_chunk, max(16, triton.next_power_of_2(LK))) if sorted_ else _chunk_size(LK)
+    chunk = min(config.dispatch_sort_chunk, max(16, gg.next_power_of_2(LK))) if sorted_ else _chunk_size(LK)
     if sorted_ and (BINS + 2) * chunk > 2**31:
         raise ValueError(f"dispatch: {E} experts are too many for sorted chunks of {chunk} rows")
-    num_chunks = max(1, triton.cdiv(LK, chunk))
+    num_chunks = max(1, gg.cdiv(LK, chunk))
     width = BINS + 3 if check_ids else BINS + 1  # the two flag columns after the sentinel column
     counts = torch.empty(num_chunks, width, dtype=torch.int32, device=dev)
     totals = torch.empty(width, dtype=torch.int32, device=dev)
@@ -317,7 +318,7 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool):
     tim = torch.empty(LK, dtype=torch.int32, device=dev)
     ok = torch.empty(2, dtype=torch.int32, device=dev) if check_ids else None
     # K == 0 has no rows and no tokens to check; K is a constexpr (the unrolled pairs).
-    check = dict(K=max(K, 1), CHECK_IDS=check_ids, TOKENS=min(128, triton.next_power_of_2(chunk // max(K, 1) + 1)))
+    check = dict(K=max(K, 1), CHECK_IDS=check_ids, TOKENS=min(128, gg.next_power_of_2(chunk // max(K, 1) + 1)))
     grid = (num_chunks,)
     ranked = sorted_ and config.dispatch_reuse_ranks
     if sorted_:
@@ -328,7 +329,7 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool):
     else:
         _chunk_histogram[grid](ids, counts, LK, E, chunk, width, BINS=BINS, SUB=SUB, **check)
     cols = 32
-    _column_scan[(triton.cdiv(width, cols),)](counts, totals, num_chunks, width, COLS=cols, ROWS=64)
+    _column_scan[(gg.cdiv(width, cols),)](counts, totals, num_chunks, width, COLS=cols, ROWS=64)
     if ranked:
         _chunk_scatter_ranked[grid](ids, counts, totals, offsets, ok, eti, tim, LK, E, K, width, CHUNK=chunk,
                                     BINS=BINS, CHECK_IDS=check_ids, num_warps=8)

@@ -176,7 +176,7 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         a = gg.empty(LK, I, dtype=h.dtype, device=h.device)
         if LK > 0:
             BLOCK_M, BLOCK_K = ACTIVATION_TILE if h.is_cuda else (16, 16)
-            _activation_kernel[(triton.cdiv(LK, BLOCK_M), triton.cdiv(I, BLOCK_K))](
+            _activation_kernel[(gg.cdiv(LK, BLOCK_M), gg.cdiv(I, BLOCK_K))](
                 h, a, LK, I, float(alpha), float(limit), h.stride(0), a.stride(0), ACT=int(act),
                 INTERLEAVED=interleaved, FAST_ACT=fast, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
     else:

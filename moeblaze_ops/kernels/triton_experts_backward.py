@@ -179,7 +179,7 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
                            tma_store=config.wgrad_tma_store)
         return
     tile = gg.tile_config(kind, rows)
-    tiles = E * triton.cdiv(P, tile.block_m) * triton.cdiv(Q, tile.block_n)
+    tiles = E * gg.cdiv(P, tile.block_m) * gg.cdiv(Q, tile.block_n)
     _wgrad_kernel[(gg.num_programs(rows.device, tiles, tile.programs_per_sm),)](
         rows, gathered, row_ids, offsets, grad_w_pq, E, P, Q,
         rows.stride(0), gathered.stride(0), *grad_w_pq.stride(),
@@ -194,7 +194,7 @@ def launch_expert_row_sums(rows, row_ids, offsets, out, topk_weights=None, token
     ``row_ids`` are the rows' tokens and w_r their combine weights."""
     E, D = out.shape
     BLOCK_R, BLOCK_D = (64, 128) if out.is_cuda else (16, 16)
-    _expert_row_sum_kernel[(E, triton.cdiv(D, BLOCK_D))](
+    _expert_row_sum_kernel[(E, gg.cdiv(D, BLOCK_D))](
         rows, row_ids, topk_weights, token_index_map, offsets, out, D, rows.stride(0), out.stride(0),
         *(topk_weights.stride() if topk_weights is not None else (0, 0)),
         K=topk_weights.shape[1] if topk_weights is not None else 1, GATHER=row_ids is not None,
@@ -265,13 +265,13 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
         return grad_h, grad_w, grad_b, grad_tw
     # w * act(h), for the weight gradient: written by the dH epilogue (a transient, half of h).
     wact = gg.empty(LK, I, dtype=h.dtype, device=dev) if need_weight_grad else None
-    n_parts = max(1, triton.cdiv(I, gg.tile_config("dh", h).block_n))
+    n_parts = max(1, gg.cdiv(I, gg.tile_config("dh", h).block_n))
     parts = torch.empty(LK, n_parts, dtype=torch.float32, device=dev)
     bdot = torch.empty(LK, dtype=torch.float32, device=dev)
     launch_dh(grad_out, h, w_down, expert_token_indices, topk_weights, token_index_map, expert_offsets, b_down, grad_h,
               wact, parts, bdot, act=act, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit)
     BLOCK = 256
-    _router_grad_kernel[(triton.cdiv(LK, BLOCK),)](
+    _router_grad_kernel[(gg.cdiv(LK, BLOCK),)](
         parts, bdot, token_index_map, expert_offsets, grad_tw, LK, E, K, n_parts,
         grad_tw.stride(0), grad_tw.stride(1), HAS_BIAS=b_down is not None, BLOCK=BLOCK,
     )
