@@ -183,7 +183,7 @@ class KernelSettings:
     gluon_min_flop: int = 10**11
     gluon_warp_specialize: frozenset = frozenset({"up", "down", "dx"})
     wgrad_band: int = 1
-    wgrad_rows_tma: Mapping[str, int] = field(default_factory=lambda: {"wgrad_down": 2048, "wgrad_up": 0})
+    wgrad_rows_tma: Mapping[str, int] = field(default_factory=lambda: {"wgrad_down": 0, "wgrad_up": 0})
     wgrad_tma_store: bool = True
     row_band: int = 4
     activation_pass: bool = True

@@ -304,8 +304,9 @@ def test_row_tiles_in_bands(band, seed):
 @pytest.mark.parametrize("rows_per_expert", [256, 2047, 2048, 4096])
 def test_weight_gradient_orientation_by_rows_per_expert(kind, rows_per_expert, monkeypatch):
     """``settings.wgrad_rows_tma`` picks the Gluon weight gradient's orientation from the
-    average rows per expert (host shapes, no sync): with the defaults dW_down reads its rows
-    by TMA from 2048 rows per expert, dW_up always; a kind it does not name never does."""
+    average rows per expert (host shapes, no sync): with the defaults both kinds read their
+    rows by TMA at every size; mapped to 2048, a kind from 2048 rows per expert on; a kind
+    it does not name never does."""
     from moeblaze_ops.kernels import grouped_gemm, triton_experts_backward
 
     calls = []
@@ -326,11 +327,12 @@ def test_weight_gradient_orientation_by_rows_per_expert(kind, rows_per_expert, m
     ids = torch.zeros(E * rows_per_expert, dtype=torch.int32)
     offsets = torch.arange(E + 1, dtype=torch.int32) * rows_per_expert
     grad_w = torch.empty(E, P, Q)
-    with settings.override(gluon_min_flop=0):  # a GEMM this small runs tl by default
+    triton_experts_backward.launch_wgrad(rows, gathered, ids, offsets, grad_w, kind=kind)
+    with settings.override(wgrad_rows_tma={"wgrad_down": 2048, "wgrad_up": 0}):
         triton_experts_backward.launch_wgrad(rows, gathered, ids, offsets, grad_w, kind=kind)
-        with settings.override(wgrad_rows_tma={k: 0 for k in ("wgrad_down", "wgrad_up") if k != kind}):
-            triton_experts_backward.launch_wgrad(rows, gathered, ids, offsets, grad_w, kind=kind)
-    assert calls == [kind == "wgrad_up" or rows_per_expert >= 2048, False]
+    with settings.override(wgrad_rows_tma={k: 0 for k in ("wgrad_down", "wgrad_up") if k != kind}):
+        triton_experts_backward.launch_wgrad(rows, gathered, ids, offsets, grad_w, kind=kind)
+    assert calls == [True, kind == "wgrad_up" or rows_per_expert >= 2048, False]
 
 
 @pytest.mark.parametrize("kind", ["up", "wgrad_up"])
