@@ -127,8 +127,9 @@ class KernelSettings:
             ``tl`` kernels. By default the weight gradients, the kinds measured faster.
         gluon_min_flop: the fewest operations (2 x rows x columns x reduction) of a GEMM that
             runs its Gluon kernel where ``gluon`` names it; smaller ones run the ``tl``
-            kernel, whose launch costs a third of the host time: in a layer that small the
-            host's launches, not the GPU, set the step's time (docs/perf-notes.md).
+            kernel, whose launch costs less host time: in a layer that small the host's
+            launches, not the GPU, set the step's time. The default is chosen by
+            measurement (docs/perf-notes.md).
         gluon_warp_specialize: the GEMM kinds (of ``GLUON_KINDS``) whose Gluon kernel, where
             ``gluon`` runs it, is the warp-specialised one: copy warps fill the ring and
             the MMA warpgroups only wait, multiply and store (``_row_gemm_ws_kernel``,

@@ -174,27 +174,6 @@ def _output_buffer(out_desc, dtype: gl.constexpr, TMA_STORE: gl.constexpr):
 
 
 @gluon.jit
-def _start_tile(rows_ptr, gathered_ptr, row_ids_ptr, a_ring, b_ring, lo, hi, p0, q0, P, Q, stride_rm, stride_gm,
-                BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
-    """``_wgrad_kernel``'s start of a tile: the copies of its first ``NUM_STAGES - 2``
-    steps into the ring's first slots; returns the gathered rows of the step after them."""
-    AHEAD: gl.constexpr = a_ring.type.shape[0] - 2
-    steps = gl.cdiv(hi - lo, BLOCK_R)
-    # One commit group per step, empty past the last, so that "all but AHEAD - 1 groups
-    # landed" always means "step i landed".
-    for i in gl.static_range(AHEAD):
-        if i < steps:
-            r0 = lo + i * BLOCK_R
-            _issue_step(rows_ptr, gathered_ptr, _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, num_warps),
-                        a_ring.index(i), b_ring.index(i), r0, hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P,
-                        BLOCK_Q, BLOCK_R, num_warps)
-        cp.commit_group()
-    # The gathered rows are loaded one step before their copies start, so the load's
-    # latency hides behind an MMA instead of stalling the copies.
-    return _load_ids(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
-
-
-@gluon.jit
 def _wgrad_kernel(
     rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr, out_desc,
     E, P, Q,
@@ -217,9 +196,19 @@ def _wgrad_kernel(
         e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
         # The previous tile's MMAs (every warpgroup's) are done before its slots are refilled.
         cta_barrier()
-        ids = _start_tile(rows_ptr, gathered_ptr, row_ids_ptr, a_ring, b_ring, lo, hi, p0, q0, P, Q, stride_rm,
-                          stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
         steps = gl.cdiv(hi - lo, BLOCK_R)
+        # One commit group per step, empty past the last, so that "all but AHEAD - 1 groups
+        # landed" always means "step i landed".
+        for i in gl.static_range(AHEAD):
+            if i < steps:
+                r0 = lo + i * BLOCK_R
+                _issue_step(rows_ptr, gathered_ptr, _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, num_warps),
+                            a_ring.index(i), b_ring.index(i), r0, hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P,
+                            BLOCK_Q, BLOCK_R, num_warps)
+            cp.commit_group()
+        # The gathered rows are loaded one step before their copies start, so the load's
+        # latency hides behind an MMA instead of stalling the copies.
+        ids = _load_ids(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
         acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
         for i in range(steps):
             cp.wait_group(AHEAD - 1)  # this thread's copies of step i have landed
@@ -264,43 +253,6 @@ def _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, ids, g_slot, r_slot,
 
 
 @gluon.jit
-def _rows_tma_mma_step(g_ring, r_ring, bars, acc, step, AHEAD: gl.constexpr):
-    """One reduction step of the rows-TMA kernels: wait until step ``step``'s copies have
-    landed (cp.async and TMA bytes), then run its asynchronous wgmma, leaving it in flight
-    and step - 1's done."""
-    NUM_STAGES: gl.constexpr = g_ring.type.shape[0]
-    slot = step % NUM_STAGES
-    cp.wait_group(AHEAD - 1)  # this thread's cp.async copies of this step have landed
-    mbarrier.wait(bars.index(slot), (step // NUM_STAGES) & 1)  # ... and the TMA bytes
-    cta_barrier()  # every thread's copies landed; every warpgroup's MMA of step - 2 is done
-    fence_async_shared()
-    acc = warpgroup_mma(g_ring.index(slot).permute((1, 0)), r_ring.index(slot), acc, is_async=True)
-    return warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-
-
-@gluon.jit
-def _start_rows_tma_tile(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, g_ring, r_ring, bars, step, lo, hi, p0, q0,
-                         P, Q, stride_rm, stride_gm, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
-                         BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
-    """``_wgrad_rows_tma_kernel``'s start of a tile whose first step is the program's
-    ``step``: the copies of its first ``NUM_STAGES - 2`` steps (one commit group each,
-    empty past its last); returns the gathered rows of the step after them."""
-    NUM_STAGES: gl.constexpr = g_ring.type.shape[0]
-    AHEAD: gl.constexpr = NUM_STAGES - 2
-    steps = gl.cdiv(hi - lo, BLOCK_R)
-    for i in gl.static_range(AHEAD):
-        if i < steps:
-            r0 = lo + i * BLOCK_R
-            slot = (step + i) % NUM_STAGES
-            _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr,
-                                 _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, num_warps), g_ring.index(slot),
-                                 r_ring.index(slot), bars.index(slot), r0, hi, p0, q0, P, Q, stride_rm, stride_gm,
-                                 BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
-        cp.commit_group()
-    return _load_ids(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
-
-
-@gluon.jit
 def _wgrad_rows_tma_kernel(
     rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr, out_desc,
     E, P, Q,
@@ -321,12 +273,26 @@ def _wgrad_rows_tma_kernel(
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
         cta_barrier()  # the previous tile's MMAs (every warpgroup's) are done before its slots are refilled
-        ids = _start_rows_tma_tile(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, g_ring, r_ring, bars, step, lo,
-                                   hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
         steps = gl.cdiv(hi - lo, BLOCK_R)
+        for i in gl.static_range(AHEAD):
+            if i < steps:
+                r0 = lo + i * BLOCK_R
+                slot = (step + i) % NUM_STAGES
+                _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr,
+                                     _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, num_warps), g_ring.index(slot),
+                                     r_ring.index(slot), bars.index(slot), r0, hi, p0, q0, P, Q, stride_rm, stride_gm,
+                                     BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
+            cp.commit_group()
+        ids = _load_ids(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
         acc = gl.zeros([BLOCK_Q, BLOCK_P], gl.float32, acc_layout)
         for i in range(steps):
-            acc = _rows_tma_mma_step(g_ring, r_ring, bars, acc, step, AHEAD)
+            slot = step % NUM_STAGES
+            cp.wait_group(AHEAD - 1)  # this thread's cp.async copies of step i have landed
+            mbarrier.wait(bars.index(slot), (step // NUM_STAGES) & 1)  # ... and the TMA bytes
+            cta_barrier()  # every thread's copies landed; every warpgroup's MMA of step i - 2 is done
+            fence_async_shared()
+            acc = warpgroup_mma(g_ring.index(slot).permute((1, 0)), r_ring.index(slot), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             nxt = i + AHEAD
             if nxt < steps:
                 ns = (step + AHEAD) % NUM_STAGES
@@ -443,13 +409,14 @@ def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile, rows_tma: bool):
     """``(descriptor, transposed)`` for ``_store_half_by_tma``: the weight gradient as the
     kernel's [E, M, N] accumulator tiles lie in it ([E, Q, P] for the rows-TMA kernel,
     [E, P, Q] for the others), or as [E, N, M] (``transposed``) where M is the contiguous
-    dimension, with a box of half a tile; None where TMA cannot write it."""
+    dimension, with a box of half a tile; ``(None, False)`` where TMA cannot write it (the
+    kernel then stores from registers, in its one compiled form for that)."""
     acc_view = grad_w_pq.transpose(1, 2) if rows_tma else grad_w_pq
     m, n = (tile.block_n, tile.block_m) if rows_tma else (tile.block_m, tile.block_n)
     transposed = acc_view.stride(2) != 1
     view = acc_view.transpose(1, 2) if transposed else acc_view
     if view.stride(2) != 1 or view.data_ptr() % 16 or any(s * view.element_size() % 16 for s in view.stride()[:2]):
-        return None, transposed
+        return None, False
     block = [1, n // 2, m] if transposed else [1, m, n // 2]
     return host_descriptor(view, block), transposed
 

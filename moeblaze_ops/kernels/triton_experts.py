@@ -130,14 +130,14 @@ def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
     expert weight stack in ``transposed`` layout read as [E, in, out] (``layouts``);
     ``kind`` picks the tile, whether B comes through TMA, and the Gluon kernel where
     ``settings.gluon`` names it and it applies."""
-    gluon = gg.gluon_kernels(kind, a, 2 * out.numel() * linear_dims(b, transposed)[2])
+    E, _, reduction = linear_dims(b, transposed)
+    gluon = gg.gluon_kernels(kind, a, 2 * out.numel() * reduction)
     if gluon is not None and gluon.applies(a, b, out, transposed):
         config = settings.current()
         gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, config.tiles.get(kind, gluon.TILE),
                               kind in config.gluon_warp_specialize)
         return
     LK, N = out.shape
-    E, _, reduction = linear_dims(b, transposed)
     tile = gg.tile_config(kind, a)
     strides = linear_strides(b, transposed)
     b_src, b_tma, b_kmajor = gg.weight_operand(b, strides.reduction, tile, kind)
