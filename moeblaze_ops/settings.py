@@ -172,6 +172,9 @@ class KernelSettings:
             "dx", the input gradient of the up projection (a ``row_gemm`` on dH and an
             unweighted ``combine``, as the forward's down projection and combine); the
             op's kernels then make the weight gradients alone. Empty: the op makes all.
+        launch_plans: repeated Triton launches skip the JIT's argument binding and cache
+            lookup (``kernels.launch``): the compiled kernel found for the first call of
+            a kind of arguments is launched directly from then on.
     """
 
     backend: str = "auto"
@@ -195,6 +198,7 @@ class KernelSettings:
     dispatch_sort_chunk: int = 1024
     dispatch_reuse_ranks: bool = True
     backward_templates: frozenset = frozenset({"dx"})
+    launch_plans: bool = True
 
     def __post_init__(self):
         if self.backend not in ("auto", "triton", "torch"):

@@ -6,6 +6,7 @@ Python functions by own time under cProfile.
     python scripts/host_overhead.py --compile   # the layer under torch.compile (fullgraph)
     python scripts/host_overhead.py --op-calls  # each op through torch.ops against its kernel alone
     python scripts/host_overhead.py --launches  # one Triton launch through the JIT and around it
+    python scripts/host_overhead.py --attribute # the step's host time per kernel launch, JIT and launcher
 
 Small layers are launch-bound: the device finishes each kernel before the host has
 launched the next, so every microsecond here is a microsecond of the step.
@@ -25,7 +26,9 @@ import torch
 
 import moeblaze_ops
 from moeblaze_ops import kernels
+from moeblaze_ops import settings
 from moeblaze_ops.bench import CONFIGS, make_inputs
+from moeblaze_ops.bench.cli import parse_setting
 
 KERNEL_FIELDS = ("dispatch", "expert_up", "expert_down", "expert_up_backward", "expert_down_backward")
 
@@ -161,6 +164,68 @@ def launch_costs(n):
         print(f"{name}: {(time.perf_counter() - t0) / n * 1e6:.1f} us")
 
 
+def attribute(step, n):
+    """Prints, per Triton kernel the step launches, the host microseconds of its launches
+    through the JIT (``JITFunction.run``: argument binding, cache lookup, launcher) and of
+    the launcher alone, per step, beside the step's wall time: what is left is Python
+    around the launches (moeblaze's, autograd's, torch's)."""
+    from collections import defaultdict
+
+    from triton.runtime.jit import JITFunction
+
+    jit_us, launcher_us, calls = defaultdict(float), defaultdict(float), defaultdict(int)
+    plain_run, wrapped = JITFunction.run, set()
+
+    def timed_launcher(name, run):
+        def launch(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = run(*args, **kwargs)
+            launcher_us[name] += (time.perf_counter() - t0) * 1e6
+            return out
+        return launch
+
+    def timed_run(self, *args, **kwargs):
+        name = self.fn.__name__
+        t0 = time.perf_counter()
+        kernel = plain_run(self, *args, **kwargs)
+        jit_us[name] += (time.perf_counter() - t0) * 1e6
+        calls[name] += 1
+        if id(kernel) not in wrapped:  # the compiled kernel's launcher, timed from its next call
+            wrapped.add(id(kernel))
+            kernel._run = timed_launcher(name, kernel.run)  # ``run`` is a property over ``_run`` (triton 3.6)
+        return kernel
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / n * 1e6
+    JITFunction.run = timed_run
+    try:
+        for _ in range(5):
+            step()
+        for d in (jit_us, launcher_us, calls):
+            d.clear()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+        timed_wall = (time.perf_counter() - t0) / n * 1e6
+    finally:
+        JITFunction.run = plain_run
+    print(f"step wall {wall:.1f} us ({timed_wall:.1f} timed); per step, host us in each kernel's launches "
+          "through the JIT, of which in its launcher:")
+    total = launchers = 0.0
+    for name in sorted(jit_us, key=jit_us.get, reverse=True):
+        total, launchers = total + jit_us[name] / n, launchers + launcher_us[name] / n
+        print(f"  {name}: {jit_us[name] / n:.1f}, {launcher_us[name] / n:.1f} ({calls[name] / n:.0f} calls, "
+              f"{jit_us[name] / calls[name]:.1f} us each)")
+    print(f"  all launches: {total:.1f} us, {launchers:.1f} in launchers")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="qwen3_100m", choices=[*CONFIGS, "tiny"])
@@ -172,9 +237,18 @@ def main():
     p.add_argument("--op-calls", action="store_true",
                    help="host time of one call of each op through torch.ops.moeblaze, then of its backend "
                         "function alone (what a compiled graph's extern call costs beyond the kernels)")
+    p.add_argument("--attribute", action="store_true",
+                   help="the step's host time in each kernel's Triton launches (CUDA)")
+    p.add_argument("--set", dest="settings", metavar="NAME=VALUE", action="append", type=parse_setting, default=[],
+                   help="change a kernel setting for the run (repeatable)")
     p.add_argument("--launches", action="store_true",
                    help="host time of one Triton launch, through the JIT and around it (CUDA)")
     a = p.parse_args()
+    with settings.override(**dict(a.settings)):
+        run(a)
+
+
+def run(a):
     if a.launches:
         return launch_costs(max(a.steps, 1000))
     shape = (64, 32, 16, 8, 2) if a.config == "tiny" else CONFIGS[a.config]
@@ -201,6 +275,8 @@ def main():
             step()
         sync()
 
+    if a.attribute:
+        return attribute(step, a.steps)
     steps(10)
     t0 = time.perf_counter()
     steps(a.steps)

@@ -2,13 +2,15 @@
 peer (kernels by device time, and the host time of the whole step).
 
     python scripts/profile_step.py [--configs qwen3_100m olmoe] [--peers moeblaze hf_grouped_mm_compiled]
-        [--steps 5] [--device cuda|cpu] [--rows 25] [--cudagraphs]
+        [--steps 5] [--device cuda|cpu] [--rows 25] [--cudagraphs] [--host-rows 25] [--trace DIR]
 
 Small layers (the 100M example) are where the host side shows: compare "host ms per
-step" with "device ms per step".
+step" with "device ms per step". ``--host-rows`` adds a table sorted by host (self CPU) time, and ``--trace`` writes
+one Chrome trace per config and peer (open in Perfetto: the host's gaps between launches).
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -27,6 +29,8 @@ def main():
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--cudagraphs", action="store_true",
                    help="offer the CUDA-graph peers too (hf_grouped_mm_cudagraphs, moeblaze_cudagraphs)")
+    p.add_argument("--host-rows", type=int, default=0, help="rows of a table sorted by host time (0: none)")
+    p.add_argument("--trace", default=None, help="a folder to write Chrome traces into")
     a = p.parse_args()
     cuda = a.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -68,6 +72,11 @@ def main():
                   f"device ms per step {device:.2f}", flush=True)
             sort = "self_device_time_total" if cuda else "self_cpu_time_total"
             print(events.table(sort_by=sort, row_limit=a.rows), flush=True)
+            if a.host_rows and cuda:
+                print(events.table(sort_by="self_cpu_time_total", row_limit=a.host_rows), flush=True)
+            if a.trace:
+                os.makedirs(a.trace, exist_ok=True)
+                prof.export_chrome_trace(os.path.join(a.trace, f"{name}-{peer}.json"))
             for t in (x, w, w_gate_up, w_down):
                 t.grad = None
         del fns, x, w, w_gate_up, w_down

@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from conftest import make_layer, make_topk_ids, rel_err
 from kernel_cases import check_backward, check_dispatch_bitwise, check_forward, check_frozen_grads
@@ -423,3 +425,68 @@ def test_weight_gradients_keep_experts_apart(gluon, seed):
         launch_wgrad(rows, gathered, ids, offsets, out, kind="wgrad_up")
     finite = out.flatten(1).isfinite().all(dim=1).tolist()
     assert finite == [e != 3 for e in range(E)], f"seed={seed}: finite gradients by expert {finite}"
+
+
+# --------------------------------------------------------------------------- launch plans
+
+
+@triton.jit
+def _scaled_rows_kernel(src_ptr, dst_ptr, n, stride, scale, BLOCK: tl.constexpr):
+    """dst[r, :n] = src[r, :n] * scale: a kernel whose specialisation the arguments below vary."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(src_ptr + row * stride + cols, mask=mask)
+    tl.store(dst_ptr + row * stride + cols, x * scale, mask=mask)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 8])
+@pytest.mark.parametrize("n", [1, 16, 17, 40])
+def test_launch_plans_run_the_kernel_the_jit_picks(offset, n, seed):
+    """Pointers aligned or not, ints equal to 1, divisible by 16 or neither: every launch
+    after the first runs through a plan, and the plan holds the compiled kernel Triton's
+    JIT picks for those arguments; the results are right each time."""
+    from moeblaze_ops.kernels import launch as plans
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows, stride = 3, 48
+    src = torch.randn(offset + rows * stride, device="cuda", generator=g)[offset:]
+    dst = torch.full_like(src, float("nan"))
+    args = (src, dst, n, stride, 0.5)
+    for _ in range(3):  # the JIT's path, then the plan's
+        dst.fill_(float("nan"))
+        plans.launch(_scaled_rows_kernel, (rows,), *args, BLOCK=64)
+        got, want = dst.view(rows, stride)[:, :n], src.view(rows, stride)[:, :n] * 0.5
+        assert torch.equal(got, want)
+        assert dst.view(rows, stride)[:, n:].isnan().all(), "a column past n was written"
+    sig = plans.kernel_signature(_scaled_rows_kernel)
+    key, _ = plans.plan_key(sig, torch.cuda.current_device(), args, dict(BLOCK=64))
+    assert sig.plans[key] is _scaled_rows_kernel[(rows,)](*args, BLOCK=64)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_launch_plans_equal_the_jit_bitwise(aligned, seed):
+    """A layer's forward and backward through plans equals the JIT's launches bit for bit,
+    with x whose rows start off the 16-byte grid (a plan for aligned x must not serve it)
+    run between aligned ones."""
+    def step(layer):
+        x, w_gate_up, w_down = (layer[k].detach().requires_grad_(True) for k in ("x", "w_gate_up", "w_down"))
+        out = moe_experts(x, layer["topk_ids"], layer["topk_weights"], w_gate_up, w_down)
+        out.backward(layer["grad"])
+        return out, x.grad, w_gate_up.grad, w_down.grad
+
+    layers = []
+    for i, misaligned in enumerate((False, not aligned, False)):
+        layer = {k: (v.cuda() if torch.is_tensor(v) else v)
+                 for k, v in make_layer(300, 136, 72, 8, 2, dtype=torch.bfloat16, seed=seed + i).items()}
+        if misaligned:  # one element in: data_ptr() % 16 == 2
+            x = torch.empty(layer["x"].numel() + 1, dtype=torch.bfloat16, device="cuda")[1:].view_as(layer["x"])
+            layer["x"] = x.copy_(layer["x"])
+        layer["grad"] = torch.randn(300, 136, device="cuda", dtype=torch.bfloat16)
+        layers.append(layer)
+    with settings.override(launch_plans=False):
+        want = [step(layer) for layer in layers]
+    for _ in range(2):
+        for layer, expected in zip(layers, want):
+            for got, ref in zip(step(layer), expected):
+                assert torch.equal(got, ref), f"seed={seed}"

@@ -38,6 +38,7 @@ from .. import settings
 from ..layouts import linear_dims, linear_strides
 from ..settings import GemmTile
 from . import grouped_gemm as gg
+from .launch import launch
 from .gluon_common import (async_load, banded, copy_layout, copy_tma_ring, cta_barrier, host_descriptor, on_hopper,
                            tma_load, wgmma_acc_layout)
 
@@ -436,12 +437,14 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
             a_block = [tile.block_m, tile.block_k]
             a_src = host_descriptor(a, a_block)
         warps, regs = PRODUCER_GATHER if gather else PRODUCER_TMA
-        _row_gemm_ws_kernel[grid](
+        launch(
+            _row_gemm_ws_kernel, grid,
             a_src, b_desc, bias, a_row_ids, offsets, out, LK, E, N, K,
             a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0),
             GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **common)
         return
-    _row_gemm_kernel[grid](
+    launch(
+        _row_gemm_kernel, grid,
         a, b_desc, bias, a_row_ids, offsets, out, LK, E, N, K,
         a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0),
         GATHER_A=a_row_ids is not None, **common,

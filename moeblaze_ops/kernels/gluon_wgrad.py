@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .. import settings
 from ..settings import GemmTile
 from . import grouped_gemm as gg
+from .launch import launch
 from .gluon_common import (async_load, banded, copy_layout, copy_tma_ring, cta_barrier, host_descriptor, on_hopper,
                            tma_load, tma_store, wgmma_acc_layout)
 
@@ -460,9 +461,9 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     if rows_tma:
         block = [tile.block_k, tile.block_m]
         rows_desc = host_descriptor(rows, block)
-        _wgrad_rows_tma_kernel[grid](rows_desc, rows, *args[:4], out_desc, *args[4:], **pipeline, **blocks)
+        launch(_wgrad_rows_tma_kernel, grid, rows_desc, rows, *args[:4], out_desc, *args[4:], **pipeline, **blocks)
     elif warp_specialize:
         warps, regs = PRODUCER
-        _wgrad_ws_kernel[grid](rows, *args, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **blocks)
+        launch(_wgrad_ws_kernel, grid, rows, *args, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **blocks)
     else:
-        _wgrad_kernel[grid](rows, *args[:4], out_desc, *args[4:], **pipeline, **blocks)
+        launch(_wgrad_kernel, grid, rows, *args[:4], out_desc, *args[4:], **pipeline, **blocks)

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from .. import settings
 from ..settings import GemmTile
+from .launch import launch
 from .triton_activations import NUM_GATED
 
 # --------------------------------------------------------------------------- schedules
@@ -263,10 +264,9 @@ def launch_row_gemm(kernel, tile: GemmTile, dtype: torch.dtype, device: torch.de
     LK, E = kwargs["LK"], kwargs["E"]
     max_tiles = (cdiv(LK, tile.block_m) + E + 1) * cdiv(n_cols, tile.block_n)
     grid = (num_programs(device, max_tiles, tile.programs_per_sm),)
-    kernel[grid](**kwargs, GROUPS=next_power_of_2(E + 1), BAND=settings.current().row_band,
-                 PRECISION=precision(dtype),
-                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-                 num_stages=tile.num_stages)
+    launch(kernel, grid, **kwargs, GROUPS=next_power_of_2(E + 1), BAND=settings.current().row_band,
+           PRECISION=precision(dtype), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+           num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 #: The module of each GEMM kind's Gluon kernel (``settings.gluon`` names the kinds that run it).

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .. import settings
 from . import grouped_gemm as gg
+from .launch import launch
 
 
 #: The combine's tile on CUDA (tokens, columns), the eager kernel's and the Inductor template's.
@@ -80,7 +81,8 @@ def combine(rows, token_index_map, topk_weights, expert_offsets, out, E):
     BLOCK_L, BLOCK_D = COMBINE_TILE if rows.is_cuda else (16, 16)
     grid = (gg.cdiv(L, BLOCK_L), gg.cdiv(d, BLOCK_D))
     weighted = topk_weights is not None
-    _combine_kernel[grid](
+    launch(
+        _combine_kernel, grid,
         rows, token_index_map, topk_weights, expert_offsets, out, L, d, E,
         rows.stride(0), topk_weights.stride(0) if weighted else 0, topk_weights.stride(1) if weighted else 0,
         out.stride(0), K=K, BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D, WEIGHTED=weighted,

@@ -46,6 +46,7 @@ import triton.language as tl
 from .. import settings
 from ..checks import id_value_messages, index_values_message
 from . import grouped_gemm as gg
+from .launch import launch
 
 SUB = 64  # rows a one-hot step ranks at once
 
@@ -282,8 +283,8 @@ def assert_index_arrays(op, expert_token_indices, expert_offsets, token_index_ma
     BLOCK = 1024
     programs = max(1, gg.cdiv(max(LK, E), BLOCK))
     ok = torch.empty(programs, dtype=torch.int32, device=token_index_map.device)
-    _check_index_arrays[(programs,)](expert_token_indices, expert_offsets, token_index_map, ok, LK, E, num_tokens,
-                                     BLOCK=BLOCK)
+    launch(_check_index_arrays, (programs,), expert_token_indices, expert_offsets, token_index_map, ok, LK, E,
+           num_tokens, BLOCK=BLOCK)
     torch._assert_async(ok.amin(), index_values_message(op))
 
 
@@ -324,21 +325,19 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool):
     if sorted_:
         # With ``ranked`` the histogram keeps each row's rank in token_index_map, which the
         # scatter then overwrites with the row's position: one sort per chunk, not two.
-        _chunk_histogram_sorted[grid](ids, counts, tim, LK, E, width, CHUNK=chunk, BINS=BINS, **check,
-                                      STORE_RANKS=ranked, num_warps=8)
+        launch(_chunk_histogram_sorted, grid, ids, counts, tim, LK, E, width, CHUNK=chunk, BINS=BINS, **check,
+               STORE_RANKS=ranked, num_warps=8)
     else:
-        _chunk_histogram[grid](ids, counts, LK, E, chunk, width, BINS=BINS, SUB=SUB, **check)
+        launch(_chunk_histogram, grid, ids, counts, LK, E, chunk, width, BINS=BINS, SUB=SUB, **check)
     cols = 32
-    _column_scan[(gg.cdiv(width, cols),)](counts, totals, num_chunks, width, COLS=cols, ROWS=64)
-    if ranked:
-        _chunk_scatter_ranked[grid](ids, counts, totals, offsets, ok, eti, tim, LK, E, K, width, CHUNK=chunk,
-                                    BINS=BINS, CHECK_IDS=check_ids, num_warps=8)
-    elif sorted_:
-        _chunk_scatter_sorted[grid](ids, counts, totals, offsets, ok, eti, tim, LK, E, K, width, CHUNK=chunk,
-                                    BINS=BINS, CHECK_IDS=check_ids, num_warps=8)
+    launch(_column_scan, (gg.cdiv(width, cols),), counts, totals, num_chunks, width, COLS=cols, ROWS=64)
+    scatter = (_chunk_scatter_ranked if ranked else _chunk_scatter_sorted) if sorted_ else None
+    if scatter is not None:
+        launch(scatter, grid, ids, counts, totals, offsets, ok, eti, tim, LK, E, K, width, CHUNK=chunk, BINS=BINS,
+               CHECK_IDS=check_ids, num_warps=8)
     else:
-        _chunk_scatter[grid](ids, counts, totals, offsets, ok, eti, tim, LK, E, K, chunk, width, BINS=BINS, SUB=SUB,
-                             CHECK_IDS=check_ids)
+        launch(_chunk_scatter, grid, ids, counts, totals, offsets, ok, eti, tim, LK, E, K, chunk, width, BINS=BINS,
+               SUB=SUB, CHECK_IDS=check_ids)
     return eti, offsets, tim, ok
 
 

@@ -21,6 +21,7 @@ from .. import settings
 from ..activations import activation_code
 from ..layouts import linear_dims, linear_strides, out_feature_slice
 from . import grouped_gemm as gg
+from .launch import launch
 from .triton_activations import activate
 from .triton_combine import combine_in_slabs
 
@@ -176,7 +177,8 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         a = gg.empty(LK, I, dtype=h.dtype, device=h.device)
         if LK > 0:
             BLOCK_M, BLOCK_K = ACTIVATION_TILE if h.is_cuda else (16, 16)
-            _activation_kernel[(gg.cdiv(LK, BLOCK_M), gg.cdiv(I, BLOCK_K))](
+            launch(
+                _activation_kernel, (gg.cdiv(LK, BLOCK_M), gg.cdiv(I, BLOCK_K)),
                 h, a, LK, I, float(alpha), float(limit), h.stride(0), a.stride(0), ACT=int(act),
                 INTERLEAVED=interleaved, FAST_ACT=fast, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
     else:

@@ -26,6 +26,7 @@ from .. import settings
 from ..activations import activation_code
 from ..layouts import in_feature_slice, linear_dims, linear_strides
 from . import grouped_gemm as gg
+from .launch import launch
 from . import triton_activations as acts
 from .triton_combine import combine_in_slabs, row_combine_weights
 from .triton_experts import launch_gathered_gemm
@@ -180,7 +181,8 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
         return
     tile = gg.tile_config(kind, rows)
     tiles = E * gg.cdiv(P, tile.block_m) * gg.cdiv(Q, tile.block_n)
-    _wgrad_kernel[(gg.num_programs(rows.device, tiles, tile.programs_per_sm),)](
+    launch(
+        _wgrad_kernel, (gg.num_programs(rows.device, tiles, tile.programs_per_sm),),
         rows, gathered, row_ids, offsets, grad_w_pq, E, P, Q,
         rows.stride(0), gathered.stride(0), *grad_w_pq.stride(),
         PRECISION=gg.precision(rows.dtype), BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k,
@@ -194,7 +196,8 @@ def launch_expert_row_sums(rows, row_ids, offsets, out, topk_weights=None, token
     ``row_ids`` are the rows' tokens and w_r their combine weights."""
     E, D = out.shape
     BLOCK_R, BLOCK_D = (64, 128) if out.is_cuda else (16, 16)
-    _expert_row_sum_kernel[(E, gg.cdiv(D, BLOCK_D))](
+    launch(
+        _expert_row_sum_kernel, (E, gg.cdiv(D, BLOCK_D)),
         rows, row_ids, topk_weights, token_index_map, offsets, out, D, rows.stride(0), out.stride(0),
         *(topk_weights.stride() if topk_weights is not None else (0, 0)),
         K=topk_weights.shape[1] if topk_weights is not None else 1, GATHER=row_ids is not None,
@@ -271,7 +274,8 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
     launch_dh(grad_out, h, w_down, expert_token_indices, topk_weights, token_index_map, expert_offsets, b_down, grad_h,
               wact, parts, bdot, act=act, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit)
     BLOCK = 256
-    _router_grad_kernel[(gg.cdiv(LK, BLOCK),)](
+    launch(
+        _router_grad_kernel, (gg.cdiv(LK, BLOCK),),
         parts, bdot, token_index_map, expert_offsets, grad_tw, LK, E, K, n_parts,
         grad_tw.stride(0), grad_tw.stride(1), HAS_BIAS=b_down is not None, BLOCK=BLOCK,
     )

@@ -1,0 +1,85 @@
+"""``kernels.launch``: the key under which a compiled kernel is launched again refines
+Triton's own specialisation of the arguments (equal keys, equal specialisations), so a
+launch plan can never run a kernel compiled for another kind of argument. The launches
+themselves are checked on the GPU (tests/test_gpu.py, ``test_launch_plans_*``)."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+jit = pytest.importorskip("triton.runtime.jit")
+if not hasattr(jit, "native_specialize_impl"):
+    pytest.skip("this Triton has no native_specialize_impl to compare with", allow_module_level=True)
+
+from triton.backends.compiler import BaseBackend  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from moeblaze_ops.kernels.launch import _Unplannable, argument_kind  # noqa: E402
+
+
+def triton_specialisation(value):
+    """What Triton's JIT keys a non-constexpr argument on (type and attribute)."""
+    return jit.native_specialize_impl(BaseBackend, value, False, True, True)
+
+
+def assert_refines(values):
+    specialisations = {}
+    for value in values:
+        specialisations.setdefault(argument_kind(value), set()).add(triton_specialisation(value))
+    split = {kind: spec for kind, spec in specialisations.items() if len(spec) > 1}
+    assert not split, f"one key, several Triton specialisations: {split}"
+
+
+EDGES = [0, 1, 2, 15, 16, 17, 32, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 1, -(2**31) - 16, 2**63 - 1,
+         2**63, 2**63 + 16, -(2**63), 2**64 - 1, 2**64 - 16, -1, -16]
+
+
+@hypothesis_settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.integers(-(2**63), 2**64 - 1), st.sampled_from(EDGES)), min_size=2, max_size=8))
+def test_int_keys_refine_triton(values):
+    assert_refines(values + EDGES)
+
+
+def test_scalar_and_none_keys_refine_triton():
+    assert_refines([True, False, 0.0, 1.5, -3e38, float("inf"), None])
+    assert len({argument_kind(v) for v in (True, 1, 1.0, None)}) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.int8])
+def test_tensor_keys_refine_triton(dtype):
+    base = torch.zeros(4096, dtype=torch.int8)
+    views = [base[offset:offset + 64].view(dtype) if dtype.itemsize == 1 else
+             base[offset:offset + 64 * dtype.itemsize].view(dtype) for offset in range(0, 64, dtype.itemsize)]
+    views += [torch.nn.Parameter(v.float(), requires_grad=False) for v in views[:2]]
+    assert_refines(views)
+    assert {argument_kind(v)[1] for v in views} == {True, False}  # alignment is part of the key
+
+
+def test_descriptor_keys_refine_triton():
+    descriptors = [TensorDescriptor.from_tensor(torch.zeros(rows, cols, dtype=dtype), block)
+                   for dtype in (torch.bfloat16, torch.float32)
+                   for rows, cols in ((64, 64), (128, 256), (80, 48))
+                   for block in ([16, 16], [16, 32], [32, 16])]
+    assert_refines(descriptors)
+
+
+def test_gluon_descriptor_keys_refine_triton():
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    descriptors = []
+    for dtype, gl_dtype in ((torch.bfloat16, gl.bfloat16), (torch.float16, gl.float16)):
+        for block in ([16, 32], [64, 64]):
+            layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+            for rows in (64, 128):
+                descriptors.append(hopper.TensorDescriptor.from_tensor(torch.zeros(rows, 64, dtype=dtype), block,
+                                                                       layout))
+    assert_refines(descriptors)
+
+
+@pytest.mark.parametrize("value", [[1, 2], (3,), torch.tensor(1).numpy(), "tf32", object()])
+def test_unknown_argument_kinds_take_the_jit_path(value):
+    with pytest.raises(_Unplannable):
+        argument_kind(value)
