@@ -125,11 +125,13 @@ class KernelSettings:
             CUDA tensors on capability 9 with column counts and row strides that are
             multiples of 16. The other kinds, and every other case, run the portable
             ``tl`` kernels. By default the weight gradients, the kinds measured faster.
-        gluon_min_flop: the fewest operations (2 x rows x columns x reduction) of a GEMM that
-            runs its Gluon kernel where ``gluon`` names it; smaller ones run the ``tl``
-            kernel, whose launch costs less host time: in a layer that small the host's
-            launches, not the GPU, set the step's time. The default is chosen by
-            measurement (docs/perf-notes.md).
+        small_gemm_flop: GEMMs of fewer operations (2 x rows x columns x reduction) are
+            host-bound, their launches rather than the GPU setting the step's time, and
+            run the kernel forms that cost the host least to launch: the ``tl`` kernel
+            where ``gluon`` names their kind, weight tiles read by pointer where
+            ``weight_tma`` names it (a TMA descriptor is made on the host, and encoded
+            again by every launch). The default is chosen by measurement
+            (docs/perf-notes.md).
         gluon_warp_specialize: the GEMM kinds (of ``GLUON_KINDS``) whose Gluon kernel, where
             ``gluon`` runs it, is the warp-specialised one: copy warps fill the ring and
             the MMA warpgroups only wait, multiply and store (``_row_gemm_ws_kernel``,
@@ -184,7 +186,7 @@ class KernelSettings:
     h_tma: bool = True
     weight_tma: frozenset = frozenset({"up", "dh", "dx"})
     gluon: frozenset = frozenset({"wgrad_down", "wgrad_up"})
-    gluon_min_flop: int = 10**11
+    small_gemm_flop: int = 10**11
     gluon_warp_specialize: frozenset = frozenset({"up", "down", "dx"})
     wgrad_band: int = 1
     wgrad_rows_tma: Mapping[str, int] = field(default_factory=lambda: {"wgrad_down": 0, "wgrad_up": 0})
@@ -234,8 +236,8 @@ class KernelSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"moeblaze settings: {name} must be a positive int, got {value!r}")
-        if not isinstance(self.gluon_min_flop, int) or self.gluon_min_flop < 0:
-            raise ValueError(f"moeblaze settings: gluon_min_flop must be an int >= 0, got {self.gluon_min_flop!r}")
+        if not isinstance(self.small_gemm_flop, int) or self.small_gemm_flop < 0:
+            raise ValueError(f"moeblaze settings: small_gemm_flop must be an int >= 0, got {self.small_gemm_flop!r}")
         if self.column_slab is not None and self.column_slab < 1:
             raise ValueError(f"moeblaze settings: column_slab must be positive or None, got {self.column_slab}")
         if self.dispatch_sort_chunk < 16 or self.dispatch_sort_chunk & (self.dispatch_sort_chunk - 1):

@@ -153,7 +153,7 @@ def launch_costs(n):
         ("weight gradient, tl", wgrad, dict(gluon=())),
     ]
     for name, fn, changes in calls:
-        with settings.override(gluon_min_flop=0, **changes):
+        with settings.override(small_gemm_flop=0, **changes):
             for _ in range(20):
                 fn()
             torch.cuda.synchronize()

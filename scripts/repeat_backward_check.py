@@ -46,8 +46,8 @@ def main():
         tiles = {} if tile == "default" else {"wgrad_up": GemmTile(*map(int, tile.split(",")))}
         differ = {n: 0 for n in NAMES}
         worst = {n: 0.0 for n in NAMES}
-        # gluon_min_flop=0: the Gluon weight gradients at this small size too, as on large layers.
-        with settings.override(h_tma=bool(tma), tiles=tiles, gluon_min_flop=0):
+        # small_gemm_flop=0: the Gluon weight gradients at this small size too, as on large layers.
+        with settings.override(h_tma=bool(tma), tiles=tiles, small_gemm_flop=0):
             for seed in range(a.seeds):
                 layer = make_layer(a.L, a.d, a.I, a.E, a.K, dtype=torch.bfloat16, bias=True, routing=a.routing,
                                    layout=layout, seed=seed)

@@ -92,7 +92,7 @@ def variants(kind, a):
     gluon, ws, rows_tma = (settings.current().gluon, settings.current().gluon_warp_specialize,
                            settings.current().wgrad_rows_tma)
     return [(f"gluon={v} ws={w}" + (f" rows_tma={t} tma_store={s} group={g}" if v else ""),
-             dict(gluon=(gluon | {kind}) if v else (gluon - {kind}), gluon_min_flop=0,
+             dict(gluon=(gluon | {kind}) if v else (gluon - {kind}), small_gemm_flop=0,
                   gluon_warp_specialize=(ws | {kind}) if w else (ws - {kind}),
                   wgrad_rows_tma={**{k: r for k, r in rows_tma.items() if k != kind}, **({kind: 0} if t else {})},
                   wgrad_tma_store=bool(s), wgrad_band=g))

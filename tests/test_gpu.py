@@ -17,8 +17,8 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 @pytest.fixture(autouse=True)
 def poison():
-    # gluon_min_flop=0: the Gluon kernels run at these tests' sizes too, not only the tl ones.
-    with settings.override(poison=True, gluon_min_flop=0):
+    # small_gemm_flop=0: the Gluon kernels run at these tests' sizes too, not only the tl ones.
+    with settings.override(poison=True, small_gemm_flop=0):
         yield
 
 

@@ -8,6 +8,7 @@ import torch
 from kernel_cases import check_backward, check_dispatch_bitwise, check_forward, check_frozen_grads
 from conftest import make_layer, rel_err
 from moeblaze_ops import ACTIVATIONS, moe_experts, settings
+from moeblaze_ops.settings import GemmTile
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
@@ -338,7 +339,7 @@ def test_weight_gradient_orientation_by_rows_per_expert(kind, rows_per_expert, m
 @pytest.mark.parametrize("kind", ["up", "wgrad_up"])
 def test_small_gemms_run_tl(kind):
     """``grouped_gemm.gluon_kernels`` gives a GEMM of fewer operations than
-    ``settings.gluon_min_flop`` no Gluon kernel, where ``settings.gluon`` names its kind;
+    ``settings.small_gemm_flop`` no Gluon kernel, where ``settings.gluon`` names its kind;
     from that count on, its module. Only the device matters here, so a CUDA-looking stand-in
     takes the tensor's place."""
     pytest.importorskip("triton.experimental.gluon")
@@ -347,11 +348,27 @@ def test_small_gemms_run_tl(kind):
     class OnCuda:
         is_cuda = True
 
-    with settings.override(gluon={kind}, gluon_min_flop=1000):
+    with settings.override(gluon={kind}, small_gemm_flop=1000):
         assert grouped_gemm.gluon_kernels(kind, OnCuda(), 999) is None
         assert grouped_gemm.gluon_kernels(kind, OnCuda(), 1000) is not None
-    with settings.override(gluon=(), gluon_min_flop=0):
+    with settings.override(gluon=(), small_gemm_flop=0):
         assert grouped_gemm.gluon_kernels(kind, OnCuda(), 10**15) is None
+
+
+@pytest.mark.parametrize("flop", [999, 1000])
+def test_small_gemms_read_weights_by_pointer(flop):
+    """``grouped_gemm.weight_operand`` gives a GEMM of fewer operations than
+    ``settings.small_gemm_flop`` the weight itself, not a TMA descriptor, where
+    ``settings.weight_tma`` names its kind; from that count on, a descriptor of the weight."""
+    from moeblaze_ops.kernels import grouped_gemm
+
+    w = torch.randn(4, 64, 32, dtype=torch.bfloat16)
+    tile = GemmTile(16, 16, 16, 4, 1)
+    with settings.override(weight_tma={"up"}, small_gemm_flop=1000):
+        src, tma, kmajor = grouped_gemm.weight_operand(w, w.stride(2), tile, "up", flop)
+        assert tma == (flop >= 1000) and kmajor
+        assert (src is w) != tma and (not tma or src.base is w)
+        assert grouped_gemm.weight_operand(w, w.stride(2), tile, "dh", 10**15)[1] is False
 
 
 def test_weight_gradient_counts_its_operations(monkeypatch):

@@ -277,10 +277,10 @@ _GLUON_MODULES = {"up": "gluon_row_gemm", "down": "gluon_row_gemm", "dx": "gluon
 def gluon_kernels(kind: str, t: torch.Tensor, flop: int):
     """The Gluon kernel module GEMM ``kind`` of ``flop`` operations runs on tensors like
     ``t``, or None: where ``settings.gluon`` names the kind, ``t`` is on CUDA and the GEMM
-    has at least ``settings.gluon_min_flop`` (the module is imported then, and never where
+    has at least ``settings.small_gemm_flop`` (the module is imported then, and never where
     this Triton has no Gluon). The module's ``applies`` has the last word."""
     config = settings.current()
-    if kind not in config.gluon or not t.is_cuda or kind not in _GLUON_MODULES or flop < config.gluon_min_flop:
+    if kind not in config.gluon or not t.is_cuda or kind not in _GLUON_MODULES or flop < config.small_gemm_flop:
         return None
     try:
         return importlib.import_module(f"{__package__}.{_GLUON_MODULES[kind]}")
@@ -317,12 +317,14 @@ def weight_tma_fits(strides, element_size: int, start_byte: Optional[int], tile:
             and start_byte is not None and start_byte % 16 == 0 and max(tile.block_k, tile.block_n) <= 256)
 
 
-def weight_operand(w: torch.Tensor, stride_reduction: int, tile: GemmTile, kind: str):
-    """A weight as GEMM ``kind`` reads its [block_k, block_n] B tiles: ``(source, through_tma,
-    reduction_contiguous)``; a 3-D TMA descriptor where ``kind`` is in
-    ``settings.weight_tma`` and TMA allows it, else the tensor."""
+def weight_operand(w: torch.Tensor, stride_reduction: int, tile: GemmTile, kind: str, flop: int):
+    """A weight as GEMM ``kind`` of ``flop`` operations reads its [block_k, block_n] B tiles:
+    ``(source, through_tma, reduction_contiguous)``; a 3-D TMA descriptor where ``kind`` is
+    in ``settings.weight_tma``, the GEMM has at least ``settings.small_gemm_flop`` and TMA
+    allows it, else the tensor."""
     kmajor = stride_reduction == 1
-    if not (kind in settings.current().weight_tma
+    config = settings.current()
+    if not (kind in config.weight_tma and flop >= config.small_gemm_flop
             and weight_tma_fits(w.stride(), w.element_size(), w.data_ptr(), tile)):
         return w, False, kmajor
     block = [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n]

@@ -132,7 +132,8 @@ def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
     ``kind`` picks the tile, whether B comes through TMA, and the Gluon kernel where
     ``settings.gluon`` names it and it applies."""
     E, _, reduction = linear_dims(b, transposed)
-    gluon = gg.gluon_kernels(kind, a, 2 * out.numel() * reduction)
+    flop = 2 * out.numel() * reduction
+    gluon = gg.gluon_kernels(kind, a, flop)
     if gluon is not None and gluon.applies(a, b, out, transposed):
         config = settings.current()
         gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, config.tiles.get(kind, gluon.TILE),
@@ -141,7 +142,7 @@ def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
     LK, N = out.shape
     tile = gg.tile_config(kind, a)
     strides = linear_strides(b, transposed)
-    b_src, b_tma, b_kmajor = gg.weight_operand(b, strides.reduction, tile, kind)
+    b_src, b_tma, b_kmajor = gg.weight_operand(b, strides.reduction, tile, kind, flop)
     gg.launch_row_gemm(
         _gathered_gemm_kernel, tile, a.dtype, a.device, N,
         a_ptr=a, b_src=b_src, bias_ptr=bias, a_row_ids_ptr=a_row_ids, offsets_ptr=offsets, out_ptr=out,

@@ -222,7 +222,7 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad
     tile = gg.tile_config("dh", h)
     # grad_out rows @ W_e as [d, I]: the forward's product transposed (reduction over d).
     strides = linear_strides(w_down, not transposed)
-    w_src, w_tma, w_kmajor = gg.weight_operand(w_down, strides.reduction, tile, "dh")
+    w_src, w_tma, w_kmajor = gg.weight_operand(w_down, strides.reduction, tile, "dh", 2 * h.shape[0] * d * I)
     gg.launch_row_gemm(
         _dh_kernel, tile, h.dtype, h.device, I,
         go_ptr=grad_out, w_src=w_src, h_ptr=h, eti_ptr=eti, tw_ptr=topk_weights, tim_ptr=tim, offsets_ptr=offsets,
