@@ -7,11 +7,14 @@ Python functions by own time under cProfile.
     python scripts/host_overhead.py --op-calls  # each op through torch.ops against its kernel alone
     python scripts/host_overhead.py --launches  # one Triton launch through the JIT and around it
     python scripts/host_overhead.py --attribute # the step's host time per kernel launch, JIT and launcher
+    python scripts/host_overhead.py --stub-launches --device cpu --config qwen3_100m_b512 [--op-calls]
 
 Small layers are launch-bound: the device finishes each kernel before the host has
 launched the next, so every microsecond here is a microsecond of the step.
 
-``--no-kernels`` replaces every kernel of the chosen backend by one that returns the
+``--stub-launches`` (CPU tensors) runs the Triton backend's Python with every kernel
+launch and device assert replaced by nothing: the layer's and the ops' host code alone,
+on a machine without a GPU. ``--no-kernels`` replaces every kernel of the chosen backend by one that returns the
 outputs its first call computed: what is left is moeblaze's own Python (checks, autograd
 nodes, op dispatch), measurable on any machine.
 """
@@ -71,6 +74,8 @@ def op_calls(x, ids, w, wgu, wd, n):
                                lambda: backend.expert_up_backward(*up_args, True, True)),
         "expert_down_backward": (lambda: torch.ops.moeblaze.expert_down_backward(*down_args),
                                  lambda: backend.expert_down_backward(*down_args)),
+        "expert_down_backward_ (in place)": (lambda: torch.ops.moeblaze.expert_down_backward_(*down_args),
+                                             lambda: backend.expert_down_backward(*down_args, in_place=True)),
     }
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     torch.set_grad_enabled(False)
@@ -164,6 +169,16 @@ def launch_costs(n):
         print(f"{name}: {(time.perf_counter() - t0) / n * 1e6:.1f} us")
 
 
+def stub_launches():
+    """Every Triton launch and device assert of the Triton backend does nothing."""
+    from moeblaze_ops.kernels import grouped_gemm, triton_combine, triton_dispatch, triton_experts
+    from moeblaze_ops.kernels import triton_experts_backward
+
+    for module in (grouped_gemm, triton_combine, triton_dispatch, triton_experts, triton_experts_backward):
+        module.launch = lambda *args, **kwargs: None
+    torch._assert_async = lambda *args, **kwargs: None
+
+
 def attribute(step, n):
     """Prints, per Triton kernel the step launches, the host microseconds of its launches
     through the JIT (``JITFunction.run``: argument binding, cache lookup, launcher) and of
@@ -244,6 +259,8 @@ def main():
     p.add_argument("--op-calls", action="store_true",
                    help="host time of one call of each op through torch.ops.moeblaze, then of its backend "
                         "function alone (what a compiled graph's extern call costs beyond the kernels)")
+    p.add_argument("--stub-launches", action="store_true",
+                   help="CPU tensors through the Triton backend's Python, every launch a no-op (see above)")
     p.add_argument("--attribute", action="store_true",
                    help="the step's host time in each kernel's Triton launches (CUDA)")
     p.add_argument("--set", dest="settings", metavar="NAME=VALUE", action="append", type=parse_setting, default=[],
@@ -251,7 +268,11 @@ def main():
     p.add_argument("--launches", action="store_true",
                    help="host time of one Triton launch, through the JIT and around it (CUDA)")
     a = p.parse_args()
-    with settings.override(**dict(a.settings)):
+    changes = dict(a.settings)
+    if a.stub_launches:
+        stub_launches()
+        changes.setdefault("backend", "triton")
+    with settings.override(**changes):
         run(a)
 
 
