@@ -52,6 +52,19 @@ def without_kernels(backend):
                                check_index_values=lambda *a: None, check_backward_index_values=lambda *a: None)
 
 
+def us_per_call(fn, n, warmup=10, sync=torch.cuda.synchronize):
+    """Host microseconds per call of ``fn`` over ``n`` calls, after ``warmup`` calls, the
+    queued GPU work included up to the last call's end."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def op_calls(x, ids, w, wgu, wd, n):
     """Prints the host microseconds per call of each op (under ``no_grad``, as the autograd
     engine runs backward ops and a compiled graph runs dispatch's result-only use) and of
@@ -80,16 +93,7 @@ def op_calls(x, ids, w, wgu, wd, n):
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     torch.set_grad_enabled(False)
     for name, pair in calls.items():
-        times = []
-        for fn in pair:
-            for _ in range(10):
-                fn()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            sync()
-            times.append((time.perf_counter() - t0) / n * 1e6)
+        times = [us_per_call(fn, n, sync=sync) for fn in pair]
         print(f"{name}: {times[0]:.1f} us per call through torch.ops, {times[1]:.1f} us its kernels alone")
 
 
@@ -159,14 +163,7 @@ def launch_costs(n):
     ]
     for name, fn, changes in calls:
         with settings.override(small_gemm_flop=0, **changes):
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            torch.cuda.synchronize()
-        print(f"{name}: {(time.perf_counter() - t0) / n * 1e6:.1f} us")
+            print(f"{name}: {us_per_call(fn, n, warmup=20):.1f} us")
 
 
 def stub_launches():
@@ -212,14 +209,7 @@ def attribute(step, n):
             kernel._run = timed_launcher(name, kernel.run)  # ``run`` is a property over ``_run`` (triton 3.6)
         return kernel
 
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / n * 1e6
+    wall = us_per_call(step, n, warmup=5)
     JITFunction.run = timed_run
     try:
         for _ in range(5):
@@ -231,11 +221,7 @@ def attribute(step, n):
                     compiled._run = timed_launcher(compiled.name, compiled.run)
         for d in (jit_us, launcher_us, calls):
             d.clear()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step()
-        torch.cuda.synchronize()
-        timed_wall = (time.perf_counter() - t0) / n * 1e6
+        timed_wall = us_per_call(step, n, warmup=0)
     finally:
         JITFunction.run = plain_run
     print(f"step wall {wall:.1f} us ({timed_wall:.1f} timed); per step, host us in each kernel's launches "
