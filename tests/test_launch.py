@@ -17,7 +17,7 @@ if not hasattr(jit, "native_specialize_impl"):
 from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-from moeblaze_ops.kernels.launch import _Unplannable, argument_kind  # noqa: E402
+from moeblaze_ops.kernels.launch import _Signature, _Unplannable, argument_kind, plan_key  # noqa: E402
 
 
 def triton_specialisation(value):
@@ -83,3 +83,31 @@ def test_gluon_descriptor_keys_refine_triton():
 def test_unknown_argument_kinds_take_the_jit_path(value):
     with pytest.raises(_Unplannable):
         argument_kind(value)
+
+
+def _kernel_source(src_ptr, dst_ptr, n, scale, BLOCK: "tl.constexpr", FLAG: "tl.constexpr" = False):
+    """A kernel's signature (never launched here): the JIT reads its parameters."""
+
+
+def test_plan_keys_bind_arguments_in_parameter_order():
+    """``plan_key`` puts positional and keyword arguments in parameter order, fills
+    defaults, keeps options (num_warps) apart, keys constexprs by value and the other
+    arguments by kind, and refuses what the JIT would refuse (the JIT then says why)."""
+    sig = _Signature(jit.JITFunction(_kernel_source))
+    src, dst = torch.zeros(64), torch.zeros(64)
+    key, values = plan_key(sig, 0, (src, dst), dict(n=17, scale=0.5, BLOCK=64, num_warps=4))
+    assert values == [src, dst, 17, 0.5, 64, False]
+    same, _ = plan_key(sig, 0, (torch.zeros(64), dst, 33), dict(scale=2.0, BLOCK=64, num_warps=4))
+    assert key == same  # another aligned float32 pointer, another int neither 1 nor a multiple of 16
+    for args, kwargs in [((src[1:], dst, 17), {}), ((src, dst, 16), {}), ((src, dst, 1), {}),
+                         ((src, dst, 17), dict(FLAG=True)), ((src, dst, 17), dict(num_warps=8)),
+                         ((src.double(), dst, 17), {})]:
+        kwargs = {"scale": 0.5, "BLOCK": 64, "num_warps": 4, **kwargs}
+        assert plan_key(sig, 0, args, kwargs)[0] != key, (args, kwargs)
+    assert plan_key(sig, 1, (src, dst), dict(n=17, scale=0.5, BLOCK=64, num_warps=4))[0] != key  # device
+    with pytest.raises(_Unplannable):
+        plan_key(sig, 0, (src, dst, 17, 0.5, 64, False, 1), {})
+    with pytest.raises(_Unplannable):
+        plan_key(sig, 0, (src, dst, 17), dict(n=17, scale=0.5, BLOCK=64))
+    with pytest.raises(_Unplannable):  # a required argument missing
+        plan_key(sig, 0, (src, dst), dict(scale=0.5, BLOCK=64))

@@ -13,7 +13,8 @@ this against Triton's own), so they run the same compiled kernel. A key not seen
 goes through the JIT once, which compiles or finds the kernel, launches it, and hands it
 over. Interpreted kernels (``TRITON_INTERPRET=1``), launch hooks (profilers such as
 Proton), argument kinds the key does not know, and ``settings.launch_plans`` off take
-the JIT's path every time.
+the JIT's path every time. Triton's own debug switches (``triton.knobs``, ``TRITON_DEBUG``)
+are part of the JIT's key, not of a plan's: set them before the first launch.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ def kernel_signature(kernel):
 def plan_key(sig: _Signature, device: int, args, kwargs):
     """``(key, values)``: the key of a call's plan and its arguments in the kernel's
     parameter order (defaults filled in), as the launcher takes them."""
+    if len(args) > len(sig.names):
+        raise _Unplannable("too many arguments")  # the JIT's path says so properly
     values = list(args)
     values.extend(sig.defaults[len(args):])
     options = []
@@ -110,6 +113,8 @@ def plan_key(sig: _Signature, device: int, args, kwargs):
         i = sig.index.get(name)
         if i is None:
             options.append((name, value))  # num_warps, num_stages, ...
+        elif i < len(args):
+            raise _Unplannable(f"{name} given twice")
         else:
             values[i] = value
     return (device, tuple(options), *[v if const else argument_kind(v) for v, const in zip(values, sig.constexpr)]), \
