@@ -12,6 +12,8 @@
 # GPU_TEST_WORKERS=<n> sets the pytest-xdist processes (6; one GPU is shared); GPU_TESTS_TIMEOUT=<s>
 # ends the GPU tests after that many seconds (420);
 # EXAMPLE=1 adds the 100M example (eager, compiled, reduce-overhead; moeblaze and grouped_mm);
+# EXAMPLE_AB=1 times the example's model with the two backends alternating in one process
+# (scripts/profile_model.py --rounds: medians over rounds, eager and compiled);
 # GLUON_WS=1 times the warp-specialised Gluon kernels (scripts/compare_row_gemm.py,
 # scripts/tune_backward.py) and trains with every Gluon kernel warp-specialised;
 # BACKWARD_TEMPLATES=1 adds a compiled train run with settings.backward_templates=() (the op's
@@ -89,6 +91,12 @@ if [ "${EXAMPLE:-0}" = 1 ]; then
     echo "== 100M example ${mode:-eager}" | tee -a "$LOG"
     python3 examples/finetune_hf_moe.py --size 100m --device cuda --dtype bfloat16 --steps 40 --warmup 10 $mode \
       --experts-implementation moeblaze grouped_mm 2>>"$LOG" | grep -E "parameters|tokens/s" | tee -a "$LOG"
+  done
+fi
+if [ "${EXAMPLE_AB:-0}" = 1 ]; then
+  for mode in "" "--compile"; do
+    echo "== 100M example's model, backends alternating, ${mode:-eager}" | tee -a "$LOG"
+    python3 scripts/profile_model.py --rounds 6 --round-steps 20 $mode 2>>"$LOG" | tee -a "$LOG"
   done
 fi
 if [ "${BACKWARD_TEMPLATES:-0}" = 1 ]; then

@@ -1,17 +1,24 @@
-"""Where a training step of the example's HuggingFace MoE model spends its time, per
-experts backend: host and device ms per step, then torch.profiler tables (by device time
-and by host time) and, with ``--trace``, a Chrome trace per backend.
+"""A training step of the example's HuggingFace MoE model, per experts backend: where it
+spends its time (host and device ms per step, torch.profiler tables by device and by
+host time, with ``--trace`` a Chrome trace per backend), or, with ``--rounds``, its
+tokens/s with the backends alternating in one process.
 
     python scripts/profile_model.py [--size 100m] [--impl moeblaze grouped_mm] [--compile [MODE]]
         [--steps 5] [--rows 25] [--trace DIR]
+    python scripts/profile_model.py --rounds 6 --round-steps 20 [--compile [MODE]]
 
-The model, data and optimizer are the example's (examples/finetune_hf_moe.py); the step
-is the example's without its per-step loss read, which would wait for the GPU.
+The model and optimizer are the example's (examples/finetune_hf_moe.py). The profiled
+step leaves out the example's per-step loss read, which waits for the GPU; the timed
+rounds keep it, so their tokens/s are the example's. Every backend is built, compiled and
+warmed up first; then each round times ``--round-steps`` steps of each backend, the
+order turning by one backend each round, so that a host whose speed drifts (this one
+moves by 20-40% between runs) weighs on every backend alike.
 """
 
 import argparse
 import importlib.util
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -43,55 +50,104 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--trace", default=None, help="a folder to write Chrome traces into")
+    p.add_argument("--rounds", type=int, default=0, help="time this many alternating rounds instead of profiling")
+    p.add_argument("--round-steps", type=int, default=20, help="steps of each backend in a round")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     a = p.parse_args()
     torch.manual_seed(0)
+    dtype = getattr(torch, a.dtype)
     config = model_config("qwen3_moe", max_positions=512, **example.SIZES[a.size])
-    state = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).state_dict()
+    state = AutoModelForCausalLM.from_config(config, dtype=dtype).state_dict()
+    ids = torch.randint(0, config.vocab_size, (a.batch, a.seq), device=a.device)
+    if a.rounds:
+        return alternate(a, {impl: training_step(a, impl, config, state, dtype, ids) for impl in a.impl}, ids)
     for impl in a.impl:
         torch._dynamo.reset()
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        model.load_state_dict(state)
-        model.to("cuda").train()
-        model.set_experts_implementation(impl)
-        if impl in moeblaze_ops.hf.BACKENDS:
-            moeblaze_ops.hf.check_model(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        run = model
-        if a.compile:
-            with torch.no_grad():
-                model(torch.zeros(1, 8, dtype=torch.long, device="cuda"))
-            run = torch.compile(model, fullgraph=True, mode=a.compile)
-        ids = torch.randint(0, config.vocab_size, (a.batch, a.seq), device="cuda")
+        step = training_step(a, impl, config, state, dtype, ids)
+        profile_step(a, impl, step)
+        del step
+        if a.device.startswith("cuda"):
+            torch.cuda.empty_cache()
 
-        def step():
-            if a.compile == "reduce-overhead":
-                torch.compiler.cudagraph_mark_step_begin()
-            run(ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
 
-        for _ in range(5):
-            step()
+def training_step(a, impl, config, state, dtype, ids):
+    """The example's training step for backend ``impl`` (model built, compiled and warmed up):
+    a function of ``read_loss``, which reads the loss to the host as the example does."""
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(state)
+    model.to(a.device).train()
+    model.set_experts_implementation(impl)
+    if impl in moeblaze_ops.hf.BACKENDS:
+        moeblaze_ops.hf.check_model(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = model
+    if a.compile:
+        with torch.no_grad():  # transformers installs its output hooks on the first call
+            model(torch.zeros(1, 8, dtype=torch.long, device=a.device))
+        run = torch.compile(model, fullgraph=True, mode=a.compile)
+
+    def step(read_loss=False):
+        if a.compile == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = run(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if read_loss:
+            float(loss.detach())
+
+    for _ in range(5):
+        step()
+    _sync(a.device)
+    return step
+
+
+def _sync(device):
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+
+
+def alternate(a, steps, ids):
+    """Prints each backend's tokens/s per round and their medians, the order of the
+    backends turning each round."""
+    names = list(steps)
+    rates = {name: [] for name in names}
+    for r in range(a.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
             t0 = time.perf_counter()
-            for _ in range(a.steps):
-                step()
-            host = (time.perf_counter() - t0) / a.steps * 1e3
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t0) / a.steps * 1e3
-        events = prof.key_averages()
-        device = sum(e.self_device_time_total for e in events
-                     if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / a.steps / 1e3
-        print(f"\n## {impl}{' compiled ' + a.compile if a.compile else ''}: host ms per step {host:.2f}, "
-              f"wall {wall:.2f}, device {device:.2f}", flush=True)
-        print(events.table(sort_by="self_device_time_total", row_limit=a.rows), flush=True)
-        print(events.table(sort_by="self_cpu_time_total", row_limit=a.rows), flush=True)
-        if a.trace:
-            os.makedirs(a.trace, exist_ok=True)
-            prof.export_chrome_trace(os.path.join(a.trace, f"{a.size}-{impl}-{a.compile or 'eager'}.json"))
-        del model, opt, run
-        torch.cuda.empty_cache()
+            for _ in range(a.round_steps):
+                steps[name](read_loss=True)
+            _sync(a.device)
+            rates[name].append(ids.numel() * a.round_steps / (time.perf_counter() - t0))
+        print(f"round {r}: " + ", ".join(f"{name} {rates[name][-1]:,.0f}" for name in names), flush=True)
+    medians = {name: statistics.median(v) for name, v in rates.items()}
+    last = names[-1]
+    for name in names:
+        print(f"{name}: median {medians[name]:,.0f} tokens/s (min {min(rates[name]):,.0f}, max "
+              f"{max(rates[name]):,.0f}), {medians[name] / medians[last]:.2f}x {last}")
+
+
+def profile_step(a, impl, step):
+    """Prints host, wall and device ms per step and the profiler's tables; writes a trace."""
+    cuda = a.device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            step()
+        host = (time.perf_counter() - t0) / a.steps * 1e3
+        _sync(a.device)
+        wall = (time.perf_counter() - t0) / a.steps * 1e3
+    events = prof.key_averages()
+    device = sum(e.self_device_time_total for e in events
+                 if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / a.steps / 1e3
+    print(f"\n## {impl}{' compiled ' + a.compile if a.compile else ''}: host ms per step {host:.2f}, "
+          f"wall {wall:.2f}, device {device:.2f}", flush=True)
+    print(events.table(sort_by="self_device_time_total", row_limit=a.rows), flush=True)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=a.rows), flush=True)
+    if a.trace:
+        os.makedirs(a.trace, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(a.trace, f"{a.size}-{impl}-{a.compile or 'eager'}.json"))
 
 
 if __name__ == "__main__":
