@@ -44,7 +44,7 @@ def test_int_keys_refine_triton(values):
 
 
 def test_scalar_and_none_keys_refine_triton():
-    assert_refines([True, False, 0.0, 1.5, -3e38, float("inf"), None])
+    assert_refines([True, False, 0.0, 1.5, -3e38, 1e300, float("inf"), float("nan"), None])
     assert len({argument_kind(v) for v in (True, 1, 1.0, None)}) == 4
 
 
