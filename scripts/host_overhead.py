@@ -8,6 +8,7 @@ Python functions by own time under cProfile.
     python scripts/host_overhead.py --launches  # one Triton launch through the JIT and around it
     python scripts/host_overhead.py --attribute # the step's host time per kernel launch, JIT and launcher
     python scripts/host_overhead.py --stub-launches --device cpu --config qwen3_100m_b512 [--op-calls]
+    python scripts/host_overhead.py --op-registration  # what a call costs by each way of registering an op
 
 Small layers are launch-bound: the device finishes each kernel before the host has
 launched the next, so every microsecond here is a microsecond of the step.
@@ -166,6 +167,37 @@ def launch_costs(n):
             print(f"{name}: {us_per_call(fn, n, warmup=20):.1f} us")
 
 
+def op_registration_costs(n):
+    """Prints the host microseconds of one call of a do-nothing op with the down backward's
+    14 arguments, registered through ``torch.library.custom_op`` and through the low-level
+    ``torch.library.Library`` API, mutating one argument or none (what an op the compiled
+    graph keeps opaque pays for its registration alone)."""
+    lib = torch.library.Library("moeblaze_probe", "DEF")
+    params = ("Tensor a, Tensor{m} h, Tensor w, Tensor e, Tensor o, Tensor t, Tensor tw, Tensor? b, str act, "
+              "bool tr, bool il, float al, float li, bool nw=True")
+
+    def body(a, h, w, e, o, t, tw, b, act, tr, il, al, li, nw=True):
+        return a.new_empty(0), a.new_empty(0), a.new_empty(0)
+
+    calls = {}
+    for mutates, suffix in ((False, ""), (True, "_")):
+        low = f"low{suffix}"
+        lib.define(f"{low}({params.format(m='(a!)' if mutates else '')}) -> (Tensor, Tensor, Tensor)")
+        lib.impl(low, body, "CompositeExplicitAutograd")
+        high = torch.library.custom_op(f"moeblaze_probe::high{suffix}", mutates_args=("h",) if mutates else (),
+                                       schema=f"({params.format(m='(a!)' if mutates else '')}) -> "
+                                              "(Tensor, Tensor, Tensor)")(body)
+        kind = "mutating h" if mutates else "functional"
+        calls[f"custom_op, {kind}"] = high
+        calls[f"Library.define + impl, {kind}"] = getattr(torch.ops.moeblaze_probe, low)
+    x = torch.zeros(4)
+    args = (x, x.clone(), x, x, x, x, x, None, "swiglu", False, False, 1.0, 2.0, True)
+    calls["the body alone"] = body
+    with torch.no_grad():
+        for name, fn in calls.items():
+            print(f"{name}: {us_per_call(lambda: fn(*args), n, sync=lambda: None):.1f} us")
+
+
 def stub_launches():
     """Every Triton launch and device assert of the Triton backend does nothing."""
     from moeblaze_ops.kernels import grouped_gemm, triton_combine, triton_dispatch, triton_experts
@@ -245,6 +277,8 @@ def main():
     p.add_argument("--op-calls", action="store_true",
                    help="host time of one call of each op through torch.ops.moeblaze, then of its backend "
                         "function alone (what a compiled graph's extern call costs beyond the kernels)")
+    p.add_argument("--op-registration", action="store_true",
+                   help="host time of one call of an op by each way of registering it (any machine)")
     p.add_argument("--stub-launches", action="store_true",
                    help="CPU tensors through the Triton backend's Python, every launch a no-op (see above)")
     p.add_argument("--attribute", action="store_true",
@@ -263,6 +297,8 @@ def main():
 
 
 def run(a):
+    if a.op_registration:
+        return op_registration_costs(max(a.steps, 2000))
     if a.launches:
         return launch_costs(max(a.steps, 1000))
     shape = (64, 32, 16, 8, 2) if a.config == "tiny" else CONFIGS[a.config]
