@@ -237,12 +237,23 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
     # as their eager kernels do.
     if not (need_input_grad and "dx" in settings.current().backward_templates
             and _templates_apply(x, index_positions=()) and not compat.known_zero(x.get_size()[0])):
-        return compat.fallback(_ops.expert_up_backward.default, *args, need_input_grad, need_weight_grad)
+        return compat.fallback(_graph_call("expert_up_backward"), *args, need_input_grad, need_weight_grad)
     out_dim = 1 if transposed else 2  # the d of w_gate_up [E, N, d], or of [E, d, N] when transposed
     grad_x = combined_rows("dx", compat.contiguous(grad_h), w_gate_up, expert_offsets, token_index_map,
                            x.get_size()[0], not transposed, out_dim)
-    _, grad_w, grad_b = compat.fallback(_ops.expert_up_backward.default, *args, False, need_weight_grad)
+    _, grad_w, grad_b = compat.fallback(_graph_call("expert_up_backward"), *args, False, need_weight_grad)
     return grad_x, grad_w, grad_b
+
+
+#: The internal op (``ops.graph_calls``) of each backward op the lowerings call as an extern kernel.
+_INTERNAL = {"expert_up_backward": "_up_backward_kernels", "expert_down_backward": "_down_backward_kernels",
+             "expert_down_backward_": "_down_backward_kernels_"}
+
+
+def _graph_call(op: str):
+    """The op a compiled graph calls for backward op ``op``: the public one, or its internal
+    twin under ``settings.lean_graph_calls``."""
+    return getattr(_ops, _INTERNAL[op] if settings.current().lean_graph_calls else op).default
 
 
 def _donated_and_last_use(node, position) -> bool:
@@ -266,6 +277,6 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
     args = (grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
             activation, transposed, interleaved, alpha, limit, need_weight_grad)
     if not overwrite:
-        return compat.fallback(_ops.expert_down_backward.default, *args)
-    grad_w, grad_b, grad_tw = compat.fallback(_ops.expert_down_backward_.default, *args)
+        return compat.fallback(_graph_call("expert_down_backward"), *args)
+    grad_w, grad_b, grad_tw = compat.fallback(_graph_call("expert_down_backward_"), *args)
     return h, grad_w, grad_b, grad_tw

@@ -35,6 +35,7 @@ from .activations import ACTIVATIONS, GATED_ACTIVATIONS, is_gated
 from .functional import moe_experts
 from .ops.dispatch import dispatch
 from .ops.experts import expert_down, expert_down_backward, expert_up, expert_up_backward
+from .ops import graph_calls as _graph_calls  # noqa: F401  (registers the compiled graphs' internal ops)
 
 __all__ = [
     "ACTIVATIONS",

@@ -174,6 +174,11 @@ class KernelSettings:
             "dx", the input gradient of the up projection (a ``row_gemm`` on dH and an
             unweighted ``combine``, as the forward's down projection and combine); the
             op's kernels then make the weight gradients alone. Empty: the op makes all.
+        lean_graph_calls: compiled graphs call the backward kernels the lowerings keep as
+            extern calls through internal ops defined with the low-level ``torch.library``
+            API (``ops.graph_calls``), which cost the host a dispatcher call, not the
+            public custom ops' Python wrappers, and skip the argument checks the traced
+            graph already passed. Off by default until measured on the GPU.
         launch_plans: repeated Triton launches skip the JIT's argument binding and cache
             lookup (``kernels.launch``): the compiled kernel found for the first call of
             a kind of arguments is launched directly from then on.
@@ -201,6 +206,7 @@ class KernelSettings:
     dispatch_reuse_ranks: bool = True
     backward_templates: frozenset = frozenset({"dx"})
     launch_plans: bool = True
+    lean_graph_calls: bool = False
 
     def __post_init__(self):
         if self.backend not in ("auto", "triton", "torch"):

@@ -139,22 +139,31 @@ def _grads(fn, layer, **backward_kwargs):
 
 
 @pytest.mark.slow
-def test_compiled_backward_writes_dh_over_h(seed):
+@pytest.mark.parametrize("lean", [False, True], ids=["public_ops", "lean_graph_calls"])
+def test_compiled_backward_writes_dh_over_h(lean, seed):
     """The compiled backward runs the in-place form of expert_down_backward on the h that
     AOTAutograd donated to it (h and dH never both exist, as in eager), with eager's
     gradients; a second backward through that graph is refused rather than reading the
-    overwritten h."""
+    overwritten h. Under ``settings.lean_graph_calls`` the graph calls the internal ops
+    (``ops.graph_calls``) instead of the public ones, with the same gradients."""
     from torch._inductor.utils import run_and_get_code
 
     layer = make_layer(24, 16, 8, 4, 2, seed=seed)
     torch._dynamo.reset()
-    compiled = torch.compile(_loss, fullgraph=True)
-    (_, grads), codes = run_and_get_code(lambda: _grads(compiled, layer))
-    assert any("torch.ops.moeblaze.expert_down_backward_.default(" in code for code in codes)
-    for g, ref in zip(grads, _grads(_loss, layer)[1]):
-        assert rel_err(g, ref) < 1e-6
-    with pytest.raises(RuntimeError, match="retain_graph"):
-        _grads(compiled, layer, retain_graph=True)
+    with settings.override(lean_graph_calls=lean):
+        compiled = torch.compile(_loss, fullgraph=True)
+        (_, grads), codes = run_and_get_code(lambda: _grads(compiled, layer))
+        down, up = (("_down_backward_kernels_", "_up_backward_kernels") if lean else
+                    ("expert_down_backward_", "expert_up_backward"))
+        assert any(f"torch.ops.moeblaze.{down}.default(" in code for code in codes)
+        assert any(f"torch.ops.moeblaze.{up}.default(" in code for code in codes)
+        if lean:  # no call of the public backward ops left
+            assert not any(f"torch.ops.moeblaze.{op}.default(" in code for code in codes
+                           for op in ("expert_down_backward_", "expert_down_backward", "expert_up_backward"))
+        for g, ref in zip(grads, _grads(_loss, layer)[1]):
+            assert rel_err(g, ref) < 1e-6
+        with pytest.raises(RuntimeError, match="retain_graph"):
+            _grads(compiled, layer, retain_graph=True)
 
 
 # --------------------------------------------------------------------------- GPU: the templates

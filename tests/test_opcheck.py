@@ -147,3 +147,25 @@ def test_opcheck_backward_ops_skipping_gradients(flags, seed):
     torch.library.opcheck(ops.expert_up_backward.default, args["expert_up_backward"] + flags, test_utils=TEST_UTILS)
     for op in ("expert_down_backward", "expert_down_backward_", "expert_down_backward_recompute"):
         torch.library.opcheck(getattr(ops, op).default, args[op] + flags[1:], test_utils=TEST_UTILS)
+
+
+@pytest.mark.parametrize("op,public", [("_up_backward_kernels", "expert_up_backward"),
+                                       ("_down_backward_kernels", "expert_down_backward"),
+                                       ("_down_backward_kernels_", "expert_down_backward_")])
+@pytest.mark.parametrize("case", ["basic", "sentinels"])
+def test_graph_call_ops(op, public, case, seed):
+    """The internal ops compiled graphs call under ``settings.lean_graph_calls``
+    (``ops.graph_calls``): schema, fake function and kernel agree (opcheck), and each
+    returns what its public op returns, h overwritten alike by the in-place pair."""
+    L, d, I, E, K, routing, sf = CASES[case]
+    layer = make_layer(L, d, I, E, K, routing=routing, sentinel_frac=sf, bias=True, seed=seed)
+    args = op_args(layer)[public]
+    ops = torch.ops.moeblaze
+    torch.library.opcheck(getattr(ops, op).default, args, test_utils=TEST_UTILS)
+    h_at = 1  # the in-place ops' h
+    internal_args, public_args = (tuple(a.clone() if i == h_at and torch.is_tensor(a) else a
+                                        for i, a in enumerate(args)) for _ in range(2))
+    got, want = getattr(ops, op)(*internal_args), getattr(ops, public)(*public_args)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert torch.equal(internal_args[h_at], public_args[h_at])

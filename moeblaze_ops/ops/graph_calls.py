@@ -1,0 +1,80 @@
+"""Internal ops through which compiled graphs call the backward kernels that the lowerings
+keep as extern calls, where ``settings.lean_graph_calls`` asks for them.
+
+A call of a ``torch.library.custom_op`` runs Python wrappers around the op's function:
+autograd, ``torch._disable_dynamo``, the backend redispatch and, for an op that mutates
+an argument, a version bump that rebinds the whole schema. An op defined and implemented
+through the low-level ``torch.library.Library`` API costs the dispatcher's call alone
+(``scripts/host_overhead.py --op-registration``; docs/perf-notes.md has the numbers). A
+compiled layer calls two backward ops a step.
+
+These ops call the backend's kernels without the public ops' argument checks: those ran
+on the fake tensors when the graph was traced, and the index arrays are the forward's,
+which checked them. They are not public. They have no autograd (a compiled backward runs
+without grad), and the in-place form bumps no version counter (its h is a buffer the
+compiled backward owns).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import backward_backend
+from .experts import _check_down_backward, _check_up_backward, _down_grads_like
+
+_lib = torch.library.Library("moeblaze", "FRAGMENT")
+
+_UP = ("Tensor grad_h, Tensor x, Tensor w_gate_up, Tensor expert_token_indices, Tensor expert_offsets, "
+       "Tensor token_index_map, bool has_bias, bool transposed, bool need_input_grad=True, bool need_weight_grad=True")
+_DOWN = ("Tensor grad_out, Tensor{mutated} h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, "
+         "Tensor token_index_map, Tensor topk_weights, Tensor? b_down, str activation, bool transposed, "
+         "bool interleaved, float alpha, float limit, bool need_weight_grad=True")
+_lib.define(f"_up_backward_kernels({_UP}) -> (Tensor, Tensor, Tensor)")
+_lib.define(f"_down_backward_kernels({_DOWN.format(mutated='')}) -> (Tensor, Tensor, Tensor, Tensor)")
+_lib.define(f"_down_backward_kernels_({_DOWN.format(mutated='(a!)')}) -> (Tensor, Tensor, Tensor)")
+
+
+def _up_backward_kernels(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed, need_input_grad=True,
+                         need_weight_grad=True):
+    return backward_backend(x).expert_up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed,
+                                                  need_input_grad, need_weight_grad)
+
+
+def _down_backward_kernels(grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed,
+                           interleaved, alpha, limit, need_weight_grad=True):
+    return backward_backend(h).expert_down_backward(grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down,
+                                                    activation, transposed, interleaved, alpha, limit,
+                                                    need_weight_grad=need_weight_grad)
+
+
+def _down_backward_kernels_(grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed,
+                            interleaved, alpha, limit, need_weight_grad=True):
+    return backward_backend(h).expert_down_backward(grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down,
+                                                    activation, transposed, interleaved, alpha, limit, in_place=True,
+                                                    need_weight_grad=need_weight_grad)[1:]
+
+
+for _fn in (_up_backward_kernels, _down_backward_kernels, _down_backward_kernels_):
+    _lib.impl(_fn.__name__, _fn, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("moeblaze::_up_backward_kernels", lib=_lib)
+def _(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed, need_input_grad=True, need_weight_grad=True):
+    E, N = _check_up_backward(grad_h, x, w_gate_up, eti, offsets, tim, transposed)
+    return (torch.empty_like(x) if need_input_grad else x.new_empty(0),
+            torch.empty_like(w_gate_up) if need_weight_grad else x.new_empty(0),
+            x.new_empty((E, N) if has_bias and need_weight_grad else (0,)))
+
+
+@torch.library.register_fake("moeblaze::_down_backward_kernels", lib=_lib)
+def _(grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed, interleaved, alpha,
+      limit, need_weight_grad=True):
+    _check_down_backward(grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed)
+    return _down_grads_like(h, w_down, b_down, topk_weights, need_weight_grad)
+
+
+@torch.library.register_fake("moeblaze::_down_backward_kernels_", lib=_lib)
+def _(grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed, interleaved, alpha,
+      limit, need_weight_grad=True):
+    _check_down_backward(grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed)
+    return _down_grads_like(h, w_down, b_down, topk_weights, need_weight_grad)[1:]
