@@ -52,21 +52,41 @@ def batches(steps, batch, seq, vocab, seed, corpus_size=64):
         yield corpus[torch.randint(0, corpus_size, (batch,), generator=g)]
 
 
-def train(args, impl, initial_state):
-    torch.manual_seed(args.seed)
-    config = model_config(args.family, max_positions=max(512, args.seq), **SIZES[args.size])
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
+def build_model(config, initial_state, impl, *, device, dtype, compile_mode, lr):
+    """The model with experts backend ``impl``, loaded from ``initial_state`` onto ``device``,
+    its AdamW, and what a step calls: the model, or it compiled with ``compile_mode``."""
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.load_state_dict(initial_state)
-    model.to(args.device).train()
+    model.to(device).train()
     model.set_experts_implementation(impl)
     if impl in moeblaze_ops.hf.BACKENDS:
         moeblaze_ops.hf.check_model(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     run = model
-    if args.compile:
+    if compile_mode:
         with torch.no_grad():  # transformers installs its output hooks on the first call
-            model(torch.zeros(1, 8, dtype=torch.long, device=args.device))
-        run = torch.compile(model, fullgraph=True, mode=args.compile)
+            model(torch.zeros(1, 8, dtype=torch.long, device=device))
+        run = torch.compile(model, fullgraph=True, mode=compile_mode)
+    return run, opt
+
+
+def train_step(run, opt, ids, compile_mode=None):
+    """One optimizer step of next-token prediction on ``ids``; returns the loss (not read)."""
+    if compile_mode == "reduce-overhead":
+        # A new step: the CUDA graphs may overwrite the previous step's outputs now.
+        torch.compiler.cudagraph_mark_step_begin()
+    loss = run(ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def train(args, impl, initial_state):
+    torch.manual_seed(args.seed)
+    config = model_config(args.family, max_positions=max(512, args.seq), **SIZES[args.size])
+    run, opt = build_model(config, initial_state, impl, device=args.device, dtype=getattr(torch, args.dtype),
+                           compile_mode=args.compile, lr=args.lr)
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     losses, tokens, t0 = [], 0, None
@@ -76,14 +96,7 @@ def train(args, impl, initial_state):
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             t0, tokens = time.perf_counter(), 0
-        ids = ids.to(args.device)
-        if args.compile == "reduce-overhead":
-            # A new step: the CUDA graphs may overwrite the previous step's outputs now.
-            torch.compiler.cudagraph_mark_step_begin()
-        loss = run(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(run, opt, ids.to(args.device), args.compile)
         losses.append(float(loss.detach()))
         tokens += ids.numel()
     if args.device.startswith("cuda"):

@@ -27,7 +27,6 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
-import moeblaze_ops.hf
 from moeblaze_ops.hf import model_config
 
 
@@ -61,39 +60,23 @@ def main():
     state = AutoModelForCausalLM.from_config(config, dtype=dtype).state_dict()
     ids = torch.randint(0, config.vocab_size, (a.batch, a.seq), device=a.device)
     if a.rounds:
-        return alternate(a, {impl: training_step(a, impl, config, state, dtype, ids) for impl in a.impl}, ids)
+        return alternate(a, {impl: training_step(a, example, impl, config, state, dtype, ids) for impl in a.impl}, ids)
     for impl in a.impl:
         torch._dynamo.reset()
-        step = training_step(a, impl, config, state, dtype, ids)
+        step = training_step(a, example, impl, config, state, dtype, ids)
         profile_step(a, impl, step)
         del step
         if a.device.startswith("cuda"):
             torch.cuda.empty_cache()
 
 
-def training_step(a, impl, config, state, dtype, ids):
+def training_step(a, example, impl, config, state, dtype, ids):
     """The example's training step for backend ``impl`` (model built, compiled and warmed up):
     a function of ``read_loss``, which reads the loss to the host as the example does."""
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.load_state_dict(state)
-    model.to(a.device).train()
-    model.set_experts_implementation(impl)
-    if impl in moeblaze_ops.hf.BACKENDS:
-        moeblaze_ops.hf.check_model(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    run = model
-    if a.compile:
-        with torch.no_grad():  # transformers installs its output hooks on the first call
-            model(torch.zeros(1, 8, dtype=torch.long, device=a.device))
-        run = torch.compile(model, fullgraph=True, mode=a.compile)
+    run, opt = example.build_model(config, state, impl, device=a.device, dtype=dtype, compile_mode=a.compile, lr=1e-3)
 
     def step(read_loss=False):
-        if a.compile == "reduce-overhead":
-            torch.compiler.cudagraph_mark_step_begin()
-        loss = run(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = example.train_step(run, opt, ids, a.compile)
         if read_loss:
             float(loss.detach())
 
