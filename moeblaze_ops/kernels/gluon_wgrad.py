@@ -36,9 +36,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .. import settings
 from ..settings import GemmTile
 from . import grouped_gemm as gg
-from .launch import launch
 from .gluon_common import (async_load, banded, copy_layout, copy_tma_ring, cta_barrier, host_descriptor, on_hopper,
                            tma_load, tma_store, wgmma_acc_layout)
+from .launch import launch
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 rows of the
 #: reduction per step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).

@@ -117,8 +117,8 @@ def plan_key(sig: _Signature, device: int, args, kwargs):
             raise _Unplannable(f"{name} given twice")
         else:
             values[i] = value
-    return (device, tuple(options), *[v if const else argument_kind(v) for v, const in zip(values, sig.constexpr)]), \
-        values
+    kinds = [v if const else argument_kind(v) for v, const in zip(values, sig.constexpr)]
+    return (device, tuple(options), *kinds), values
 
 
 def launch(kernel, grid, *args, **kwargs):

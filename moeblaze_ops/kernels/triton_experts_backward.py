@@ -26,8 +26,8 @@ from .. import settings
 from ..activations import activation_code
 from ..layouts import in_feature_slice, linear_dims, linear_strides
 from . import grouped_gemm as gg
-from .launch import launch
 from . import triton_activations as acts
+from .launch import launch
 from .triton_combine import combine_in_slabs, row_combine_weights
 from .triton_experts import launch_gathered_gemm
 

@@ -104,6 +104,11 @@ def _(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
       need_input_grad=True, need_weight_grad=True):
     E, N = _check_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
                               transposed)
+    return _up_grads_like(x, w_gate_up, E, N, has_bias, need_input_grad, need_weight_grad)
+
+
+def _up_grads_like(x, w_gate_up, E, N, has_bias, need_input_grad, need_weight_grad):
+    """Empty tensors shaped as expert_up_backward's outputs (the fake functions)."""
     return (torch.empty_like(x) if need_input_grad else x.new_empty(0),
             torch.empty_like(w_gate_up) if need_weight_grad else x.new_empty(0),
             x.new_empty((E, N) if has_bias and need_weight_grad else (0,)))

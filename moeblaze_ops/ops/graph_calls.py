@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import backward_backend
-from .experts import _check_down_backward, _check_up_backward, _down_grads_like
+from .experts import _check_down_backward, _check_up_backward, _down_grads_like, _up_grads_like
 
 _lib = torch.library.Library("moeblaze", "FRAGMENT")
 
@@ -61,9 +61,7 @@ for _fn in (_up_backward_kernels, _down_backward_kernels, _down_backward_kernels
 @torch.library.register_fake("moeblaze::_up_backward_kernels", lib=_lib)
 def _(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed, need_input_grad=True, need_weight_grad=True):
     E, N = _check_up_backward(grad_h, x, w_gate_up, eti, offsets, tim, transposed)
-    return (torch.empty_like(x) if need_input_grad else x.new_empty(0),
-            torch.empty_like(w_gate_up) if need_weight_grad else x.new_empty(0),
-            x.new_empty((E, N) if has_bias and need_weight_grad else (0,)))
+    return _up_grads_like(x, w_gate_up, E, N, has_bias, need_input_grad, need_weight_grad)
 
 
 @torch.library.register_fake("moeblaze::_down_backward_kernels", lib=_lib)
