@@ -6,6 +6,11 @@ tokens/s with the backends alternating in one process.
     python scripts/profile_model.py [--size 100m] [--impl moeblaze grouped_mm] [--compile [MODE]]
         [--steps 5] [--rows 25] [--trace DIR]
     python scripts/profile_model.py --rounds 6 --round-steps 20 [--compile [MODE]]
+    python scripts/profile_model.py --rounds 6 --impl moeblaze moeblaze@lean_graph_calls=True grouped_mm
+
+A backend named ``IMPL@NAME=VALUE[,NAME=VALUE...]`` is backend IMPL built, compiled and
+run with those kernel settings changed (``moeblaze_ops.settings``): A/B of a setting in
+one process.
 
 The model and optimizer are the example's (examples/finetune_hf_moe.py). The profiled
 step leaves out the example's per-step loss read, which waits for the GPU; the timed
@@ -16,6 +21,7 @@ moves by 20-40% between runs) weighs on every backend alike.
 """
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import statistics
@@ -27,6 +33,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
+from moeblaze_ops import settings
+from moeblaze_ops.bench.cli import parse_setting
 from moeblaze_ops.hf import model_config
 
 
@@ -42,7 +50,8 @@ def main():
     example = _example()
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="100m", choices=sorted(example.SIZES))
-    p.add_argument("--impl", nargs="+", default=["moeblaze", "grouped_mm"])
+    p.add_argument("--impl", nargs="+", default=["moeblaze", "grouped_mm"],
+                   help="experts backends; IMPL@NAME=VALUE,... runs IMPL with kernel settings changed")
     p.add_argument("--compile", nargs="?", const="default", choices=example.COMPILE_MODES)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
@@ -70,13 +79,29 @@ def main():
             torch.cuda.empty_cache()
 
 
-def training_step(a, example, impl, config, state, dtype, ids):
-    """The example's training step for backend ``impl`` (model built, compiled and warmed up):
-    a function of ``read_loss``, which reads the loss to the host as the example does."""
-    run, opt = example.build_model(config, state, impl, device=a.device, dtype=dtype, compile_mode=a.compile, lr=1e-3)
+def backend(name):
+    """(experts implementation, kernel settings changes) of a backend named ``IMPL`` or
+    ``IMPL@NAME=VALUE,...``."""
+    impl, _, changes = name.partition("@")
+    return impl, dict(parse_setting(item) for item in changes.split(",") if item)
+
+
+def training_step(a, example, name, config, state, dtype, ids):
+    """The example's training step for backend ``name`` (model built, compiled and warmed up,
+    under the backend's settings): a function of ``read_loss``, which reads the loss to the
+    host as the example does."""
+    impl, changes = backend(name)
+
+    def in_settings():
+        return settings.override(**changes) if changes else contextlib.nullcontext()
+
+    with in_settings():
+        run, opt = example.build_model(config, state, impl, device=a.device, dtype=dtype, compile_mode=a.compile,
+                                       lr=1e-3)
 
     def step(read_loss=False):
-        loss = example.train_step(run, opt, ids, a.compile)
+        with in_settings():
+            loss = example.train_step(run, opt, ids, a.compile)
         if read_loss:
             float(loss.detach())
 

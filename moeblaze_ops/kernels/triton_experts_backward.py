@@ -33,19 +33,51 @@ from .triton_experts import launch_gathered_gemm
 
 
 @triton.jit
+def _dh_epilogue(g, w, row0, rows, real, rmask, n0, I, h_src, dh_ptr, wact_ptr, stride_hm, stride_dhm, stride_wam,
+                 alpha, limit, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, WRITE_WACT: tl.constexpr,
+                 FAST_ACT: tl.constexpr, H_TMA: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """dH's epilogue on activation columns [n0, n0 + WIDTH) of the tile: recomputes the
+    activation from h, writes dH (and w * act(h) with WRITE_WACT) and returns each row's
+    <g, act(h)> over these columns, for the router gradient. ``g`` is dL/da / w."""
+    cols = n0 + tl.arange(0, WIDTH)
+    cmask = cols < I
+    hg, hu = gg.load_h_pair(h_src, row0, real, stride_hm, n0, I, ACT, INTERLEAVED, H_TMA, BLOCK_M, WIDTH)
+    out_rows = dh_ptr + rows.to(tl.int64)[:, None] * stride_dhm
+    smask = rmask[:, None] & cmask[None, :]
+    dg, du, a = acts.backward(g * w, hg, hu, alpha, limit, ACT, FAST_ACT)
+    if ACT < acts.NUM_GATED:
+        # Both halves converted before either store: storing the first while the second
+        # is still fp32 measured slower (docs/perf-notes.md).
+        dg = dg.to(dh_ptr.dtype.element_ty)
+        du = du.to(dh_ptr.dtype.element_ty)
+        if INTERLEAVED:
+            tl.store(out_rows + 2 * cols[None, :], dg, mask=smask)
+            tl.store(out_rows + 2 * cols[None, :] + 1, du, mask=smask)
+        else:
+            tl.store(out_rows + cols[None, :], dg, mask=smask)
+            tl.store(out_rows + I + cols[None, :], du, mask=smask)
+    else:
+        tl.store(out_rows + cols[None, :], dg.to(dh_ptr.dtype.element_ty), mask=smask)
+    if WRITE_WACT:  # w * act(h): the down weight gradient's operand, read from memory there
+        tl.store(wact_ptr + rows.to(tl.int64)[:, None] * stride_wam + cols[None, :],
+                 (w * a).to(wact_ptr.dtype.element_ty), mask=smask)
+    return tl.sum(g * tl.where(smask, a, 0.0), axis=1)
+
+
+@triton.jit
 def _dh_kernel(
-    go_ptr, w_src, h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, bias_ptr, dh_ptr, wact_ptr, part_ptr, bdot_ptr,
+    go_ptr, w_src, h_src, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, bias_ptr, dh_ptr, wact_ptr, part_ptr, bdot_ptr,
     LK, E, D, I, alpha, limit, n_parts,
     stride_gm, stride_we, stride_wk, stride_wn, stride_bias, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
     K: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_WACT: tl.constexpr,
     W_TMA: tl.constexpr,
-    W_KMAJOR: tl.constexpr, FAST_ACT: tl.constexpr, GROUPS: tl.constexpr, BAND: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_KMAJOR: tl.constexpr, H_TMA: tl.constexpr, FAST_ACT: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BAND: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     total = gg.num_row_tiles(offsets_ptr, E, LK, I, BLOCK_M, BLOCK_N, GROUPS)
     for tile in range(tl.program_id(0), total, tl.num_programs(0)):
-        e, row0, rows, rmask, n0, cols, cmask = gg.row_tile(tile, offsets_ptr, E, LK, I, BLOCK_M, BLOCK_N, GROUPS,
-                                                            BAND)
+        e, row0, rows, rmask, n0, _, _ = gg.row_tile(tile, offsets_ptr, E, LK, I, BLOCK_M, BLOCK_N, GROUPS, BAND)
         n_idx = n0 // BLOCK_N  # the router partial this tile writes
         real = rmask & ((rows * 0 + e) < E)  # rows of a real expert (not the sentinel group)
         tok = tl.load(eti_ptr + rows, mask=real, other=0).to(tl.int64)
@@ -56,30 +88,21 @@ def _dh_kernel(
                 b = gg.load_weight_tile(w_src, e, k0, n0, stride_we, stride_wk, stride_wn, D, I, W_TMA, W_KMAJOR,
                                         BLOCK_K, BLOCK_N)
                 g = tl.dot(a, b, g, input_precision=PRECISION)
-        # Epilogue: recompute the activation from h, apply its derivative.
-        hg, hu = gg.load_h_pair(h_ptr, row0, real, stride_hm, n0, I, ACT, INTERLEAVED, False, BLOCK_M, BLOCK_N)
         w = row_combine_weights(tw_ptr, tim_ptr, tok, rows, real, stride_tw0, stride_tw1, K)[:, None]
-        out_rows = dh_ptr + rows.to(tl.int64)[:, None] * stride_dhm
-        smask = rmask[:, None] & cmask[None, :]
-        dg, du, a = acts.backward(g * w, hg, hu, alpha, limit, ACT, FAST_ACT)
-        if ACT < acts.NUM_GATED:
-            # Both halves converted before either store: storing the first while the second
-            # is still fp32 measured slower (docs/perf-notes.md).
-            dg = dg.to(dh_ptr.dtype.element_ty)
-            du = du.to(dh_ptr.dtype.element_ty)
-            if INTERLEAVED:
-                tl.store(out_rows + 2 * cols[None, :], dg, mask=smask)
-                tl.store(out_rows + 2 * cols[None, :] + 1, du, mask=smask)
-            else:
-                tl.store(out_rows + cols[None, :], dg, mask=smask)
-                tl.store(out_rows + I + cols[None, :], du, mask=smask)
+        if EPILOGUE_SPLIT == 2:
+            # Two column halves one after the other: half the h tiles and activation
+            # temporaries are live at once, which is what spills at 128 x 128.
+            g0, g1 = tl.split(tl.permute(tl.reshape(g, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            part = _dh_epilogue(g0, w, row0, rows, real, rmask, n0, I, h_src, dh_ptr, wact_ptr, stride_hm, stride_dhm,
+                                stride_wam, alpha, limit, ACT, INTERLEAVED, WRITE_WACT, FAST_ACT, H_TMA, BLOCK_M,
+                                BLOCK_N // 2)
+            part += _dh_epilogue(g1, w, row0, rows, real, rmask, n0 + BLOCK_N // 2, I, h_src, dh_ptr, wact_ptr,
+                                 stride_hm, stride_dhm, stride_wam, alpha, limit, ACT, INTERLEAVED, WRITE_WACT,
+                                 FAST_ACT, H_TMA, BLOCK_M, BLOCK_N // 2)
         else:
-            tl.store(out_rows + cols[None, :], dg.to(dh_ptr.dtype.element_ty), mask=smask)
-        if WRITE_WACT:  # w * act(h): the down weight gradient's operand, read from memory there
-            tl.store(wact_ptr + rows.to(tl.int64)[:, None] * stride_wam + cols[None, :],
-                     (w * a).to(wact_ptr.dtype.element_ty), mask=smask)
-        a = tl.where(smask, a, 0.0)
-        tl.store(part_ptr + rows.to(tl.int64) * n_parts + n_idx, tl.sum(g * a, axis=1), mask=rmask)
+            part = _dh_epilogue(g, w, row0, rows, real, rmask, n0, I, h_src, dh_ptr, wact_ptr, stride_hm, stride_dhm,
+                                stride_wam, alpha, limit, ACT, INTERLEAVED, WRITE_WACT, FAST_ACT, H_TMA, BLOCK_M, BLOCK_N)
+        tl.store(part_ptr + rows.to(tl.int64) * n_parts + n_idx, part, mask=rmask)
         if HAS_BIAS:
             if n_idx == 0:  # <grad_out[token], b_e>, once per row
                 bd = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -223,9 +246,12 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad
     # grad_out rows @ W_e as [d, I]: the forward's product transposed (reduction over d).
     strides = linear_strides(w_down, not transposed)
     w_src, w_tma, w_kmajor = gg.weight_operand(w_down, strides.reduction, tile, "dh", 2 * h.shape[0] * d * I)
+    config = settings.current()
+    h_src, h_tma = gg.h_operand(h, act, interleaved, I, tile.block_m, tile.block_n // config.dh_epilogue_split,
+                                config.dh_h_tma)
     gg.launch_row_gemm(
         _dh_kernel, tile, h.dtype, h.device, I,
-        go_ptr=grad_out, w_src=w_src, h_ptr=h, eti_ptr=eti, tw_ptr=topk_weights, tim_ptr=tim, offsets_ptr=offsets,
+        go_ptr=grad_out, w_src=w_src, h_src=h_src, eti_ptr=eti, tw_ptr=topk_weights, tim_ptr=tim, offsets_ptr=offsets,
         bias_ptr=b_down, dh_ptr=grad_h, wact_ptr=wact, part_ptr=parts, bdot_ptr=bdot,
         LK=h.shape[0], E=E, D=d, I=I, alpha=float(alpha), limit=float(limit), n_parts=parts.shape[1],
         stride_gm=grad_out.stride(0), stride_we=strides.expert, stride_wk=strides.reduction,
@@ -233,8 +259,8 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad
         stride_hm=h.stride(0), stride_dhm=grad_h.stride(0), stride_wam=wact.stride(0) if wact is not None else 0,
         stride_tw0=topk_weights.stride(0), stride_tw1=topk_weights.stride(1), K=topk_weights.shape[1],
         ACT=int(act), INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, WRITE_WACT=wact is not None,
-        W_TMA=w_tma, W_KMAJOR=w_kmajor,
-        FAST_ACT=gg.fast_sigmoid(h, settings.current().dh_fast_activation),
+        W_TMA=w_tma, W_KMAJOR=w_kmajor, H_TMA=h_tma, FAST_ACT=gg.fast_sigmoid(h, config.dh_fast_activation),
+        EPILOGUE_SPLIT=config.dh_epilogue_split,
     )
 
 
