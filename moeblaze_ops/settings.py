@@ -161,11 +161,10 @@ class KernelSettings:
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
             GEMM's prologue or the activation pass.
         dh_fast_activation: the same in the dH epilogue.
-        dh_epilogue_split: 1, or 2: the dH epilogue (h in, dH and w * act(h) out) works
-            through its tile's columns in two halves, one after the other, so half the
-            registers it needs are live at once.
-        dh_h_tma: the dH epilogue reads h through TMA tensor descriptors where TMA allows
-            it (``h_tma`` is the down GEMM's).
+        dh_epilogue_split: 1, 2 or 4: the dH epilogue (h in, dH and w * act(h) out) works
+            through its tile's columns in this many slices, one after the other, so that
+            only a slice's registers are live at once. The default is chosen by
+            measurement (docs/perf-notes.md).
         column_slab: width of the column slabs in which the [L*K, d] scratch (expert
             outputs before the combine, dX rows before their sum) is made; None: all d
             columns at once.
@@ -205,8 +204,7 @@ class KernelSettings:
     activation_pass: bool = True
     fast_activation: bool = True
     dh_fast_activation: bool = True
-    dh_epilogue_split: int = 1
-    dh_h_tma: bool = False
+    dh_epilogue_split: int = 2
     column_slab: Optional[int] = 512
     dispatch_sorted_min_bins: Optional[int] = 128
     dispatch_sort_chunk: int = 1024
@@ -240,8 +238,8 @@ class KernelSettings:
         if not all(isinstance(n, int) and n >= 0 for n in rows_tma.values()):
             raise ValueError(f"moeblaze settings: wgrad_rows_tma maps kinds to rows per expert (ints >= 0), "
                              f"got {rows_tma}")
-        if self.dh_epilogue_split not in (1, 2):
-            raise ValueError(f"moeblaze settings: dh_epilogue_split must be 1 or 2, got {self.dh_epilogue_split!r}")
+        if self.dh_epilogue_split not in (1, 2, 4):
+            raise ValueError(f"moeblaze settings: dh_epilogue_split must be 1, 2 or 4, got {self.dh_epilogue_split!r}")
         object.__setattr__(self, "backward_templates", frozenset(self.backward_templates))
         if not self.backward_templates <= set(BACKWARD_TEMPLATE_KINDS):
             raise ValueError(f"moeblaze settings: backward_templates has unknown parts "

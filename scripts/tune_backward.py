@@ -1,7 +1,7 @@
 """Sweeps tile configs of the backward GEMM kernels on benchmark shapes (GPU).
 
     python scripts/tune_backward.py [--configs olmoe mixtral] [--kinds dh dx wgrad_down wgrad_up]
-        [--w-tma 0 1] [--dh-fast 0 1] [--dh-split 1 2] [--dh-h-tma 0 1] [--gluon 0 1] [--ws 0 1] [--rows-tma 0 1] [--tma-store 0 1]
+        [--w-tma 0 1] [--dh-fast 0 1] [--dh-split 1 2 4] [--gluon 0 1] [--ws 0 1] [--rows-tma 0 1] [--tma-store 0 1]
         [--row-band 1 8]
         [--wgrad-band 1 8 16]
 
@@ -85,10 +85,9 @@ def variants(kind, a):
         return (base | {kind}) if v else (base - {kind})
 
     if kind == "dh":
-        return [(f"w_tma={v} fast={f} band={b} split={sp} h_tma={ht}",
-                 dict(weight_tma=w_tma(v), dh_fast_activation=bool(f), row_band=b, dh_epilogue_split=sp,
-                      dh_h_tma=bool(ht)))
-                for v in a.w_tma for f in a.dh_fast for b in a.row_band for sp in a.dh_split for ht in a.dh_h_tma]
+        return [(f"w_tma={v} fast={f} band={b} split={sp}",
+                 dict(weight_tma=w_tma(v), dh_fast_activation=bool(f), row_band=b, dh_epilogue_split=sp))
+                for v in a.w_tma for f in a.dh_fast for b in a.row_band for sp in a.dh_split]
     if kind == "dx":
         return [(f"w_tma={v} band={b}", dict(weight_tma=w_tma(v), row_band=b)) for v in a.w_tma for b in a.row_band]
     gluon, ws, rows_tma = (settings.current().gluon, settings.current().gluon_warp_specialize,
@@ -113,9 +112,7 @@ def main():
                    help="weight tiles through TMA (1) or not (0): dh and dx read weights")
     p.add_argument("--dh-fast", nargs="*", type=int, default=[0, 1], help="dH epilogue with the approximate sigmoid")
     p.add_argument("--dh-split", nargs="*", type=int, default=[settings.current().dh_epilogue_split],
-                   help="dH epilogue over the whole tile (1) or in two column halves (2)")
-    p.add_argument("--dh-h-tma", nargs="*", type=int, default=[int(settings.current().dh_h_tma)],
-                   help="dH epilogue reading h through TMA (1) or pointers (0)")
+                   help="dH epilogue over the whole tile (1) or in 2 or 4 column slices")
     p.add_argument("--gluon", nargs="*", type=int, default=[1, 0],
                    help="weight gradients on the Gluon kernel (1) or the portable tl one (0)")
     p.add_argument("--ws", nargs="*", type=int, default=[0, 1],

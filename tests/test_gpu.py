@@ -267,7 +267,7 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                                     {"row_band": 1, "wgrad_band": 1},
                                     {"gluon": settings.GLUON_KINDS, "row_band": 3},
                                     {"gluon": settings.GLUON_KINDS, "row_band": 1},
-                                    {"dh_epilogue_split": 2}],
+                                    {"dh_epilogue_split": 1}, {"dh_epilogue_split": 4}],
                          ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("activation,layout", [("swiglu", "interleaved"), ("clamped_swiglu", "transposed"),
                                                ("silu", "concatenated")])
@@ -297,14 +297,14 @@ def test_column_slabs(layout, slab, seed, triton_bwd):
                        bias=True, tw_dtype=torch.float32)
 
 
-@pytest.mark.parametrize("split", [1, 2], ids=["whole", "halves"])
+@pytest.mark.parametrize("split", [1, 2, 4], ids=["whole", "halves", "quarters"])
 @pytest.mark.parametrize("fast", [True, False], ids=["approx", "exact"])
 @pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu", "silu"])
 def test_dh_epilogue(activation, fast, split, seed, triton_bwd):
     """The dH epilogue with the approximate-tanh sigmoid (``settings.dh_fast_activation``,
-    the default) and with the exact one, over the whole tile or in two column halves
-    (``settings.dh_epilogue_split``): every gradient within the bf16 tolerance of the
-    reference."""
+    the default) and with the exact one, over the whole tile, in two column halves (the
+    default) or quarters (``settings.dh_epilogue_split``): every gradient within the bf16 tolerance
+    of the reference."""
     with settings.override(dh_fast_activation=fast, dh_epilogue_split=split):
         check_backward(512, 256, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed,
                        activation=activation,

@@ -2,7 +2,7 @@
 any machine, with Triton's own compiler and ptxas: the dispatch kernels with the id checks
 folded in (both families, int32 and int64 ids; the sorted one's scatter sorting again or
 reading the histogram's ranks), the backward kernels that read each
-row's combine weight in place (dH's epilogue whole and in two column halves), and the row GEMMs with their tiles in bands
+row's combine weight in place (dH's epilogue whole and in column slices), and the row GEMMs with their tiles in bands
 (``settings.row_band``). CPU machines run these kernels in the interpreter, which
 does not lower them; this catches what only the real compiler rejects.
 
@@ -44,7 +44,7 @@ for ids in ("*i32", "*i64"):
 rows = {n: "*bf16" for n in ("go_ptr", "w_src", "h_ptr", "bias_ptr", "dh_ptr", "wact_ptr", "rows_ptr", "out_ptr")}
 rows.update({n: "*i32" for n in ("eti_ptr", "tim_ptr", "offsets_ptr", "row_ids_ptr")}, tw_ptr="*fp32",
             part_ptr="*fp32", bdot_ptr="*fp32", alpha="fp32", limit="fp32")
-for split, interleaved in ((1, False), (2, False), (2, True)):
+for split, interleaved in ((1, False), (2, False), (2, True), (4, True)):
     compile_for_hopper(tb._dh_kernel, rows, dict(K=8, ACT=0, INTERLEAVED=interleaved, HAS_BIAS=True, WRITE_WACT=True,
                                                  W_TMA=False, W_KMAJOR=True, FAST_ACT=True, EPILOGUE_SPLIT=split,
                                                  GROUPS=16, BAND=8, PRECISION="tf32", BLOCK_M=128, BLOCK_N=128,

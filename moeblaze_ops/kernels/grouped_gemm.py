@@ -294,16 +294,16 @@ def _descriptor(t: torch.Tensor, block):
     return TensorDescriptor.from_tensor(t, block)
 
 
-def h_operand(h: torch.Tensor, act: int, interleaved: bool, I: int, block_m: int, block_k: int, tma: bool):
+def h_operand(h: torch.Tensor, act: int, interleaved: bool, I: int, block_m: int, block_k: int):
     """h as a kernel reads its [block_m, block_k] activation tiles (activation code ``act``):
-    ``(source, through_tma)``, a TMA tensor descriptor where ``tma`` (the kernel's setting)
-    and TMA allow it, else the tensor."""
+    ``(source, through_tma)``, a TMA tensor descriptor where ``settings.h_tma`` and TMA
+    allow it, else the tensor."""
     # TMA needs 16-byte aligned rows and tile starts (the up half starts at column I), and a
     # box at most 256 elements wide (the interleaved layout reads 2*BK columns at once).
     width = 2 * block_k if act < NUM_GATED and interleaved else block_k
     aligned = (h.stride(1) == 1 and (h.stride(0) * h.element_size()) % 16 == 0 and h.data_ptr() % 16 == 0
                and (I * h.element_size()) % 16 == 0)
-    if not (tma and aligned and width <= 256):
+    if not (settings.current().h_tma and aligned and width <= 256):
         return h, False
     return _descriptor(h, [block_m, width]), True
 

@@ -184,7 +184,7 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
                 INTERLEAVED=interleaved, FAST_ACT=fast, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
     else:
         tile = gg.tile_config("down", h)
-        h_src, h_tma = gg.h_operand(h, act, interleaved, I, tile.block_m, tile.block_k, settings.current().h_tma)
+        h_src, h_tma = gg.h_operand(h, act, interleaved, I, tile.block_m, tile.block_k)
 
     def expert_outputs(y, c0, c1):  # columns [c0, c1) of every routed row's output; sentinel rows zero
         w = out_feature_slice(w_down, c0, c1, transposed)

@@ -33,15 +33,36 @@ from .triton_experts import launch_gathered_gemm
 
 
 @triton.jit
-def _dh_epilogue(g, w, row0, rows, real, rmask, n0, I, h_src, dh_ptr, wact_ptr, stride_hm, stride_dhm, stride_wam,
+def _column_half(t, UPPER: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """The lower or upper half of the columns of a [BLOCK_M, WIDTH] tile (a register
+    renaming, for the accumulator's layout)."""
+    lower, upper = tl.split(tl.permute(tl.reshape(t, (BLOCK_M, 2, WIDTH // 2)), (0, 2, 1)))
+    out = lower
+    if UPPER:
+        out = upper
+    return out
+
+
+@triton.jit
+def _column_slice(t, S: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """Columns [S * WIDTH / PARTS, (S + 1) * WIDTH / PARTS) of a [BLOCK_M, WIDTH] tile, PARTS 2 or 4."""
+    if PARTS == 2:
+        out = _column_half(t, S == 1, BLOCK_M, WIDTH)
+    else:
+        out = _column_half(_column_half(t, S >= 2, BLOCK_M, WIDTH), S % 2 == 1, BLOCK_M, WIDTH // 2)
+    return out
+
+
+@triton.jit
+def _dh_epilogue(g, w, row0, rows, real, rmask, n0, I, h_ptr, dh_ptr, wact_ptr, stride_hm, stride_dhm, stride_wam,
                  alpha, limit, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, WRITE_WACT: tl.constexpr,
-                 FAST_ACT: tl.constexpr, H_TMA: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+                 FAST_ACT: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
     """dH's epilogue on activation columns [n0, n0 + WIDTH) of the tile: recomputes the
     activation from h, writes dH (and w * act(h) with WRITE_WACT) and returns each row's
     <g, act(h)> over these columns, for the router gradient. ``g`` is dL/da / w."""
     cols = n0 + tl.arange(0, WIDTH)
     cmask = cols < I
-    hg, hu = gg.load_h_pair(h_src, row0, real, stride_hm, n0, I, ACT, INTERLEAVED, H_TMA, BLOCK_M, WIDTH)
+    hg, hu = gg.load_h_pair(h_ptr, row0, real, stride_hm, n0, I, ACT, INTERLEAVED, False, BLOCK_M, WIDTH)
     out_rows = dh_ptr + rows.to(tl.int64)[:, None] * stride_dhm
     smask = rmask[:, None] & cmask[None, :]
     dg, du, a = acts.backward(g * w, hg, hu, alpha, limit, ACT, FAST_ACT)
@@ -66,13 +87,12 @@ def _dh_epilogue(g, w, row0, rows, real, rmask, n0, I, h_src, dh_ptr, wact_ptr, 
 
 @triton.jit
 def _dh_kernel(
-    go_ptr, w_src, h_src, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, bias_ptr, dh_ptr, wact_ptr, part_ptr, bdot_ptr,
+    go_ptr, w_src, h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, bias_ptr, dh_ptr, wact_ptr, part_ptr, bdot_ptr,
     LK, E, D, I, alpha, limit, n_parts,
     stride_gm, stride_we, stride_wk, stride_wn, stride_bias, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
     K: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_WACT: tl.constexpr,
     W_TMA: tl.constexpr,
-    W_KMAJOR: tl.constexpr, H_TMA: tl.constexpr, FAST_ACT: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
-    GROUPS: tl.constexpr,
+    W_KMAJOR: tl.constexpr, FAST_ACT: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, GROUPS: tl.constexpr,
     BAND: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     total = gg.num_row_tiles(offsets_ptr, E, LK, I, BLOCK_M, BLOCK_N, GROUPS)
@@ -89,19 +109,19 @@ def _dh_kernel(
                                         BLOCK_K, BLOCK_N)
                 g = tl.dot(a, b, g, input_precision=PRECISION)
         w = row_combine_weights(tw_ptr, tim_ptr, tok, rows, real, stride_tw0, stride_tw1, K)[:, None]
-        if EPILOGUE_SPLIT == 2:
-            # Two column halves one after the other: half the h tiles and activation
-            # temporaries are live at once, which is what spills at 128 x 128.
-            g0, g1 = tl.split(tl.permute(tl.reshape(g, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            part = _dh_epilogue(g0, w, row0, rows, real, rmask, n0, I, h_src, dh_ptr, wact_ptr, stride_hm, stride_dhm,
-                                stride_wam, alpha, limit, ACT, INTERLEAVED, WRITE_WACT, FAST_ACT, H_TMA, BLOCK_M,
-                                BLOCK_N // 2)
-            part += _dh_epilogue(g1, w, row0, rows, real, rmask, n0 + BLOCK_N // 2, I, h_src, dh_ptr, wact_ptr,
-                                 stride_hm, stride_dhm, stride_wam, alpha, limit, ACT, INTERLEAVED, WRITE_WACT,
-                                 FAST_ACT, H_TMA, BLOCK_M, BLOCK_N // 2)
+        # The epilogue in EPILOGUE_SPLIT column slices, one after the other: a slice's h
+        # tiles and activation temporaries are all that is live, which is what spills at
+        # 128 x 128 in one piece.
+        if EPILOGUE_SPLIT == 1:
+            part = _dh_epilogue(g, w, row0, rows, real, rmask, n0, I, h_ptr, dh_ptr, wact_ptr, stride_hm, stride_dhm,
+                                stride_wam, alpha, limit, ACT, INTERLEAVED, WRITE_WACT, FAST_ACT, BLOCK_M, BLOCK_N)
         else:
-            part = _dh_epilogue(g, w, row0, rows, real, rmask, n0, I, h_src, dh_ptr, wact_ptr, stride_hm, stride_dhm,
-                                stride_wam, alpha, limit, ACT, INTERLEAVED, WRITE_WACT, FAST_ACT, H_TMA, BLOCK_M, BLOCK_N)
+            SLICE: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+            part = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for s in tl.static_range(EPILOGUE_SPLIT):
+                part += _dh_epilogue(_column_slice(g, s, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N), w, row0, rows, real, rmask,
+                                     n0 + s * SLICE, I, h_ptr, dh_ptr, wact_ptr, stride_hm, stride_dhm, stride_wam,
+                                     alpha, limit, ACT, INTERLEAVED, WRITE_WACT, FAST_ACT, BLOCK_M, SLICE)
         tl.store(part_ptr + rows.to(tl.int64) * n_parts + n_idx, part, mask=rmask)
         if HAS_BIAS:
             if n_idx == 0:  # <grad_out[token], b_e>, once per row
@@ -247,11 +267,9 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad
     strides = linear_strides(w_down, not transposed)
     w_src, w_tma, w_kmajor = gg.weight_operand(w_down, strides.reduction, tile, "dh", 2 * h.shape[0] * d * I)
     config = settings.current()
-    h_src, h_tma = gg.h_operand(h, act, interleaved, I, tile.block_m, tile.block_n // config.dh_epilogue_split,
-                                config.dh_h_tma)
     gg.launch_row_gemm(
         _dh_kernel, tile, h.dtype, h.device, I,
-        go_ptr=grad_out, w_src=w_src, h_src=h_src, eti_ptr=eti, tw_ptr=topk_weights, tim_ptr=tim, offsets_ptr=offsets,
+        go_ptr=grad_out, w_src=w_src, h_ptr=h, eti_ptr=eti, tw_ptr=topk_weights, tim_ptr=tim, offsets_ptr=offsets,
         bias_ptr=b_down, dh_ptr=grad_h, wact_ptr=wact, part_ptr=parts, bdot_ptr=bdot,
         LK=h.shape[0], E=E, D=d, I=I, alpha=float(alpha), limit=float(limit), n_parts=parts.shape[1],
         stride_gm=grad_out.stride(0), stride_we=strides.expert, stride_wk=strides.reduction,
@@ -259,7 +277,7 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad
         stride_hm=h.stride(0), stride_dhm=grad_h.stride(0), stride_wam=wact.stride(0) if wact is not None else 0,
         stride_tw0=topk_weights.stride(0), stride_tw1=topk_weights.stride(1), K=topk_weights.shape[1],
         ACT=int(act), INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, WRITE_WACT=wact is not None,
-        W_TMA=w_tma, W_KMAJOR=w_kmajor, H_TMA=h_tma, FAST_ACT=gg.fast_sigmoid(h, config.dh_fast_activation),
+        W_TMA=w_tma, W_KMAJOR=w_kmajor, FAST_ACT=gg.fast_sigmoid(h, config.dh_fast_activation),
         EPILOGUE_SPLIT=config.dh_epilogue_split,
     )
 
