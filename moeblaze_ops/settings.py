@@ -54,7 +54,7 @@ __all__ = [
 
 #: The GEMMs of the layer: the forward up and down projections, the backward's dH
 #: (activation gradient), dX rows, and the two weight gradients.
-GEMM_KINDS = ("up", "down", "dh", "dx", "wgrad_down", "wgrad_up")
+GEMM_KINDS = ("up", "down", "dh", "dh_wide", "dx", "wgrad_down", "wgrad_up")
 #: The kinds that have a Gluon kernel for Hopper besides their ``tl`` one.
 GLUON_KINDS = ("up", "down", "dx", "wgrad_down", "wgrad_up")
 #: The parts of the backward that compiled graphs can run as Inductor templates.
@@ -90,6 +90,7 @@ TILE_TABLE: Mapping[tuple, tuple] = {
     ("up", "16bit", "sm90"): (GemmTile(128, 256, 64, 8, 3),),
     ("down", "16bit", "sm90"): (GemmTile(128, 256, 64, 8, 3),),
     ("dh", "16bit", "sm90"): (GemmTile(128, 128, 64, 8, 4),),
+    ("dh_wide", "16bit", "sm90"): (GemmTile(128, 256, 64, 8, 3),),
     ("dx", "16bit", "sm90"): (GemmTile(128, 256, 64, 8, 4),),
     ("wgrad_down", "16bit", "sm90"): (GemmTile(256, 128, 64, 8, 3),),
     ("wgrad_up", "16bit", "sm90"): (GemmTile(256, 128, 64, 8, 3),),
@@ -161,10 +162,15 @@ class KernelSettings:
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
             GEMM's prologue or the activation pass.
         dh_fast_activation: the same in the dH epilogue.
-        dh_epilogue_split: 1, 2 or 4: the dH epilogue (h in, dH and w * act(h) out) works
-            through its tile's columns in this many slices, one after the other, so that
-            only a slice's registers are live at once. The default is chosen by
+        dh_epilogue_columns: the dH epilogue (h in, dH and w * act(h) out) works through
+            its tile in slices of this many columns (a power of two), one after the
+            other, so that only a slice's registers are live at once: a tile of
+            ``block_n`` columns takes ``block_n // dh_epilogue_columns`` slices, at most
+            4, at least 1. None: the whole tile at once. The default is chosen by
             measurement (docs/perf-notes.md).
+        dh_wide_min_columns: dH of layers with at least this many intermediate columns
+            (I) runs the "dh_wide" tile of the table instead of the "dh" one; None: never.
+            The default is chosen by measurement (docs/perf-notes.md).
         column_slab: width of the column slabs in which the [L*K, d] scratch (expert
             outputs before the combine, dX rows before their sum) is made; None: all d
             columns at once.
@@ -204,7 +210,8 @@ class KernelSettings:
     activation_pass: bool = True
     fast_activation: bool = True
     dh_fast_activation: bool = True
-    dh_epilogue_split: int = 2
+    dh_epilogue_columns: Optional[int] = 64
+    dh_wide_min_columns: Optional[int] = 12288
     column_slab: Optional[int] = 512
     dispatch_sorted_min_bins: Optional[int] = 128
     dispatch_sort_chunk: int = 1024
@@ -238,8 +245,9 @@ class KernelSettings:
         if not all(isinstance(n, int) and n >= 0 for n in rows_tma.values()):
             raise ValueError(f"moeblaze settings: wgrad_rows_tma maps kinds to rows per expert (ints >= 0), "
                              f"got {rows_tma}")
-        if self.dh_epilogue_split not in (1, 2, 4):
-            raise ValueError(f"moeblaze settings: dh_epilogue_split must be 1, 2 or 4, got {self.dh_epilogue_split!r}")
+        columns = self.dh_epilogue_columns
+        if columns is not None and not (isinstance(columns, int) and columns >= 1 and columns & (columns - 1) == 0):
+            raise ValueError(f"moeblaze settings: dh_epilogue_columns must be None or a power of two, got {columns!r}")
         object.__setattr__(self, "backward_templates", frozenset(self.backward_templates))
         if not self.backward_templates <= set(BACKWARD_TEMPLATE_KINDS):
             raise ValueError(f"moeblaze settings: backward_templates has unknown parts "

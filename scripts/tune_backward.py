@@ -1,7 +1,7 @@
 """Sweeps tile configs of the backward GEMM kernels on benchmark shapes (GPU).
 
     python scripts/tune_backward.py [--configs olmoe mixtral] [--kinds dh dx wgrad_down wgrad_up]
-        [--w-tma 0 1] [--dh-fast 0 1] [--dh-split 1 2 4] [--gluon 0 1] [--ws 0 1] [--rows-tma 0 1] [--tma-store 0 1]
+        [--w-tma 0 1] [--dh-fast 0 1] [--dh-columns None 64 32] [--gluon 0 1] [--ws 0 1] [--rows-tma 0 1] [--tma-store 0 1]
         [--row-band 1 8]
         [--wgrad-band 1 8 16]
 
@@ -18,7 +18,6 @@ from moeblaze_ops import settings
 from moeblaze_ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, activation_code
 from moeblaze_ops.bench import CONFIGS, make_inputs
 from moeblaze_ops.kernels import triton_dispatch, triton_experts as te, triton_experts_backward as tb
-from moeblaze_ops.kernels.grouped_gemm import tile_config
 from moeblaze_ops.kernels.triton_combine import combine
 from moeblaze_ops.settings import GemmTile
 
@@ -59,7 +58,7 @@ def kernels(T, d, I, E, K, device="cuda"):
                   limit=CLAMPED_SWIGLU_LIMIT)
 
     def dh():
-        n_parts = triton.cdiv(I, tile_config("dh", h).block_n)
+        n_parts = triton.cdiv(I, tb.dh_tile(h, I).block_n)
         part = parts[:LK * n_parts].view(LK, n_parts)  # contiguous, as the kernel indexes it
         tb.launch_dh(go, h, wd, eti, w, tim, offs, None, grad_h, wact, part, bdot, transposed=False, **swiglu)
 
@@ -85,9 +84,11 @@ def variants(kind, a):
         return (base | {kind}) if v else (base - {kind})
 
     if kind == "dh":
-        return [(f"w_tma={v} fast={f} band={b} split={sp}",
-                 dict(weight_tma=w_tma(v), dh_fast_activation=bool(f), row_band=b, dh_epilogue_split=sp))
-                for v in a.w_tma for f in a.dh_fast for b in a.row_band for sp in a.dh_split]
+        # dh_wide_min_columns=None: every width takes the "dh" tile, which --tiles sets.
+        return [(f"w_tma={v} fast={f} band={b} epilogue_columns={c}",
+                 dict(weight_tma=w_tma(v), dh_fast_activation=bool(f), row_band=b, dh_epilogue_columns=c,
+                      dh_wide_min_columns=None))
+                for v in a.w_tma for f in a.dh_fast for b in a.row_band for c in a.dh_columns]
     if kind == "dx":
         return [(f"w_tma={v} band={b}", dict(weight_tma=w_tma(v), row_band=b)) for v in a.w_tma for b in a.row_band]
     gluon, ws, rows_tma = (settings.current().gluon, settings.current().gluon_warp_specialize,
@@ -111,8 +112,9 @@ def main():
     p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1],
                    help="weight tiles through TMA (1) or not (0): dh and dx read weights")
     p.add_argument("--dh-fast", nargs="*", type=int, default=[0, 1], help="dH epilogue with the approximate sigmoid")
-    p.add_argument("--dh-split", nargs="*", type=int, default=[settings.current().dh_epilogue_split],
-                   help="dH epilogue over the whole tile (1) or in 2 or 4 column slices")
+    p.add_argument("--dh-columns", nargs="*", type=lambda v: None if v == "None" else int(v),
+                   default=[settings.current().dh_epilogue_columns],
+                   help="columns of the dH epilogue's slices (settings.dh_epilogue_columns; None: the whole tile)")
     p.add_argument("--gluon", nargs="*", type=int, default=[1, 0],
                    help="weight gradients on the Gluon kernel (1) or the portable tl one (0)")
     p.add_argument("--ws", nargs="*", type=int, default=[0, 1],

@@ -267,7 +267,8 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                                     {"row_band": 1, "wgrad_band": 1},
                                     {"gluon": settings.GLUON_KINDS, "row_band": 3},
                                     {"gluon": settings.GLUON_KINDS, "row_band": 1},
-                                    {"dh_epilogue_split": 1}, {"dh_epilogue_split": 4}],
+                                    {"dh_epilogue_columns": None}, {"dh_wide_min_columns": 0},
+                                    {"dh_wide_min_columns": 0, "dh_epilogue_columns": 128}],
                          ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("activation,layout", [("swiglu", "interleaved"), ("clamped_swiglu", "transposed"),
                                                ("silu", "concatenated")])
@@ -276,8 +277,9 @@ def test_kernel_choices(choice, activation, layout, seed, triton_bwd):
     activation pass or with the activation in its prologue (h through TMA descriptors or
     plain loads there), the approximate-tanh sigmoid or the exact one, the weight
     gradients on the Gluon kernel or the tl one, the GEMM tiles in bands of 3 row tiles
-    (a short last band), of 1 (along each row) or of the default 4: forward and every gradient against the
-    reference."""
+    (a short last band), of 1 (along each row) or of the default 4, the dH epilogue whole
+    or in slices, dH on its wide tile (4 slices, or 2 of 128 columns): forward and every
+    gradient against the reference."""
     with settings.override(**choice):
         check_forward(777, 512, 384, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, activation=activation,
                       layout=layout, bias=True, tw_dtype=torch.float32)
@@ -297,15 +299,15 @@ def test_column_slabs(layout, slab, seed, triton_bwd):
                        bias=True, tw_dtype=torch.float32)
 
 
-@pytest.mark.parametrize("split", [1, 2, 4], ids=["whole", "halves", "quarters"])
+@pytest.mark.parametrize("columns", [None, 64, 32], ids=["whole", "halves", "quarters"])
 @pytest.mark.parametrize("fast", [True, False], ids=["approx", "exact"])
 @pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu", "silu"])
-def test_dh_epilogue(activation, fast, split, seed, triton_bwd):
+def test_dh_epilogue(activation, fast, columns, seed, triton_bwd):
     """The dH epilogue with the approximate-tanh sigmoid (``settings.dh_fast_activation``,
-    the default) and with the exact one, over the whole tile, in two column halves (the
-    default) or quarters (``settings.dh_epilogue_split``): every gradient within the bf16 tolerance
-    of the reference."""
-    with settings.override(dh_fast_activation=fast, dh_epilogue_split=split):
+    the default) and with the exact one, over the whole 128-column tile, in two column
+    halves (the default) or quarters (``settings.dh_epilogue_columns``): every gradient
+    within the bf16 tolerance of the reference."""
+    with settings.override(dh_fast_activation=fast, dh_epilogue_columns=columns):
         check_backward(512, 256, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed,
                        activation=activation,
                        layout="transposed_interleaved" if activation == "clamped_swiglu" else "concatenated",

@@ -44,10 +44,10 @@ for ids in ("*i32", "*i64"):
 rows = {n: "*bf16" for n in ("go_ptr", "w_src", "h_ptr", "bias_ptr", "dh_ptr", "wact_ptr", "rows_ptr", "out_ptr")}
 rows.update({n: "*i32" for n in ("eti_ptr", "tim_ptr", "offsets_ptr", "row_ids_ptr")}, tw_ptr="*fp32",
             part_ptr="*fp32", bdot_ptr="*fp32", alpha="fp32", limit="fp32")
-for split, interleaved in ((1, False), (2, False), (2, True), (4, True)):
+for split, interleaved, block_n in ((1, False, 128), (2, False, 128), (2, True, 128), (4, True, 256)):
     compile_for_hopper(tb._dh_kernel, rows, dict(K=8, ACT=0, INTERLEAVED=interleaved, HAS_BIAS=True, WRITE_WACT=True,
                                                  W_TMA=False, W_KMAJOR=True, FAST_ACT=True, EPILOGUE_SPLIT=split,
-                                                 GROUPS=16, BAND=8, PRECISION="tf32", BLOCK_M=128, BLOCK_N=128,
+                                                 GROUPS=16, BAND=8, PRECISION="tf32", BLOCK_M=128, BLOCK_N=block_n,
                                                  BLOCK_K=64), num_warps=8)
 gemm = {n: "*bf16" for n in ("a_ptr", "b_src", "bias_ptr", "out_ptr")}
 gemm.update({n: "*i32" for n in ("a_row_ids_ptr", "offsets_ptr")})

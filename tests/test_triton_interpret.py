@@ -60,15 +60,15 @@ def test_backward_kernels(activation, layout, seed):
                    layout=layout, bias=layout != "concatenated")
 
 
-@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("columns", [8, 4])
 @pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
                                                ("gelu", "concatenated")])
-def test_dh_epilogue_slices(activation, layout, split, seed):
-    """The dH epilogue over the whole tile and in 4 column slices (``settings.dh_epilogue_split``;
-    the other tests run the default, 2), with I = 12 and 40 (one partial tile of 16
-    columns, slices past I; two whole tiles and a partial one), in place over recomputed
-    h too."""
-    with settings.override(dh_epilogue_split=split, poison=True):
+def test_dh_epilogue_slices(activation, layout, columns, seed):
+    """The dH epilogue in column slices (``settings.dh_epilogue_columns``): 8 and 4 columns,
+    2 and 4 slices of the interpreter's 16-column tile (the other tests run it whole),
+    with I = 12 and 40 (one partial tile, slices past I; two whole tiles and a partial
+    one), in place over recomputed h too."""
+    with settings.override(dh_epilogue_columns=columns, poison=True):
         check_backward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, activation=activation,
                        layout=layout, bias=True)
         check_backward(30, 16, 40, 3, 2, dtype=torch.float32, device="cpu", seed=seed, activation=activation,

@@ -256,13 +256,25 @@ def _pq_view(grad_w, rows_are_outputs, transposed):
     return grad_w if kept else grad_w.transpose(1, 2)
 
 
+def dh_tile(h, I):
+    """dH's tile for an h like ``h`` of I intermediate columns: the "dh_wide" kind's from
+    ``settings.dh_wide_min_columns`` columns, else the "dh" kind's."""
+    wide_from = settings.current().dh_wide_min_columns
+    return gg.tile_config("dh_wide" if wide_from is not None and I >= wide_from else "dh", h)
+
+
+def _epilogue_slices(block_n, columns):
+    """How many column slices dH's epilogue works through (``settings.dh_epilogue_columns``)."""
+    return 1 if columns is None else min(4, max(1, block_n // columns))
+
+
 def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad_h, wact, parts, bdot, *, act,
               transposed, interleaved, alpha, limit):
     """dH (into ``grad_h``, which may be ``h``), the router partials (``parts``: [L*K,
-    cdiv(I, block_n)] of the "dh" tile), and ``wact`` = w * act(h) (the down weight
+    cdiv(I, block_n)] of ``dh_tile``), and ``wact`` = w * act(h) (the down weight
     gradient's operand) unless it is None."""
     E, d, I = linear_dims(w_down, transposed)
-    tile = gg.tile_config("dh", h)
+    tile = dh_tile(h, I)
     # grad_out rows @ W_e as [d, I]: the forward's product transposed (reduction over d).
     strides = linear_strides(w_down, not transposed)
     w_src, w_tma, w_kmajor = gg.weight_operand(w_down, strides.reduction, tile, "dh", 2 * h.shape[0] * d * I)
@@ -278,7 +290,7 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad
         stride_tw0=topk_weights.stride(0), stride_tw1=topk_weights.stride(1), K=topk_weights.shape[1],
         ACT=int(act), INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, WRITE_WACT=wact is not None,
         W_TMA=w_tma, W_KMAJOR=w_kmajor, FAST_ACT=gg.fast_sigmoid(h, config.dh_fast_activation),
-        EPILOGUE_SPLIT=config.dh_epilogue_split,
+        EPILOGUE_SPLIT=_epilogue_slices(tile.block_n, config.dh_epilogue_columns),
     )
 
 
@@ -312,7 +324,7 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
         return grad_h, grad_w, grad_b, grad_tw
     # w * act(h), for the weight gradient: written by the dH epilogue (a transient, half of h).
     wact = gg.empty(LK, I, dtype=h.dtype, device=dev) if need_weight_grad else None
-    n_parts = max(1, gg.cdiv(I, gg.tile_config("dh", h).block_n))
+    n_parts = max(1, gg.cdiv(I, dh_tile(h, I).block_n))
     parts = torch.empty(LK, n_parts, dtype=torch.float32, device=dev)
     bdot = torch.empty(LK, dtype=torch.float32, device=dev)
     launch_dh(grad_out, h, w_down, expert_token_indices, topk_weights, token_index_map, expert_offsets, b_down, grad_h,
