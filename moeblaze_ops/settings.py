@@ -53,7 +53,8 @@ __all__ = [
 ]
 
 #: The GEMMs of the layer: the forward up and down projections, the backward's dH
-#: (activation gradient), dX rows, and the two weight gradients.
+#: (activation gradient; "dh_wide" is dH with a tile of its own for wide layers,
+#: ``KernelSettings.dh_wide_min_columns``), dX rows, and the two weight gradients.
 GEMM_KINDS = ("up", "down", "dh", "dh_wide", "dx", "wgrad_down", "wgrad_up")
 #: The kinds that have a Gluon kernel for Hopper besides their ``tl`` one.
 GLUON_KINDS = ("up", "down", "dx", "wgrad_down", "wgrad_up")

@@ -6,7 +6,7 @@ tokens/s with the backends alternating in one process.
     python scripts/profile_model.py [--size 100m] [--impl moeblaze grouped_mm] [--compile [MODE]]
         [--steps 5] [--rows 25] [--trace DIR]
     python scripts/profile_model.py --rounds 6 --round-steps 20 [--compile [MODE]]
-    python scripts/profile_model.py --rounds 6 --impl moeblaze moeblaze@lean_graph_calls=True grouped_mm
+    python scripts/profile_model.py --rounds 6 --impl moeblaze moeblaze@lean_graph_calls=False grouped_mm
 
 A backend named ``IMPL@NAME=VALUE[,NAME=VALUE...]`` is backend IMPL built, compiled and
 run with those kernel settings changed (``moeblaze_ops.settings``): A/B of a setting in
