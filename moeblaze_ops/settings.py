@@ -171,6 +171,7 @@ class KernelSettings:
             measurement (docs/perf-notes.md).
         dh_wide_min_columns: dH of layers with at least this many intermediate columns
             (I) runs the "dh_wide" tile of the table instead of the "dh" one; None: never.
+            A ``tiles`` override of "dh" without one of "dh_wide" applies at every width.
             The default is chosen by measurement (docs/perf-notes.md).
         column_slab: width of the column slabs in which the [L*K, d] scratch (expert
             outputs before the combine, dX rows before their sum) is made; None: all d

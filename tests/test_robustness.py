@@ -327,3 +327,31 @@ def test_tiles_are_pruned_by_shared_memory(monkeypatch):
     every = {t for (kind, cls, _), tiles in settings.TILE_TABLE.items()
              if kind in ("up", "down", "dx") and cls == "16bit" for t in tiles}
     assert set(candidates) == {t for t in every if t.smem_bytes(2) <= limit}
+
+
+def test_dh_tile_by_layer_width(monkeypatch):
+    """dH takes the "dh_wide" tile from ``settings.dh_wide_min_columns`` intermediate columns
+    and the "dh" tile below (or always, with None); an override of the "dh" tile alone
+    applies at every width, one of "dh_wide" too above the threshold (an H200's traits
+    stubbed: no GPU needed)."""
+    from types import SimpleNamespace
+
+    from moeblaze_ops.kernels import triton_experts_backward as tb
+
+    monkeypatch.setattr(settings, "_device_traits", lambda index: ("sm90", 227 * 1024))
+    h = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda", 0))
+    narrow, wide = (settings.TILE_TABLE[(kind, "16bit", "sm90")][0] for kind in ("dh", "dh_wide"))
+    assert narrow != wide
+    tuned, tuned_wide = settings.GemmTile(64, 64, 32, 4, 2), settings.GemmTile(64, 128, 32, 4, 2)
+    settings._table_tile.cache_clear()
+    try:
+        wide_from = settings.current().dh_wide_min_columns
+        assert (tb.dh_tile(h, wide_from - 1), tb.dh_tile(h, wide_from)) == (narrow, wide)
+        with settings.override(dh_wide_min_columns=None):
+            assert tb.dh_tile(h, 10**6) == narrow
+        with settings.override(tiles={"dh": tuned}):
+            assert (tb.dh_tile(h, wide_from - 1), tb.dh_tile(h, wide_from)) == (tuned, tuned)
+        with settings.override(tiles={"dh": tuned, "dh_wide": tuned_wide}):
+            assert (tb.dh_tile(h, wide_from - 1), tb.dh_tile(h, wide_from)) == (tuned, tuned_wide)
+    finally:
+        settings._table_tile.cache_clear()

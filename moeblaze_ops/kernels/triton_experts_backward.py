@@ -258,9 +258,13 @@ def _pq_view(grad_w, rows_are_outputs, transposed):
 
 def dh_tile(h, I):
     """dH's tile for an h like ``h`` of I intermediate columns: the "dh_wide" kind's from
-    ``settings.dh_wide_min_columns`` columns, else the "dh" kind's."""
-    wide_from = settings.current().dh_wide_min_columns
-    return gg.tile_config("dh_wide" if wide_from is not None and I >= wide_from else "dh", h)
+    ``settings.dh_wide_min_columns`` columns, else the "dh" kind's. An override of the
+    "dh" tile alone (``settings.tiles``) applies at every width."""
+    config = settings.current()
+    wide = config.dh_wide_min_columns is not None and I >= config.dh_wide_min_columns
+    if wide and "dh" in config.tiles and "dh_wide" not in config.tiles:
+        wide = False
+    return gg.tile_config("dh_wide" if wide else "dh", h)
 
 
 def _epilogue_slices(block_n, columns):
