@@ -26,6 +26,10 @@
 # where Nsight Compute reads the counters, writes each kernel's stall reasons to $OUT/ncu.txt.
 # PEER_SITE=<dir> passes --peer-site <dir> to the benchmark (a peer such as SonicMoE installed
 # there with pip --target: its rows join the tables).
+# SONICMOE=1, in the call right after `bash scripts/sonicmoe_peer.sh stash` and carrying
+# .peer-sonicmoe-2: installs SonicMoE and runs the train benchmark at OLMoE- and
+# Mixtral-like beside it (moeblaze eager and compiled, compiled grouped_mm) into
+# $OUT/train_sonicmoe/; its JIT takes minutes a shape, so leave the call to it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -82,6 +86,13 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   echo "== bench train" | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train" --skip hf_eager moeblaze_recompute_compiled \
     --configs qwen3_100m olmoe qwen3_a3b conf3 conf4 mixtral deepseek_v3 ${PEER_SITE:+--peer-site "$PEER_SITE"} "$@" \
+    2>>"$LOG" | tee -a "$LOG"
+fi
+if [ "${SONICMOE:-0}" = 1 ]; then
+  echo "== bench train beside SonicMoE" | tee -a "$LOG"
+  bash scripts/sonicmoe_peer.sh install 2>&1 | tail -1 | tee -a "$LOG"
+  python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train_sonicmoe" --peer-site /tmp/peer-site \
+    --skip hf_eager hf_grouped_mm moeblaze_recompute moeblaze_recompute_compiled --configs olmoe mixtral \
     2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${EXAMPLE:-0}" = 1 ]; then
