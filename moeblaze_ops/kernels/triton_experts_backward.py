@@ -75,8 +75,7 @@ def _dh_epilogue(g, w, row0, rows, real, rmask, n0, I, h_ptr, dh_ptr, wact_ptr, 
             # Gate and up columns alternate: one contiguous store of both, as h was read
             # (two stores of every other element each cannot be vectorised).
             cols2 = 2 * n0 + tl.arange(0, 2 * WIDTH)
-            tl.store(out_rows + cols2[None, :], tl.reshape(tl.join(dg, du), (BLOCK_M, 2 * WIDTH)),
-                     mask=rmask[:, None] & (cols2 < 2 * I)[None, :])
+            tl.store(out_rows + cols2[None, :], tl.interleave(dg, du), mask=rmask[:, None] & (cols2 < 2 * I)[None, :])
         else:
             tl.store(out_rows + cols[None, :], dg, mask=smask)
             tl.store(out_rows + I + cols[None, :], du, mask=smask)
