@@ -45,8 +45,10 @@ def _column_half(t, UPPER: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.conste
 
 @triton.jit
 def _column_slice(t, S: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """Columns [S * WIDTH / PARTS, (S + 1) * WIDTH / PARTS) of a [BLOCK_M, WIDTH] tile, PARTS 2 or 4."""
-    if PARTS == 2:
+    """Columns [S * WIDTH / PARTS, (S + 1) * WIDTH / PARTS) of a [BLOCK_M, WIDTH] tile, PARTS 1, 2 or 4."""
+    if PARTS == 1:
+        out = t
+    elif PARTS == 2:
         out = _column_half(t, S == 1, BLOCK_M, WIDTH)
     else:
         out = _column_half(_column_half(t, S >= 2, BLOCK_M, WIDTH), S % 2 == 1, BLOCK_M, WIDTH // 2)
@@ -114,16 +116,12 @@ def _dh_kernel(
         # The epilogue in EPILOGUE_SPLIT column slices, one after the other: a slice's h
         # tiles and activation temporaries are all that is live, which is what spills at
         # 128 x 128 in one piece.
-        if EPILOGUE_SPLIT == 1:
-            part = _dh_epilogue(g, w, row0, rows, real, rmask, n0, I, h_ptr, dh_ptr, wact_ptr, stride_hm, stride_dhm,
-                                stride_wam, alpha, limit, ACT, INTERLEAVED, WRITE_WACT, FAST_ACT, BLOCK_M, BLOCK_N)
-        else:
-            SLICE: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
-            part = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for s in tl.static_range(EPILOGUE_SPLIT):
-                part += _dh_epilogue(_column_slice(g, s, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N), w, row0, rows, real, rmask,
-                                     n0 + s * SLICE, I, h_ptr, dh_ptr, wact_ptr, stride_hm, stride_dhm, stride_wam,
-                                     alpha, limit, ACT, INTERLEAVED, WRITE_WACT, FAST_ACT, BLOCK_M, SLICE)
+        SLICE: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+        part = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for s in tl.static_range(EPILOGUE_SPLIT):
+            part += _dh_epilogue(_column_slice(g, s, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N), w, row0, rows, real, rmask,
+                                 n0 + s * SLICE, I, h_ptr, dh_ptr, wact_ptr, stride_hm, stride_dhm, stride_wam, alpha,
+                                 limit, ACT, INTERLEAVED, WRITE_WACT, FAST_ACT, BLOCK_M, SLICE)
         tl.store(part_ptr + rows.to(tl.int64) * n_parts + n_idx, part, mask=rmask)
         if HAS_BIAS:
             if n_idx == 0:  # <grad_out[token], b_e>, once per row
