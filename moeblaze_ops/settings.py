@@ -57,7 +57,7 @@ __all__ = [
 #: ``KernelSettings.dh_wide_min_columns``), dX rows, and the two weight gradients.
 GEMM_KINDS = ("up", "down", "dh", "dh_wide", "dx", "wgrad_down", "wgrad_up")
 #: The kinds that have a Gluon kernel for Hopper besides their ``tl`` one.
-GLUON_KINDS = ("up", "down", "dx", "wgrad_down", "wgrad_up")
+GLUON_KINDS = ("up", "down", "dh", "dx", "wgrad_down", "wgrad_up")
 #: The parts of the backward that compiled graphs can run as Inductor templates.
 BACKWARD_TEMPLATE_KINDS = ("dx",)
 

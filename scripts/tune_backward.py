@@ -1,7 +1,7 @@
 """Sweeps tile configs of the backward GEMM kernels on benchmark shapes (GPU).
 
     python scripts/tune_backward.py [--configs olmoe mixtral] [--kinds dh dx wgrad_down wgrad_up]
-        [--w-tma 0 1] [--dh-fast 0 1] [--dh-columns None 64 32] [--gluon 0 1] [--ws 0 1] [--rows-tma 0 1] [--tma-store 0 1]
+        [--w-tma 0 1] [--dh-fast 0 1] [--dh-columns None 64 32] [--dh-gluon 0 1] [--gluon 0 1] [--ws 0 1] [--rows-tma 0 1] [--tma-store 0 1]
         [--row-band 1 8]
         [--wgrad-band 1 8 16]
 
@@ -58,7 +58,8 @@ def kernels(T, d, I, E, K, device="cuda"):
                   limit=CLAMPED_SWIGLU_LIMIT)
 
     def dh():
-        n_parts = triton.cdiv(I, tb.dh_tile(h, I).block_n)
+        n_parts = triton.cdiv(I, tb.dh_part_columns(go, h, wd, act=swiglu["act"], transposed=False, interleaved=False,
+                                                    has_bias=False))
         part = parts[:LK * n_parts].view(LK, n_parts)  # contiguous, as the kernel indexes it
         tb.launch_dh(go, h, wd, eti, w, tim, offs, None, grad_h, wact, part, bdot, transposed=False, **swiglu)
 
@@ -85,10 +86,14 @@ def variants(kind, a):
 
     if kind == "dh":
         # dh_wide_min_columns=None: every width takes the "dh" tile, which --tiles sets.
-        return [(f"w_tma={v} fast={f} band={b} epilogue_columns={c}",
+        # dh_gluon=1: the ping-pong Gluon kernel, whose MMA warpgroups take 4-warp tiles
+        # (the 8-warp ones fail there and say so); the weight TMA and the columns are the tl kernel's.
+        gluon = settings.current().gluon
+        return [(f"gluon={g} w_tma={v} fast={f} band={b} epilogue_columns={c}",
                  dict(weight_tma=w_tma(v), dh_fast_activation=bool(f), row_band=b, dh_epilogue_columns=c,
-                      dh_wide_min_columns=None))
-                for v in a.w_tma for f in a.dh_fast for b in a.row_band for c in a.dh_columns]
+                      dh_wide_min_columns=None, small_gemm_flop=0, gluon=(gluon | {kind}) if g else (gluon - {kind})))
+                for g in a.dh_gluon for v in (a.w_tma if not g else [1]) for f in a.dh_fast for b in a.row_band
+                for c in (a.dh_columns if not g else [None])]
     if kind == "dx":
         return [(f"w_tma={v} band={b}", dict(weight_tma=w_tma(v), row_band=b)) for v in a.w_tma for b in a.row_band]
     gluon, ws, rows_tma = (settings.current().gluon, settings.current().gluon_warp_specialize,
@@ -115,6 +120,8 @@ def main():
     p.add_argument("--dh-columns", nargs="*", type=lambda v: None if v == "None" else int(v),
                    default=[settings.current().dh_epilogue_columns],
                    help="columns of the dH epilogue's slices (settings.dh_epilogue_columns; None: the whole tile)")
+    p.add_argument("--dh-gluon", nargs="*", type=int, default=[0],
+                   help="dh on the ping-pong Gluon kernel (1; tiles of 4 warps) or the tl one (0)")
     p.add_argument("--gluon", nargs="*", type=int, default=[1, 0],
                    help="weight gradients on the Gluon kernel (1) or the portable tl one (0)")
     p.add_argument("--ws", nargs="*", type=int, default=[0, 1],

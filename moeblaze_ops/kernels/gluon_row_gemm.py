@@ -302,14 +302,41 @@ def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_re
 
 
 @gluon.jit
+def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, GATHER_A: gl.constexpr,
+                  B_KMAJOR: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """An MMA warpgroup's reduction over one output tile of a warp-specialised kernel's
+    ring (``_ws_producer`` fills it): for each of the tile's ``k_steps`` steps, wait for its
+    copies, run the asynchronous wgmma, and release the slot of the step before once its
+    wgmma is done (one stays in flight); the last slot is released when the tile's MMAs
+    are. ``step`` counts the ring's steps this warpgroup has passed; returns (acc, step)."""
+    NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
+    for k in range(k_steps):
+        slot = step % NUM_STAGES
+        phase = (step // NUM_STAGES) & 1
+        mbarrier.wait(a_ready.index(slot), phase)
+        mbarrier.wait(b_ready.index(slot), phase)
+        if GATHER_A:
+            # cp.async wrote A through the generic proxy; wgmma reads through the async one.
+            fence_async_shared()
+        acc = warpgroup_mma(a_ring.index(slot), _b_operand(b_ring, slot, B_KMAJOR, BLOCK_N, BLOCK_K), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        cta_barrier()  # every MMA warp's wgmma of the step before is done: release its slot
+        mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k > 0)
+        step += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    cta_barrier()
+    mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES))
+    return acc, step
+
+
+@gluon.jit
 def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, LK, E, N, K, stride_bias,
                  stride_om, GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr,
                  GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
-    """The MMA warpgroups: for every step, wait for its copies, run the asynchronous wgmma,
-    and release the slot of the step before once its wgmma is done (one stays in flight);
-    then the bias and the masked store of the tile's rows inside the expert."""
-    NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
+    """The MMA warpgroups: each tile's steps (``ws_tile_steps``), then the bias and the
+    masked store of the tile's rows inside the expert."""
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
                                                   num_warps)
@@ -320,23 +347,8 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
         if grp < E:  # sentinel tiles store zeros
             if HAS_BIAS:
                 bias = _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N, num_warps)
-            for k in range(k_steps):
-                slot = step % NUM_STAGES
-                phase = (step // NUM_STAGES) & 1
-                mbarrier.wait(a_ready.index(slot), phase)
-                mbarrier.wait(b_ready.index(slot), phase)
-                if GATHER_A:
-                    # cp.async wrote A through the generic proxy; wgmma reads through the async one.
-                    fence_async_shared()
-                acc = warpgroup_mma(a_ring.index(slot), _b_operand(b_ring, slot, B_KMAJOR, BLOCK_N, BLOCK_K), acc,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                cta_barrier()  # both warpgroups' wgmma of the step before are done: release its slot
-                mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k > 0)
-                step += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            cta_barrier()
-            mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES))
+            acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, GATHER_A, B_KMAJOR,
+                                      BLOCK_N, BLOCK_K)
             if HAS_BIAS:
                 acc = _add_bias(acc, bias)
         _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om)

@@ -48,11 +48,16 @@ def row_combine_weights(weights_ptr, tim_ptr, toks, rows, mask, stride_w0, strid
     """The combine weight of each routed row ``rows`` of tokens ``toks``, in fp32: the one of
     the token's K choices whose row (``token_index_map``) it is. Read where a kernel needs
     it, rather than scattered into an array first."""
-    w = tl.zeros(rows.shape, dtype=tl.float32)
+    # Started from the first choice's load rather than tl.zeros, which needs a layout when a
+    # Gluon kernel calls this (gluon_dh).
     for k in tl.static_range(K):
         row_k = tl.load(tim_ptr + toks * K + k, mask=mask, other=-1)
-        w_k = tl.load(weights_ptr + toks * stride_w0 + k * stride_w1, mask=mask & (row_k == rows), other=0.0)
-        w = tl.where(row_k == rows, w_k.to(tl.float32), w)
+        w_k = tl.load(weights_ptr + toks * stride_w0 + k * stride_w1, mask=mask & (row_k == rows),
+                      other=0.0).to(tl.float32)
+        if k == 0:
+            w = w_k
+        else:
+            w = tl.where(row_k == rows, w_k, w)
     return w
 
 

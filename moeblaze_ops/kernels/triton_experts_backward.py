@@ -272,17 +272,43 @@ def _epilogue_slices(block_n, columns):
     return 1 if columns is None else min(4, max(1, block_n // columns))
 
 
+def _gluon_dh(grad_out, h, w_down, act, transposed, interleaved, has_bias):
+    """``kernels.gluon_dh`` where ``settings.gluon`` names "dh" and it applies, else None."""
+    E, d, I = linear_dims(w_down, transposed)
+    gluon = gg.gluon_kernels("dh", h, 2 * h.shape[0] * d * I)
+    if gluon is None or not gluon.applies(grad_out, h, w_down, transposed, int(act) < acts.NUM_GATED.value, interleaved,
+                                          has_bias):
+        return None
+    return gluon
+
+
+def dh_part_columns(grad_out, h, w_down, *, act, transposed, interleaved, has_bias):
+    """Columns of each router partial ``launch_dh`` writes per row for these operands: the
+    partials buffer is [L*K, cdiv(I, this)]."""
+    gluon = _gluon_dh(grad_out, h, w_down, act, transposed, interleaved, has_bias)
+    return gluon.PART_COLUMNS if gluon is not None else dh_tile(h, linear_dims(w_down, transposed)[2]).block_n
+
+
 def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad_h, wact, parts, bdot, *, act,
               transposed, interleaved, alpha, limit):
     """dH (into ``grad_h``, which may be ``h``), the router partials (``parts``: [L*K,
-    cdiv(I, block_n)] of ``dh_tile``), and ``wact`` = w * act(h) (the down weight
-    gradient's operand) unless it is None."""
+    cdiv(I, dh_part_columns)]), and ``wact`` = w * act(h) (the down weight gradient's
+    operand) unless it is None. On the Gluon kernel where ``settings.gluon`` names "dh"
+    and it applies (a "dh" tile in ``settings.tiles`` is then its MMA warpgroups' tile),
+    else on ``_dh_kernel``."""
     E, d, I = linear_dims(w_down, transposed)
+    config = settings.current()
+    fast = gg.fast_sigmoid(h, config.dh_fast_activation)
+    gluon = _gluon_dh(grad_out, h, w_down, act, transposed, interleaved, b_down is not None)
+    if gluon is not None:
+        gluon.launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact, parts, act=int(act),
+                        transposed=transposed, alpha=alpha, limit=limit, fast_activation=fast, band=config.row_band,
+                        tile=config.tiles.get("dh", gluon.TILE))
+        return
     tile = dh_tile(h, I)
     # grad_out rows @ W_e as [d, I]: the forward's product transposed (reduction over d).
     strides = linear_strides(w_down, not transposed)
     w_src, w_tma, w_kmajor = gg.weight_operand(w_down, strides.reduction, tile, "dh", 2 * h.shape[0] * d * I)
-    config = settings.current()
     gg.launch_row_gemm(
         _dh_kernel, tile, h.dtype, h.device, I,
         go_ptr=grad_out, w_src=w_src, h_ptr=h, eti_ptr=eti, tw_ptr=topk_weights, tim_ptr=tim, offsets_ptr=offsets,
@@ -293,7 +319,7 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad
         stride_hm=h.stride(0), stride_dhm=grad_h.stride(0), stride_wam=wact.stride(0) if wact is not None else 0,
         stride_tw0=topk_weights.stride(0), stride_tw1=topk_weights.stride(1), K=topk_weights.shape[1],
         ACT=int(act), INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, WRITE_WACT=wact is not None,
-        W_TMA=w_tma, W_KMAJOR=w_kmajor, FAST_ACT=gg.fast_sigmoid(h, config.dh_fast_activation),
+        W_TMA=w_tma, W_KMAJOR=w_kmajor, FAST_ACT=fast,
         EPILOGUE_SPLIT=_epilogue_slices(tile.block_n, config.dh_epilogue_columns),
     )
 
@@ -328,7 +354,8 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
         return grad_h, grad_w, grad_b, grad_tw
     # w * act(h), for the weight gradient: written by the dH epilogue (a transient, half of h).
     wact = gg.empty(LK, I, dtype=h.dtype, device=dev) if need_weight_grad else None
-    n_parts = max(1, gg.cdiv(I, dh_tile(h, I).block_n))
+    n_parts = max(1, gg.cdiv(I, dh_part_columns(grad_out, h, w_down, act=act, transposed=transposed,
+                                                interleaved=interleaved, has_bias=b_down is not None)))
     parts = torch.empty(LK, n_parts, dtype=torch.float32, device=dev)
     bdot = torch.empty(LK, dtype=torch.float32, device=dev)
     launch_dh(grad_out, h, w_down, expert_token_indices, topk_weights, token_index_map, expert_offsets, b_down, grad_h,

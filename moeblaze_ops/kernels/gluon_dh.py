@@ -1,0 +1,258 @@
+"""dH on Hopper (sm_90), in Gluon: two MMA warpgroups taking turns, so that one tile's
+epilogue runs while the other warpgroup multiplies the next tile ("ping-pong").
+
+The product and epilogue of ``triton_experts_backward._dh_kernel`` (the portable path):
+for every routed row r of expert e, ``g = grad_out[token(r)] @ W_down_e^T`` over the
+[BLOCK_M, BLOCK_N] tiles of ``grouped_gemm.row_tile``'s schedule; then, from the h tiles
+behind the tile's columns, ``(dL/dgate, dL/dup, a) = triton_activations.backward(w * g, h)``
+is written as dH (over h when asked), ``w * a`` (the down weight gradient's operand) and
+each row's router partial ``<g, a>``.
+
+Why two MMA warpgroups: in the ``tl`` kernel one warpgroup pair both multiplies and runs
+the epilogue (h in, dH and w * act(h) out: 160 KB a 128 x 128 tile), so the tensor cores
+idle while it does; at a short reduction (OLMoE-like: 32 steps a tile) that is a third
+of the kernel's time. Here each MMA warpgroup owns a whole 128 x 128 tile (its program's
+even or odd tiles): while one runs its epilogue, the other's tile is in the tensor cores.
+A copy warpgroup (``gluon_row_gemm._ws_producer``) fills one ring for both, in tile order,
+so a warpgroup's steps arrive only once the other's tile has been copied: the two take
+turns without a barrier of their own.
+
+Applies where ``gluon_row_gemm`` applies to the GEMM (16-bit, Hopper, 16-element aligned
+K, N and strides), the layout is concatenated (gate columns, then up) or the activation
+not gated, and the layer has no down bias; everything else takes the portable kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from ..layouts import linear_dims
+from ..settings import GemmTile
+from . import grouped_gemm as gg
+from . import triton_activations as acts
+from .gluon_common import cta_barrier, host_descriptor, on_hopper, wgmma_acc_layout
+from .gluon_row_gemm import _add, _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
+from .gluon_row_gemm import applies as row_gemm_applies
+from .launch import launch
+from .triton_combine import row_combine_weights
+from .triton_experts_backward import _column_slice
+
+#: Rows of an epilogue chunk (16 of the accumulator's elements a thread).
+CHUNK = 32
+#: Columns of each router partial: a column half of a tile, which the epilogue stages at once.
+PART_COLUMNS = 64
+#: Each MMA warpgroup's tile: 128 x 128 outputs (4 warps, the wgmma run twice over 64
+#: rows), 64 of K per step; a ring of 4 slots of 32 KB shared by both warpgroups.
+TILE = GemmTile(128, 128, 64, 4, 4)
+#: (warps, registers per thread) of the copy warpgroup (the gathered rows' 16-byte
+#: copies and their offsets), and the registers of each MMA warpgroup: 2 x 128 x 232 +
+#: 128 x 40 of the SM's 64K.
+PRODUCER = (4, 40)
+MMA_REGS = 232
+
+
+@gluon.constexpr_function
+def _chunk_layout(cols, num_warps):
+    """An epilogue chunk's registers: 8 contiguous columns (16 bytes of h and dH) per thread."""
+    return gl.BlockedLayout([1, 8], [32 // (cols // 8), cols // 8], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _h_chunk(h_ptr, grp, rows, row_end, n0, E, I, stride_hm, ACT: gl.constexpr, WIDTH: gl.constexpr,
+             layout: gl.constexpr):
+    """The raw h tiles (gate, up; or h, h where the activation is not gated) behind
+    activation columns [n0, n0 + WIDTH) of ``rows``. The sentinel group's rows read none:
+    a zero gradient and a zero activation."""
+    cols = n0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    mask = ((rows < row_end) & (grp < E))[:, None] & (cols < I)[None, :]
+    h_tile = h_ptr + rows.to(gl.int64)[:, None] * stride_hm + cols[None, :]
+    hg = gl.load(h_tile, mask=mask, other=0.0)
+    if ACT < acts.NUM_GATED:
+        hu = gl.load(h_tile + I, mask=mask, other=0.0)
+    else:
+        hu = hg
+    return hg, hu
+
+
+@gluon.jit
+def _dh_chunk(g, w, hg, hu, rows, row_end, n0, I, dh_ptr, wact_ptr, stride_dhm, stride_wam, alpha, limit,
+              ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr):
+    """The epilogue on a chunk of rows ``rows`` and activation columns [n0, n0 + width) of a
+    tile (``g`` = dL/da / w there, ``w`` the rows' combine weights, ``hg, hu`` from
+    ``_h_chunk``): recomputes the activation, writes dH (and w * act(h) with WRITE_WACT)
+    and returns each row's <g, act(h)> over these columns, for the router gradient. The
+    math of ``triton_experts_backward._dh_epilogue``."""
+    cols = n0 + gl.arange(0, g.shape[1], layout=gl.SliceLayout(0, g.type.layout))
+    smask = (rows < row_end)[:, None] & (cols < I)[None, :]
+    dg, du, a = acts.backward(g * w[:, None], hg, hu, alpha, limit, ACT, FAST_ACT)
+    out = dh_ptr + rows.to(gl.int64)[:, None] * stride_dhm + cols[None, :]
+    if ACT < acts.NUM_GATED:
+        dg = dg.to(dh_ptr.dtype.element_ty)
+        du = du.to(dh_ptr.dtype.element_ty)
+        gl.store(out, dg, mask=smask)
+        gl.store(out + I, du, mask=smask)
+    else:
+        gl.store(out, dg.to(dh_ptr.dtype.element_ty), mask=smask)
+    if WRITE_WACT:
+        gl.store(wact_ptr + rows.to(gl.int64)[:, None] * stride_wam + cols[None, :],
+                 (w[:, None] * a).to(wact_ptr.dtype.element_ty), mask=smask)
+    return gl.reduce(g * gl.where(smask, a, 0.0), 1, _add)
+
+
+@gluon.jit
+def _dh_mma_warpgroup(a_ring, b_ring, a_ready, b_ready, empty, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
+                      offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_hm,
+                      stride_dhm, stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr,
+                      WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
+                      GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      BLOCK_K: gl.constexpr, CHUNK: gl.constexpr, TURN: gl.constexpr, WARPS: gl.constexpr):
+    """One MMA warpgroup: the program's tiles of its ``TURN`` (every other one), each
+    multiplied on the shared ring, then taken through the epilogue a column half at a time
+    (staged in ``stage``, fp32) and ``CHUNK`` rows at a time, the next chunk's h loads in
+    flight while one is computed; the other turn's tiles only move its count of ring steps
+    on. The router partials are per half (64 columns)."""
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, WARPS)
+    HALF: gl.constexpr = BLOCK_N // 2
+    CHUNKS: gl.constexpr = BLOCK_M // CHUNK
+    layout: gl.constexpr = _chunk_layout(HALF, WARPS)
+    row_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, I, D, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, WARPS)
+    step = 0
+    turn = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
+        if turn == TURN:
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            if grp < E:  # the sentinel tiles: zeros everywhere
+                acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, True, W_KMAJOR,
+                                          BLOCK_N, BLOCK_K)
+            # Everything below waits on memory; the other warpgroup's MMAs run meanwhile.
+            rows = row0 + gl.arange(0, CHUNK, layout=row_layout)
+            hg, hu = _h_chunk(h_ptr, grp, rows, row_end, n0, E, I, stride_hm, ACT, HALF, layout)
+            tile_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+            real = (tile_rows < row_end) & (grp < E)
+            tok = gl.load(eti_ptr + tile_rows, mask=real, other=0).to(gl.int64)
+            cta_barrier()  # the warpgroup is done reading the last tile's weights
+            weights.store(row_combine_weights(tw_ptr, tim_ptr, tok, tile_rows, real, stride_tw0, stride_tw1, K))
+            # The accumulator leaves the registers a half at a time and comes back CHUNK
+            # rows at a time: a whole tile per warpgroup leaves too few registers for the
+            # epilogue's temporaries over 64 of its elements per thread.
+            for half in gl.static_range(2):
+                cta_barrier()  # the warpgroup is done reading the stage
+                stage.store(_column_slice(acc, half, 2, BLOCK_M, BLOCK_N))
+                cta_barrier()
+                for c in gl.static_range(CHUNKS):
+                    cols0 = n0 + half * HALF
+                    if c + 1 < CHUNKS:
+                        next_rows = rows + CHUNK
+                        next_cols0 = cols0
+                    else:  # the next half's first chunk
+                        next_rows = row0 + gl.arange(0, CHUNK, layout=row_layout)
+                        next_cols0 = cols0 + HALF
+                    if c + 1 < CHUNKS or half == 0:
+                        next_hg, next_hu = _h_chunk(h_ptr, grp, next_rows, row_end, next_cols0, E, I, stride_hm, ACT,
+                                                    HALF, layout)
+                    g = stage.slice(c * CHUNK, CHUNK, dim=0).load(layout)
+                    w = weights.slice(c * CHUNK, CHUNK).load(row_layout)
+                    part = _dh_chunk(g, w, hg, hu, rows, row_end, cols0, I, dh_ptr, wact_ptr, stride_dhm, stride_wam,
+                                     alpha, limit, ACT, WRITE_WACT, FAST_ACT)
+                    gl.store(part_ptr + rows.to(gl.int64) * n_parts + cols0 // HALF, part,
+                             mask=(rows < row_end) & (cols0 < I))
+                    if c + 1 < CHUNKS or half == 0:
+                        rows = next_rows
+                        hg = next_hg
+                        hu = next_hu
+        elif grp < E:
+            step += k_steps
+        turn = 1 - turn
+
+
+@gluon.jit
+def _dh_pingpong_kernel(
+    go_ptr, w_desc, h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr,
+    LK, E, D, I, alpha, limit, n_parts,
+    stride_gm, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
+    K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
+    GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CHUNK: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Two MMA warpgroups of ``num_warps`` warps (this function's own and a worker) on
+    alternate tiles, and ``PRODUCER_WARPS`` copy warps: the output-gradient rows gathered
+    by cp.async, W_down by TMA, into a ring whose slots each have three mbarriers
+    (``a_ready``, ``b_ready``: copies landed; ``empty``: the MMA is done with it). Each MMA
+    warpgroup has its own fp32 stage for half an accumulator tile."""
+    dtype: gl.constexpr = go_ptr.dtype.element_ty
+    a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
+    b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
+    # 16-byte groups swizzled by row: the accumulator's stores (2 elements a thread, 8 rows
+    # a warp) and the chunks' loads (8 a thread along a row) both spread over the banks.
+    stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, BLOCK_N // 2],
+                                      gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
+    weights = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    a_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(a_ready.index(s), count=PRODUCER_WARPS * 32)  # every copy thread arrives
+        mbarrier.init(b_ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize([
+        (_dh_mma_warpgroup, (a_ring, b_ring, a_ready, b_ready, empty, stage.index(0), weights.index(0), h_ptr,
+                             eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha,
+                             limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
+                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, 0,
+                             num_warps)),
+        (_dh_mma_warpgroup, (a_ring, b_ring, a_ready, b_ready, empty, stage.index(1), weights.index(1), h_ptr,
+                             eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha,
+                             limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
+                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, 1,
+                             num_warps)),
+        (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, I, D,
+                        stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS)),
+    ], [num_warps, PRODUCER_WARPS], [MMA_REGS, PRODUCER_REGS])
+
+
+def applies(grad_out: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor, transposed: bool, gated: bool,
+            interleaved: bool, has_bias: bool) -> bool:
+    """Whether ``launch_dh`` handles these operands (else the portable kernel does)."""
+    if has_bias or (gated and interleaved) or not on_hopper(h) or h.stride(1) != 1:
+        return False
+    _, _, I = linear_dims(w_down, transposed)
+    # The GEMM: grad_out [L, d] @ W_down^T as [E, d, I], into I columns of rows as wide as h.
+    return I % 16 == 0 and row_gemm_applies(grad_out, w_down, h[:, :I], not transposed)
+
+
+def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact, parts, *, act, transposed, alpha,
+              limit, fast_activation: bool, band: int, tile: GemmTile = TILE):
+    """``triton_experts_backward.launch_dh`` without a bias, on this kernel: dH into
+    ``grad_h`` (which may be ``h``), ``wact`` = w * act(h) unless None, the router
+    partials into ``parts`` ([L*K, cdiv(I, PART_COLUMNS)]); ``tile`` is each MMA
+    warpgroup's (M, N, K block, warps, stages)."""
+    if tile.num_warps != 4 or tile.block_m % CHUNK or tile.block_n != 2 * PART_COLUMNS or tile.num_stages < 2:
+        raise ValueError(f"moeblaze gluon dH: each MMA warpgroup is 4 warps over a multiple of {CHUNK} rows and "
+                         f"{2 * PART_COLUMNS} columns, with at least 2 stages, got {tile}")
+    LK = h.shape[0]
+    E, d, I = linear_dims(w_down, transposed)
+    if parts.shape[1] != gg.cdiv(I, PART_COLUMNS):
+        raise ValueError(f"moeblaze gluon dH: {parts.shape[1]} router partials per row for {I} columns in parts "
+                         f"of {PART_COLUMNS}")
+    view, kmajor = _weight_view(w_down, not transposed)
+    w_desc = host_descriptor(view, [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n])
+    max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(I, tile.block_n)
+    warps, regs = PRODUCER
+    launch(
+        _dh_pingpong_kernel, (gg.num_programs(h.device, max_tiles),),
+        grad_out, w_desc, h, eti, topk_weights, tim, offsets, grad_h, wact, parts,
+        LK, E, d, I, float(alpha), float(limit), parts.shape[1],
+        grad_out.stride(0), h.stride(0), grad_h.stride(0), wact.stride(0) if wact is not None else 0,
+        topk_weights.stride(0), topk_weights.stride(1),
+        K=topk_weights.shape[1], ACT=act, WRITE_WACT=wact is not None, FAST_ACT=fast_activation, W_KMAJOR=kmajor,
+        GROUPS=gg.next_power_of_2(E + 1), BAND=band, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, CHUNK=CHUNK, PRODUCER_WARPS=warps, PRODUCER_REGS=regs,
+        MMA_REGS=MMA_REGS, num_warps=tile.num_warps,
+    )

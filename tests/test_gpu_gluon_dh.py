@@ -1,0 +1,89 @@
+"""The ping-pong Gluon dH kernel (``kernels.gluon_dh``) on the GPU: every gradient of the layer
+against the float64 reference with the kernel in the backward, over the activations, both
+weight layouts, both 16-bit dtypes, ragged, empty and sentinel rows, odd sizes and E=256
+K=8, dH written over h, with a count of its launches so that a test cannot pass on the
+portable kernel alone (``check_backward`` also runs every backward twice and wants the
+gradients bitwise equal)."""
+
+import pytest
+import torch
+
+from kernel_cases import check_backward
+from moeblaze_ops import settings
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a capability 9 GPU")]
+
+
+@pytest.fixture(autouse=True)
+def gluon_dh():
+    # small_gemm_flop=0: the Gluon kernel runs at these tests' sizes too.
+    with settings.override(poison=True, triton_backward=True, small_gemm_flop=0,
+                           gluon=settings.current().gluon | {"dh"}):
+        yield
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """How many times the Gluon dH kernel was launched."""
+    from moeblaze_ops.kernels import gluon_dh
+
+    count = [0]
+    launch = gluon_dh.launch_dh
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(gluon_dh, "launch_dh", counted)
+    return count
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed"),
+                                               ("geglu", "concatenated"), ("gelu", "transposed"),
+                                               ("silu", "concatenated")])
+@pytest.mark.parametrize("fast", [True, False], ids=["approx", "exact"])
+def test_gluon_dh_backward(activation, layout, dtype, fast, seed, launches):
+    with settings.override(dh_fast_activation=fast):
+        check_backward(777, 256, 192, 8, 2, dtype=dtype, device="cuda", seed=seed, activation=activation,
+                       layout=layout, tw_dtype=torch.float32)
+    assert launches[0] > 0
+
+
+@pytest.mark.parametrize("L,d,I,E,K,routing,sentinel_frac", [
+    (2048, 256, 128, 16, 2, "skewed", 0.0),
+    (2048, 256, 128, 8, 1, "first", 0.0),  # every row on one expert
+    (2048, 256, 128, 9, 2, "no_last", 0.0),  # an empty expert
+    (2048, 256, 128, 256, 8, "uniform", 0.0),
+    (1, 256, 128, 8, 2, "uniform", 0.0),
+    (1024, 256, 128, 8, 2, "uniform", 0.3),  # sentinel rows
+    (777, 2880, 1408, 8, 2, "uniform", 0.0),  # I = 11 tiles of 128, d = 45 steps of 64
+    (777, 512, 208, 8, 2, "uniform", 0.0),  # a partial last tile: one half inside I, one past it
+    (777, 512, 176, 8, 2, "uniform", 0.0),  # a partial last tile: both halves partly inside I
+    (4096, 1024, 512, 4, 2, "uniform", 0.0),  # many tiles per program: both warpgroups take turns
+])
+def test_gluon_dh_routings_and_sizes(L, d, I, E, K, routing, sentinel_frac, seed, launches):
+    check_backward(L, d, I, E, K, dtype=torch.bfloat16, device="cuda", seed=seed, routing=routing,
+                   sentinel_frac=sentinel_frac, layout="transposed" if E == 256 else "concatenated")
+    assert launches[0] > 0
+
+
+@pytest.mark.parametrize("layout", ["concatenated", "transposed"])
+def test_gluon_dh_recompute(layout, seed, launches):
+    """dH written over h (``recompute=True`` hands the kernel the h it has just recomputed)."""
+    check_backward(777, 256, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
+                   tw_dtype=torch.float32, recompute=True)
+    assert launches[0] > 0
+
+
+@pytest.mark.parametrize("layout,bias", [("interleaved", False), ("concatenated", True)])
+def test_gluon_dh_leaves_other_cases_to_the_portable_kernel(layout, bias, seed, launches):
+    """An interleaved h or a down bias takes the portable kernel, with the same results."""
+    check_backward(777, 256, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout, bias=bias,
+                   tw_dtype=torch.float32)
+    assert launches[0] == 0
