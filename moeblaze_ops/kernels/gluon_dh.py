@@ -103,7 +103,7 @@ def _dh_chunk(g, w, hg, hu, rows, row_end, n0, I, dh_ptr, wact_ptr, stride_dhm, 
 
 
 @gluon.jit
-def _dh_mma_warpgroup(a_ring, b_ring, a_ready, b_ready, empty, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
+def _dh_mma_warpgroup(a_ring, b_ring, a_ready, b_ready, empty, handoff, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
                       offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_hm,
                       stride_dhm, stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr,
                       WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
@@ -122,13 +122,20 @@ def _dh_mma_warpgroup(a_ring, b_ring, a_ready, b_ready, empty, stage, weights, h
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, I, D, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, WARPS)
     step = 0
     turn = 0
+    own = 0  # this warpgroup's tiles so far: the phase of its handoff barrier
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
         if turn == TURN:
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            # The warpgroups' MMAs take turns: this one waits until the other's tile is
+            # through the ring. (Waiting for ring slots more than one pass ahead of the
+            # copies would be answered by an earlier pass's barrier phase.)
+            mbarrier.wait(handoff.index(TURN), own & 1)
+            own += 1
             if grp < E:  # the sentinel tiles: zeros everywhere
                 acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, True, W_KMAJOR,
                                           BLOCK_N, BLOCK_K)
+            mbarrier.arrive(handoff.index(1 - TURN))
             # Everything below waits on memory; the other warpgroup's MMAs run meanwhile.
             rows = row0 + gl.arange(0, CHUNK, layout=row_layout)
             hg, hu = _h_chunk(h_ptr, grp, rows, row_end, n0, E, I, stride_hm, ACT, HALF, layout)
@@ -201,15 +208,20 @@ def _dh_pingpong_kernel(
         mbarrier.init(a_ready.index(s), count=PRODUCER_WARPS * 32)  # every copy thread arrives
         mbarrier.init(b_ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
+    # handoff[i]: warpgroup i's turn at the tensor cores; the first is warpgroup 0's.
+    handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(handoff.index(0), count=1)
+    mbarrier.init(handoff.index(1), count=1)
+    mbarrier.arrive(handoff.index(0))
     gl.warp_specialize([
-        (_dh_mma_warpgroup, (a_ring, b_ring, a_ready, b_ready, empty, stage.index(0), weights.index(0), h_ptr,
-                             eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha,
-                             limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
+        (_dh_mma_warpgroup, (a_ring, b_ring, a_ready, b_ready, empty, handoff, stage.index(0), weights.index(0),
+                             h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I,
+                             alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
                              WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, 0,
                              num_warps)),
-        (_dh_mma_warpgroup, (a_ring, b_ring, a_ready, b_ready, empty, stage.index(1), weights.index(1), h_ptr,
-                             eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha,
-                             limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
+        (_dh_mma_warpgroup, (a_ring, b_ring, a_ready, b_ready, empty, handoff, stage.index(1), weights.index(1),
+                             h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I,
+                             alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
                              WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, 1,
                              num_warps)),
         (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, I, D,
