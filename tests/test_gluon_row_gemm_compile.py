@@ -1,4 +1,5 @@
-"""The Gluon row GEMM (``kernels.gluon_row_gemm``) compiles for Hopper on any machine, as
+"""The Gluon row GEMM (``kernels.gluon_row_gemm``) and the ping-pong dH on its warp-specialised
+ring (``kernels.gluon_dh``) compile for Hopper on any machine, as
 tests/test_gluon_compile.py checks for the weight gradients: both weight layouts, both
 16-bit dtypes, with and without the gather and the bias. What it computes is checked on
 the GPU (tests/test_gpu.py)."""
@@ -121,3 +122,78 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
         assert "cp.async.cg" not in ptx
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx)
     _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path)
+
+
+#: Compiles the ping-pong dH in a subprocess: it calls ``tl`` functions (the activation's
+#: backward, the combine weights), which under ``TRITON_INTERPRET=1`` (set for this test
+#: session) are interpreter functions that Gluon's compiler does not take.
+_PINGPONG_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from test_gluon_compile import _compile_for_hopper
+from test_gluon_row_gemm_compile import _descriptor_type
+from moeblaze_ops.activations import activation_code
+from moeblaze_ops.kernels import gluon_dh
+
+dtype, k_contiguous, act, out = json.loads(sys.argv[1])
+tile = gluon_dh.TILE
+block = [1, tile.block_n, tile.block_k] if k_contiguous else [1, tile.block_k, tile.block_n]
+warps, regs = gluon_dh.PRODUCER
+ints = ["LK", "E", "D", "I", "n_parts", "stride_gm", "stride_hm", "stride_dhm", "stride_wam", "stride_tw0",
+        "stride_tw1"]
+signature = {"go_ptr": f"*{dtype}", "w_desc": _descriptor_type(dtype, block), "h_ptr": f"*{dtype}",
+             "eti_ptr": "*i32", "tw_ptr": "*fp32", "tim_ptr": "*i32", "offsets_ptr": "*i32", "dh_ptr": f"*{dtype}",
+             "wact_ptr": f"*{dtype}", "part_ptr": "*fp32", "alpha": "fp32", "limit": "fp32",
+             **{name: "i32" for name in ints}}
+constexprs = dict(K=8, ACT=int(activation_code(act)), WRITE_WACT=True, FAST_ACT=True, W_KMAJOR=k_contiguous,
+                  GROUPS=128, BAND=4, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                  NUM_STAGES=tile.num_stages, CHUNK=gluon_dh.CHUNK, PRODUCER_WARPS=warps, PRODUCER_REGS=regs,
+                  MMA_REGS=gluon_dh.MMA_REGS, num_warps=tile.num_warps)
+aligned = ["go_ptr", "h_ptr", "eti_ptr", "tim_ptr", "offsets_ptr", "dh_ptr", "wact_ptr", "part_ptr", "D", "I",
+           "stride_gm", "stride_hm", "stride_dhm", "stride_wam"]
+try:
+    kernel = _compile_for_hopper(gluon_dh._dh_pingpong_kernel, signature, constexprs, tile.num_warps, aligned)
+except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
+    print("no ptxas:", error)
+    sys.exit(3)
+with open(out, "w") as f:
+    json.dump({"ptx": kernel.asm["ptx"], "shared": kernel.metadata.shared}, f)
+"""
+
+
+@pytest.mark.parametrize("dtype,k_contiguous,act", [("bf16", True, "swiglu"), ("bf16", False, "swiglu"),
+                                                    ("fp16", True, "gelu"), ("fp16", False, "geglu")])
+def test_pingpong_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
+    """The ping-pong dH (``kernels.gluon_dh``): the gathered output-gradient rows by 16-byte
+    cp.async in the copy warpgroup, W_down by 3-D TMA, each MMA warpgroup's wgmma 128
+    columns wide, the registers redistributed between the partitions, the ring, the fp32
+    stages and the weights within the block's shared memory, and (almost) no spills: the
+    epilogue over a whole 128 x 128 tile per warpgroup spilled kilobytes before it was
+    staged through shared memory in chunks."""
+    import json
+    import os
+    import sys
+
+    from moeblaze_ops.kernels import gluon_dh
+
+    out = tmp_path / "kernel.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _PINGPONG_SCRIPT, json.dumps([dtype, k_contiguous, act, str(out)]),
+                             os.path.dirname(__file__)], env=env, capture_output=True, text=True)
+    if result.returncode == 3:
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = json.loads(out.read_text())
+    ptx = compiled["ptx"]
+    tile, (_, regs) = gluon_dh.TILE, gluon_dh.PRODUCER
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
+    assert re.search(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)
+    assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{gluon_dh.MMA_REGS}", ptx)
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{regs}", ptx)
+    ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
+    ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
+    stages = 2 * tile.block_m * tile.block_n // 2 * 4
+    assert ring + stages <= compiled["shared"] <= MAX_SHARED
+    assert _spill_bytes(ptx, tmp_path) <= 256
