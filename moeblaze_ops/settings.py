@@ -123,7 +123,8 @@ class KernelSettings:
             they can ("up", "dh", "dx" have the option).
         gluon: the GEMM kinds (of ``GLUON_KINDS``) that run their Gluon kernel, an
             asynchronous cp.async/TMA and wgmma pipeline for Hopper (``kernels.gluon_wgrad``,
-            ``kernels.gluon_row_gemm``), where it applies: 16-bit
+            ``kernels.gluon_row_gemm``; ``kernels.gluon_dh`` for "dh", two MMA warpgroups
+            taking turns, without a down bias or an interleaved h), where it applies: 16-bit
             CUDA tensors on capability 9 with column counts and row strides that are
             multiples of 16. The other kinds, and every other case, run the portable
             ``tl`` kernels. By default the weight gradients, the kinds measured faster.

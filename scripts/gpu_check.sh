@@ -63,7 +63,7 @@ if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
   workers=()
   PYTHONPATH=$PYTHONPATH python3 -c "import xdist" 2>/dev/null && workers=(-n "${GPU_TEST_WORKERS:-6}")
   # A kernel that hangs ends the tests, not the whole call.
-  timeout "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_gluon_row_gemm.py tests/test_lowerings.py -p no:cacheprovider -rf --tb=short --durations=8 "${workers[@]}" \
+  timeout "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_gluon_row_gemm.py tests/test_gpu_gluon_dh.py tests/test_lowerings.py -p no:cacheprovider -rf --tb=short --durations=8 "${workers[@]}" \
     ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} 2>&1 | tee -a "$LOG" | tail -15
 fi
 if [ "${CPU_SUITE:-0}" = 1 ]; then
