@@ -24,6 +24,8 @@
 # WGRAD=1 sweeps the Gluon weight gradients (row-ordered operand by TMA or not, TMA-store
 # epilogue or not, next tile started first or not) and,
 # where Nsight Compute reads the counters, writes each kernel's stall reasons to $OUT/ncu.txt.
+# DH=1 times dH on the tl kernel and the ping-pong Gluon one (scripts/tune_backward.py
+# --dh-gluon) and, where ncu reads the counters, writes both kernels' stall reasons to $OUT/ncu.txt.
 # PEER_SITE=<dir> passes --peer-site <dir> to the benchmark (a peer such as SonicMoE installed
 # there with pip --target: its rows join the tables).
 # SONICMOE=1, in the call right after `bash scripts/sonicmoe_peer.sh stash` and carrying
@@ -150,6 +152,21 @@ if [ "${WGRAD:-0}" = 1 ]; then
         --rows-tma "${pair##*:}" >> "$OUT/ncu.txt" 2>&1
     done
     grep -E "_wgrad|Duration|Throughput|stalled_.*ratio" "$OUT/ncu.txt" | awk '$NF+0 > 0.05 || !/stalled/' | tee -a "$LOG"
+  fi
+fi
+if [ "${DH:-0}" = 1 ]; then
+  echo "== dH: the tl kernel (8 warps a tile) against the ping-pong Gluon one (4 warps a warpgroup's tile)" | tee -a "$LOG"
+  python3 scripts/tune_backward.py --configs olmoe mixtral --kinds dh --dh-fast 1 --dh-gluon 1 0 --w-tma 1 \
+    --tiles 128,128,64,4,4 128,128,64,8,4 2>>"$LOG" | grep -v failed | tee -a "$LOG"
+  if command -v ncu >/dev/null; then
+    echo "== stall reasons of both dH kernels (ncu, Mixtral-like)" | tee -a "$LOG"
+    for pair in "128,128,64,8,4:0" "128,128,64,4,4:1"; do
+      timeout 240 ncu --clock-control none --kernel-name regex:_dh_ --launch-count 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+        python3 scripts/tune_backward.py --configs mixtral --kinds dh --dh-fast 1 --w-tma 1 --tiles "${pair%%:*}" \
+        --dh-gluon "${pair##*:}" >> "$OUT/ncu.txt" 2>&1
+    done
+    grep -E "_dh_|Duration|Throughput|stalled_.*ratio" "$OUT/ncu.txt" | awk '$NF+0 > 0.05 || !/stalled/' | tee -a "$LOG"
   fi
 fi
 if [ "${SWITCHES:-0}" = 1 ]; then
