@@ -355,3 +355,38 @@ def test_dh_tile_by_layer_width(monkeypatch):
             assert (tb.dh_tile(h, wide_from - 1), tb.dh_tile(h, wide_from)) == (tuned, tuned_wide)
     finally:
         settings._table_tile.cache_clear()
+
+
+def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
+    """Where ``settings.gluon`` names "dh" and the Gluon kernel applies, ``launch_dh`` hands
+    it the operands, the "dh" tile override (else its own tile) and the row band, and the
+    router partials are sized by its columns per partial; where it does not apply, by the
+    tl kernel's tile. The Gluon module is a stand-in that records its launch (no GPU)."""
+    from types import SimpleNamespace
+
+    from moeblaze_ops.kernels import grouped_gemm as gg
+    from moeblaze_ops.kernels import triton_experts_backward as tb
+
+    launches = []
+    fake = SimpleNamespace(PART_COLUMNS=64, TILE=settings.GemmTile(128, 128, 64, 4, 4), applies=lambda *a: True,
+                           launch_dh=lambda *args, **kwargs: launches.append((args, kwargs)))
+    monkeypatch.setattr(gg, "gluon_kernels", lambda kind, t, flop: fake if kind in settings.current().gluon else None)
+    L, d, I, E, K = 6, 32, 320, 4, 2
+    h = torch.randn(L * K, 2 * I)
+    w_down = torch.randn(E, d, I)
+    grad_out = torch.randn(L, d)
+    operands = dict(act=0, transposed=False, interleaved=False, has_bias=False)
+    tl_columns = tb.dh_tile(h, I).block_n
+    assert tb.dh_part_columns(grad_out, h, w_down, **operands) == tl_columns
+    tuned = settings.GemmTile(128, 128, 64, 4, 5)
+    with settings.override(gluon=settings.current().gluon | {"dh"}, row_band=3):
+        assert tb.dh_part_columns(grad_out, h, w_down, **operands) == 64
+        parts = torch.empty(L * K, gg.cdiv(I, 64))
+        args = (grad_out, h, w_down, None, torch.rand(L, K), None, None, None, h, None, parts, None)
+        tb.launch_dh(*args, act=0, transposed=False, interleaved=False, alpha=1.0, limit=7.0)
+        with settings.override(tiles={"dh": tuned}):
+            tb.launch_dh(*args, act=0, transposed=False, interleaved=False, alpha=1.0, limit=7.0)
+        fake.applies = lambda *a: False
+        assert tb.dh_part_columns(grad_out, h, w_down, **operands) == tl_columns
+    assert [kwargs["tile"] for _, kwargs in launches] == [fake.TILE, tuned]
+    assert all(kwargs["band"] == 3 and args[9] is parts for args, kwargs in launches)
