@@ -156,8 +156,8 @@ if [ "${WGRAD:-0}" = 1 ]; then
 fi
 if [ "${DH:-0}" = 1 ]; then
   echo "== dH: the tl kernel (8 warps a tile) against the ping-pong Gluon one (4 warps a warpgroup's tile)" | tee -a "$LOG"
-  python3 scripts/tune_backward.py --configs olmoe mixtral --kinds dh --dh-fast 1 --dh-gluon 1 0 --w-tma 1 \
-    --tiles 128,128,64,4,4 128,128,64,8,4 2>>"$LOG" | grep -v failed | tee -a "$LOG"
+  timeout 300 python3 scripts/tune_backward.py --configs olmoe mixtral --kinds dh --dh-fast 1 --dh-gluon 1 0 \
+    --w-tma 1 --tiles 128,128,64,4,4 128,128,64,8,4 2>>"$LOG" | grep -v failed | tee -a "$LOG"
   if command -v ncu >/dev/null; then
     echo "== stall reasons of both dH kernels (ncu, Mixtral-like)" | tee -a "$LOG"
     for pair in "128,128,64,8,4:0" "128,128,64,4,4:1"; do
