@@ -34,11 +34,11 @@ from ..settings import GemmTile
 from . import grouped_gemm as gg
 from . import triton_activations as acts
 from .gluon_common import cta_barrier, host_descriptor, on_hopper, wgmma_acc_layout
-from .gluon_row_gemm import _add, _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
+from .gluon_row_gemm import _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
 from .gluon_row_gemm import applies as row_gemm_applies
 from .launch import launch
 from .triton_combine import row_combine_weights
-from .triton_experts_backward import _column_slice
+from .triton_experts_backward import _column_slice, dh_outputs
 
 #: Rows of an epilogue chunk (16 of the accumulator's elements a thread).
 CHUNK = 32
@@ -75,31 +75,6 @@ def _h_chunk(h_ptr, grp, rows, row_end, n0, E, I, stride_hm, ACT: gl.constexpr, 
     else:
         hu = hg
     return hg, hu
-
-
-@gluon.jit
-def _dh_chunk(g, w, hg, hu, rows, row_end, n0, I, dh_ptr, wact_ptr, stride_dhm, stride_wam, alpha, limit,
-              ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr):
-    """The epilogue on a chunk of rows ``rows`` and activation columns [n0, n0 + width) of a
-    tile (``g`` = dL/da / w there, ``w`` the rows' combine weights, ``hg, hu`` from
-    ``_h_chunk``): recomputes the activation, writes dH (and w * act(h) with WRITE_WACT)
-    and returns each row's <g, act(h)> over these columns, for the router gradient. The
-    math of ``triton_experts_backward._dh_epilogue``."""
-    cols = n0 + gl.arange(0, g.shape[1], layout=gl.SliceLayout(0, g.type.layout))
-    smask = (rows < row_end)[:, None] & (cols < I)[None, :]
-    dg, du, a = acts.backward(g * w[:, None], hg, hu, alpha, limit, ACT, FAST_ACT)
-    out = dh_ptr + rows.to(gl.int64)[:, None] * stride_dhm + cols[None, :]
-    if ACT < acts.NUM_GATED:
-        dg = dg.to(dh_ptr.dtype.element_ty)
-        du = du.to(dh_ptr.dtype.element_ty)
-        gl.store(out, dg, mask=smask)
-        gl.store(out + I, du, mask=smask)
-    else:
-        gl.store(out, dg.to(dh_ptr.dtype.element_ty), mask=smask)
-    if WRITE_WACT:
-        gl.store(wact_ptr + rows.to(gl.int64)[:, None] * stride_wam + cols[None, :],
-                 (w[:, None] * a).to(wact_ptr.dtype.element_ty), mask=smask)
-    return gl.reduce(g * gl.where(smask, a, 0.0), 1, _add)
 
 
 @gluon.jit
@@ -164,8 +139,10 @@ def _dh_mma_warpgroup(a_ring, b_ring, a_ready, b_ready, empty, handoff, stage, w
                                                     HALF, layout)
                     g = stage.slice(c * CHUNK, CHUNK, dim=0).load(layout)
                     w = weights.slice(c * CHUNK, CHUNK).load(row_layout)
-                    part = _dh_chunk(g, w, hg, hu, rows, row_end, cols0, I, dh_ptr, wact_ptr, stride_dhm, stride_wam,
-                                     alpha, limit, ACT, WRITE_WACT, FAST_ACT)
+                    cols = cols0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+                    part = dh_outputs(g, w[:, None], hg, hu, rows, rows < row_end, cols, cols < I, cols0, I, dh_ptr,
+                                      wact_ptr, stride_dhm, stride_wam, alpha, limit, ACT, False, WRITE_WACT, FAST_ACT,
+                                      HALF)
                     gl.store(part_ptr + rows.to(gl.int64) * n_parts + cols0 // HALF, part,
                              mask=(rows < row_end) & (cols0 < I))
                     if c + 1 < CHUNKS or half == 0:

@@ -56,18 +56,18 @@ def _column_slice(t, S: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _dh_epilogue(g, w, row0, rows, real, rmask, n0, I, h_ptr, dh_ptr, wact_ptr, stride_hm, stride_dhm, stride_wam,
-                 alpha, limit, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, WRITE_WACT: tl.constexpr,
-                 FAST_ACT: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """dH's epilogue on activation columns [n0, n0 + WIDTH) of the tile: recomputes the
-    activation from h, writes dH (and w * act(h) with WRITE_WACT) and returns each row's
-    <g, act(h)> over these columns, for the router gradient. ``g`` is dL/da / w."""
-    cols = n0 + tl.arange(0, WIDTH)
-    cmask = cols < I
-    hg, hu = gg.load_h_pair(h_ptr, row0, real, stride_hm, n0, I, ACT, INTERLEAVED, False, BLOCK_M, WIDTH)
-    out_rows = dh_ptr + rows.to(tl.int64)[:, None] * stride_dhm
+def dh_outputs(g, w, hg, hu, rows, rmask, cols, cmask, n0, I, dh_ptr, wact_ptr, stride_dhm, stride_wam, alpha, limit,
+               ACT: tl.constexpr, INTERLEAVED: tl.constexpr, WRITE_WACT: tl.constexpr, FAST_ACT: tl.constexpr,
+               WIDTH: tl.constexpr):
+    """What dH's epilogue computes and writes on ``rows`` and activation columns ``cols``
+    ([n0, n0 + WIDTH)): from ``g`` = dL/da / w, the combine weights ``w`` ([rows, 1]) and
+    the raw h tiles ``hg, hu`` (``grouped_gemm.load_h_pair``), it writes dH (and w *
+    act(h) with WRITE_WACT) and returns each row's <g, act(h)> over these columns, for
+    the router gradient. Both dH kernels call it (``gluon_dh`` with its own layouts, never
+    INTERLEAVED)."""
     smask = rmask[:, None] & cmask[None, :]
     dg, du, a = acts.backward(g * w, hg, hu, alpha, limit, ACT, FAST_ACT)
+    out_rows = dh_ptr + rows.to(tl.int64)[:, None] * stride_dhm
     if ACT < acts.NUM_GATED:
         # Both halves converted before either store: storing the first while the second
         # is still fp32 measured slower (docs/perf-notes.md).
@@ -79,14 +79,27 @@ def _dh_epilogue(g, w, row0, rows, real, rmask, n0, I, h_ptr, dh_ptr, wact_ptr, 
             cols2 = 2 * n0 + tl.arange(0, 2 * WIDTH)
             tl.store(out_rows + cols2[None, :], tl.interleave(dg, du), mask=rmask[:, None] & (cols2 < 2 * I)[None, :])
         else:
-            tl.store(out_rows + cols[None, :], dg, mask=smask)
-            tl.store(out_rows + I + cols[None, :], du, mask=smask)
+            out = out_rows + cols[None, :]
+            tl.store(out, dg, mask=smask)
+            tl.store(out + I, du, mask=smask)
     else:
         tl.store(out_rows + cols[None, :], dg.to(dh_ptr.dtype.element_ty), mask=smask)
     if WRITE_WACT:  # w * act(h): the down weight gradient's operand, read from memory there
         tl.store(wact_ptr + rows.to(tl.int64)[:, None] * stride_wam + cols[None, :],
                  (w * a).to(wact_ptr.dtype.element_ty), mask=smask)
     return tl.sum(g * tl.where(smask, a, 0.0), axis=1)
+
+
+@triton.jit
+def _dh_epilogue(g, w, row0, rows, real, rmask, n0, I, h_ptr, dh_ptr, wact_ptr, stride_hm, stride_dhm, stride_wam,
+                 alpha, limit, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, WRITE_WACT: tl.constexpr,
+                 FAST_ACT: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """dH's epilogue on activation columns [n0, n0 + WIDTH) of the tile: the h tiles
+    behind them, then ``dh_outputs``. ``g`` is dL/da / w."""
+    cols = n0 + tl.arange(0, WIDTH)
+    hg, hu = gg.load_h_pair(h_ptr, row0, real, stride_hm, n0, I, ACT, INTERLEAVED, False, BLOCK_M, WIDTH)
+    return dh_outputs(g, w, hg, hu, rows, rmask, cols, cols < I, n0, I, dh_ptr, wact_ptr, stride_dhm, stride_wam,
+                      alpha, limit, ACT, INTERLEAVED, WRITE_WACT, FAST_ACT, WIDTH)
 
 
 @triton.jit
