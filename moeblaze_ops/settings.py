@@ -124,10 +124,12 @@ class KernelSettings:
         gluon: the GEMM kinds (of ``GLUON_KINDS``) that run their Gluon kernel, an
             asynchronous cp.async/TMA and wgmma pipeline for Hopper (``kernels.gluon_wgrad``,
             ``kernels.gluon_row_gemm``; ``kernels.gluon_dh`` for "dh", two MMA warpgroups
-            taking turns, without a down bias or an interleaved h), where it applies: 16-bit
-            CUDA tensors on capability 9 with column counts and row strides that are
+            taking turns, without a down bias or an interleaved h, and below
+            ``dh_wide_min_columns``, whose wide ``tl`` tile is faster), where it applies:
+            16-bit CUDA tensors on capability 9 with column counts and row strides that are
             multiples of 16. The other kinds, and every other case, run the portable
-            ``tl`` kernels. By default the weight gradients, the kinds measured faster.
+            ``tl`` kernels. By default dH and the weight gradients, the kinds measured
+            faster.
         small_gemm_flop: GEMMs of fewer operations (2 x rows x columns x reduction) are
             host-bound, their launches rather than the GPU setting the step's time, and
             run the kernel forms that cost the host least to launch: the ``tl`` kernel
@@ -203,7 +205,7 @@ class KernelSettings:
     tiles: Mapping[str, GemmTile] = field(default_factory=dict)
     h_tma: bool = True
     weight_tma: frozenset = frozenset({"up", "dh", "dx"})
-    gluon: frozenset = frozenset({"wgrad_down", "wgrad_up"})
+    gluon: frozenset = frozenset({"dh", "wgrad_down", "wgrad_up"})
     small_gemm_flop: int = 10**11
     gluon_warp_specialize: frozenset = frozenset({"up", "down", "dx"})
     wgrad_band: int = 1

@@ -80,10 +80,11 @@ def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, 
     _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path)
 
 
-@pytest.mark.parametrize("gather,bias", [(True, True), (False, True), (False, False)])
+@pytest.mark.parametrize("gather,bias,offsets_32", [(True, True, True), (True, False, False), (False, True, False),
+                                                    (False, False, False)])
 @pytest.mark.parametrize("k_contiguous", [True, False], ids=["k_contiguous", "n_contiguous"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gather, bias, tmp_path):
+def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gather, bias, offsets_32, tmp_path):
     from moeblaze_ops.kernels import gluon_row_gemm
 
     tile = gluon_row_gemm.TILE
@@ -97,7 +98,8 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
     constexprs = dict(GATHER_A=gather, HAS_BIAS=bias, B_KMAJOR=k_contiguous, GROUPS=16, BAND=8 if gather else 1,
                       BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PRODUCER_WARPS=warps,
-                      PRODUCER_REGS=regs, num_warps=tile.num_warps)
+                      PRODUCER_REGS=regs, A_OFFSETS_32=offsets_32,
+                      num_warps=tile.num_warps)
     if not gather:
         constexprs["a_row_ids_ptr"] = None
     if not bias:
@@ -112,8 +114,8 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
         pytest.skip(f"no ptxas: {error}")
     ptx = kernel.asm["ptx"]
     # A gathered by 16-byte cp.async, each copy thread arriving on the slot's barrier when
-    # they land, or by TMA from a 2-D descriptor; the copy warps' registers cut back and
-    # the MMA warpgroups' raised; then the pipeline both kernels share.
+    # they land, or by TMA from a 2-D descriptor; the copy warps' registers cut back and the
+    # MMA warpgroups' raised; then the pipeline both kernels share.
     if gather:
         assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
         assert re.search(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)
@@ -133,7 +135,7 @@ sys.path.insert(0, sys.argv[2])
 from test_gluon_compile import _compile_for_hopper
 from test_gluon_row_gemm_compile import _descriptor_type
 from moeblaze_ops.activations import activation_code
-from moeblaze_ops.kernels import gluon_dh
+from moeblaze_ops.kernels import gluon_dh, gluon_row_gemm
 
 dtype, k_contiguous, act, out = json.loads(sys.argv[1])
 tile = gluon_dh.TILE
@@ -148,7 +150,8 @@ signature = {"go_ptr": f"*{dtype}", "w_desc": _descriptor_type(dtype, block), "h
 constexprs = dict(K=8, ACT=int(activation_code(act)), WRITE_WACT=True, FAST_ACT=True, W_KMAJOR=k_contiguous,
                   GROUPS=128, BAND=4, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                   NUM_STAGES=tile.num_stages, CHUNK=gluon_dh.CHUNK, PRODUCER_WARPS=warps, PRODUCER_REGS=regs,
-                  MMA_REGS=gluon_dh.MMA_REGS, num_warps=tile.num_warps)
+                  B_PRODUCER_REGS=gluon_row_gemm.B_PRODUCER_REGS, MMA_REGS=gluon_dh.MMA_REGS,
+                  A_OFFSETS_32=True, num_warps=tile.num_warps)
 aligned = ["go_ptr", "h_ptr", "eti_ptr", "tim_ptr", "offsets_ptr", "dh_ptr", "wact_ptr", "part_ptr", "D", "I",
            "stride_gm", "stride_hm", "stride_dhm", "stride_wam"]
 try:
@@ -165,7 +168,8 @@ with open(out, "w") as f:
                                                     ("fp16", True, "gelu"), ("fp16", False, "geglu")])
 def test_pingpong_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
     """The ping-pong dH (``kernels.gluon_dh``): the gathered output-gradient rows by 16-byte
-    cp.async in the copy warpgroup, W_down by 3-D TMA, each MMA warpgroup's wgmma 128
+    cp.async in the copy warpgroup, W_down by 3-D TMA from a copy warp of its own (its
+    registers cut to ``B_PRODUCER_REGS``), each MMA warpgroup's wgmma 128
     columns wide, the registers redistributed between the partitions, the ring, the fp32
     stages and the weights within the block's shared memory, and (almost) no spills: the
     epilogue over a whole 128 x 128 tile per warpgroup spilled kilobytes before it was
@@ -174,7 +178,7 @@ def test_pingpong_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
     import os
     import sys
 
-    from moeblaze_ops.kernels import gluon_dh
+    from moeblaze_ops.kernels import gluon_dh, gluon_row_gemm
 
     out = tmp_path / "kernel.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -191,9 +195,12 @@ def test_pingpong_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
     assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{gluon_dh.MMA_REGS}", ptx)
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{regs}", ptx)
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{gluon_row_gemm.B_PRODUCER_REGS}\b", ptx)
     ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
     stages = 2 * tile.block_m * tile.block_n // 2 * 4
     assert ring + stages <= compiled["shared"] <= MAX_SHARED
-    assert _spill_bytes(ptx, tmp_path) <= 256
+    # The MMA warpgroups, at 216 registers beside the copy warps, spill a few words a tile
+    # (around the epilogue), where the whole-tile epilogue spilled kilobytes a thread.
+    assert _spill_bytes(ptx, tmp_path) <= 384

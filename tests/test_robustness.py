@@ -358,10 +358,11 @@ def test_dh_tile_by_layer_width(monkeypatch):
 
 
 def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
-    """Where ``settings.gluon`` names "dh" and the Gluon kernel applies, ``launch_dh`` hands
-    it the operands, the "dh" tile override (else its own tile) and the row band, and the
-    router partials are sized by its columns per partial; where it does not apply, by the
-    tl kernel's tile. The Gluon module is a stand-in that records its launch (no GPU)."""
+    """Where ``settings.gluon`` names "dh" (the default) and the Gluon kernel applies, below
+    ``settings.dh_wide_min_columns``, ``launch_dh`` hands it the operands, the "dh" tile
+    override (else its own tile) and the row band, and the router partials are sized by its
+    columns per partial; where it does not apply or is not named, or the layer is that wide,
+    by the tl kernel's tile. The Gluon module is a stand-in that records its launch (no GPU)."""
     from types import SimpleNamespace
 
     from moeblaze_ops.kernels import grouped_gemm as gg
@@ -377,9 +378,14 @@ def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
     grad_out = torch.randn(L, d)
     operands = dict(act=0, transposed=False, interleaved=False, has_bias=False)
     tl_columns = tb.dh_tile(h, I).block_n
-    assert tb.dh_part_columns(grad_out, h, w_down, **operands) == tl_columns
+    assert tl_columns != 64
+    with settings.override(gluon=settings.current().gluon - {"dh"}):
+        assert tb.dh_part_columns(grad_out, h, w_down, **operands) == tl_columns
+    with settings.override(dh_wide_min_columns=I):
+        assert tb.dh_part_columns(grad_out, h, w_down, **operands) == tb.dh_tile(h, I).block_n
     tuned = settings.GemmTile(128, 128, 64, 4, 5)
-    with settings.override(gluon=settings.current().gluon | {"dh"}, row_band=3):
+    assert "dh" in settings.current().gluon
+    with settings.override(row_band=3, dh_wide_min_columns=I + 1):
         assert tb.dh_part_columns(grad_out, h, w_down, **operands) == 64
         parts = torch.empty(L * K, gg.cdiv(I, 64))
         args = (grad_out, h, w_down, None, torch.rand(L, K), None, None, None, h, None, parts, None)

@@ -34,7 +34,7 @@ from ..settings import GemmTile
 from . import grouped_gemm as gg
 from . import triton_activations as acts
 from .gluon_common import cta_barrier, host_descriptor, on_hopper, wgmma_acc_layout
-from .gluon_row_gemm import _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
+from .gluon_row_gemm import B_PRODUCER_REGS, _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
 from .gluon_row_gemm import applies as row_gemm_applies
 from .launch import launch
 from .triton_combine import row_combine_weights
@@ -48,10 +48,11 @@ PART_COLUMNS = 64
 #: rows), 64 of K per step; a ring of 4 slots of 32 KB shared by both warpgroups.
 TILE = GemmTile(128, 128, 64, 4, 4)
 #: (warps, registers per thread) of the copy warpgroup (the gathered rows' 16-byte
-#: copies and their offsets), and the registers of each MMA warpgroup: 2 x 128 x 232 +
-#: 128 x 40 of the SM's 64K.
-PRODUCER = (4, 40)
-MMA_REGS = 232
+#: copies and their offsets), and the registers of each MMA warpgroup; one more warp
+#: issues the weight tiles' TMA (``gluon_row_gemm.B_PRODUCER_REGS``). 13 warps launch with 152 registers a
+#: thread: 2 x 128 x 216 + 128 x 56 + 32 x 24 = 152 x 416.
+PRODUCER = (4, 56)
+MMA_REGS = 216
 
 
 @gluon.constexpr_function
@@ -162,7 +163,7 @@ def _dh_pingpong_kernel(
     K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
     GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, CHUNK: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
+    B_PRODUCER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Two MMA warpgroups of ``num_warps`` warps (this function's own and a worker) on
     alternate tiles, and ``PRODUCER_WARPS`` copy warps: the output-gradient rows gathered
@@ -202,8 +203,11 @@ def _dh_pingpong_kernel(
                              WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, 1,
                              num_warps)),
         (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, I, D,
-                        stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS)),
-    ], [num_warps, PRODUCER_WARPS], [MMA_REGS, PRODUCER_REGS])
+                        stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS, True, False,
+                        A_OFFSETS_32)),
+        (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, I, D,
+                        stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, 1, False, True)),
+    ], [num_warps, PRODUCER_WARPS, 1], [MMA_REGS, PRODUCER_REGS, B_PRODUCER_REGS])
 
 
 def applies(grad_out: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor, transposed: bool, gated: bool,
@@ -243,5 +247,6 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
         K=topk_weights.shape[1], ACT=act, WRITE_WACT=wact is not None, FAST_ACT=fast_activation, W_KMAJOR=kmajor,
         GROUPS=gg.next_power_of_2(E + 1), BAND=band, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, CHUNK=CHUNK, PRODUCER_WARPS=warps, PRODUCER_REGS=regs,
-        MMA_REGS=MMA_REGS, num_warps=tile.num_warps,
+        B_PRODUCER_REGS=B_PRODUCER_REGS, MMA_REGS=MMA_REGS, A_OFFSETS_32=grad_out.numel() < 2**31,
+        num_warps=tile.num_warps,
     )

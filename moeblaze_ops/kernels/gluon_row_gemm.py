@@ -48,8 +48,10 @@ TILE = GemmTile(128, 256, 64, 8, 4)
 #: (warps, registers per thread) of the warp-specialised kernel's copy warps: one warp
 #: issuing TMA copies, or a warpgroup whose threads each copy 16-byte pieces of gathered
 #: rows (and hold their offsets); the MMA warpgroups get the rest of the register file.
+#: ``B_PRODUCER_REGS``: a copy warp that issues only the weight tiles' TMA.
 PRODUCER_TMA = (1, 40)
 PRODUCER_GATHER = (4, 88)
+B_PRODUCER_REGS = 24
 
 
 @gluon.constexpr_function
@@ -263,41 +265,56 @@ def _row_gemm_kernel(
 @gluon.jit
 def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, N, K,
                  stride_am, GATHER_A: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr):
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr,
+                 COPY_A: gl.constexpr = True, COPY_B: gl.constexpr = True, A_OFFSETS_32: gl.constexpr = False):
     """The copy warps: for every step of this program's expert tiles (the schedule of
     ``_row_tile``), wait until the MMA has released the step's ring slot, then start the
-    copies of its A and B tiles into it. B always by TMA; A by TMA from a 2-D descriptor at
-    the tile's first row (rows past the expert's end are multiplied and not stored), or,
-    gathered, by every copy thread's 16-byte cp.async, each thread arriving on the slot's
-    ``a_ready`` once its copies have landed."""
+    copies of its B tile (``COPY_B``: by TMA) and its A tile (``COPY_A``: by TMA from a 2-D
+    descriptor at the tile's first row, rows past the expert's end multiplied and not
+    stored; or, gathered, by every copy thread's 16-byte cp.async, each thread arriving on
+    the slot's ``a_ready`` once its copies have landed). Two partitions may split the
+    operands, each waiting on ``empty`` on its own. ``A_OFFSETS_32``: A's element offsets
+    fit in 32 bits (half the registers and instructions per gathered row)."""
     NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, WARPS)
     step = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
         if grp < E:  # the sentinel tiles copy nothing
-            if GATHER_A:
+            if COPY_A and GATHER_A:
+                # The tile's row offsets and row mask, made once. These warps issue one
+                # instruction after another with nothing to hide their latencies, so every
+                # instruction a step saves shortens the step.
                 layout: gl.constexpr = copy_layout(BLOCK_K, WARPS)
                 rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+                ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
                 offs = _row_offsets(a_row_ids_ptr, row0, row_end, stride_am, True, BLOCK_M, BLOCK_K, WARPS)
+                if A_OFFSETS_32:
+                    offs = offs.to(gl.int32)
+                a_offs = offs[:, None] + ks[None, :]
+                in_rows = (rows < row_end)[:, None] & (ks >= 0)[None, :]
             for k in range(k_steps):
                 slot = step % NUM_STAGES
                 # A fresh barrier has completed no phase: the first pass over the ring waits for nothing.
                 mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
-                if GATHER_A:
-                    ks = k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-                    async_load(a_ring.index(slot), a_src + offs[:, None] + ks[None, :],
-                               mask=(rows < row_end)[:, None] & (ks < K)[None, :])
-                    cp.mbarrier_arrive(a_ready.index(slot), increment_count=False)
-                else:
-                    mbarrier.expect(a_ready.index(slot), a_src.block_type.nbytes)
-                    tma_load(a_src, [row0, k * BLOCK_K], a_ready.index(slot), a_ring.index(slot))
-                bar = b_ready.index(slot)
-                mbarrier.expect(bar, b_desc.block_type.nbytes)
-                if B_KMAJOR:
-                    tma_load(b_desc, [grp, n0, k * BLOCK_K], bar, b_ring.index(slot))
-                else:
-                    tma_load(b_desc, [grp, k * BLOCK_K, n0], bar, b_ring.index(slot))
+                if COPY_B:  # first: its latency then runs while A's copies are issued
+                    bar = b_ready.index(slot)
+                    mbarrier.expect(bar, b_desc.block_type.nbytes)
+                    if B_KMAJOR:
+                        tma_load(b_desc, [grp, n0, k * BLOCK_K], bar, b_ring.index(slot))
+                    else:
+                        tma_load(b_desc, [grp, k * BLOCK_K, n0], bar, b_ring.index(slot))
+                if COPY_A:
+                    if GATHER_A:
+                        if (k + 1) * BLOCK_K <= K:
+                            async_load(a_ring.index(slot), a_src + (a_offs + k * BLOCK_K), mask=in_rows)
+                        else:  # the last step of a K that is not a multiple of BLOCK_K
+                            async_load(a_ring.index(slot), a_src + (a_offs + k * BLOCK_K),
+                                       mask=in_rows & (k * BLOCK_K + ks < K)[None, :])
+                        cp.mbarrier_arrive(a_ready.index(slot), increment_count=False)
+                    else:
+                        mbarrier.expect(a_ready.index(slot), a_src.block_type.nbytes)
+                        tma_load(a_src, [row0, k * BLOCK_K], a_ready.index(slot), a_ring.index(slot))
                 step += 1
 
 
@@ -361,7 +378,8 @@ def _row_gemm_ws_kernel(
     stride_am, stride_bias, stride_om,
     GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``_row_gemm_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the A and B
     tiles into the ring (``a_src`` a TMA descriptor of A, or A's pointer when its rows are
@@ -385,7 +403,8 @@ def _row_gemm_ws_kernel(
                         stride_bias, stride_om, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N,
                         BLOCK_K, num_warps)),
         (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, N,
-                        K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS)),
+                        K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS,
+                        True, True, A_OFFSETS_32)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -453,7 +472,7 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
             _row_gemm_ws_kernel, grid,
             a_src, b_desc, bias, a_row_ids, offsets, out, LK, E, N, K,
             a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0),
-            GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **common)
+            GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=a.numel() < 2**31, **common)
         return
     launch(
         _row_gemm_kernel, grid,

@@ -286,8 +286,12 @@ def _epilogue_slices(block_n, columns):
 
 
 def _gluon_dh(grad_out, h, w_down, act, transposed, interleaved, has_bias):
-    """``kernels.gluon_dh`` where ``settings.gluon`` names "dh" and it applies, else None."""
+    """``kernels.gluon_dh`` where ``settings.gluon`` names "dh" and it applies, else None.
+    Layers of at least ``settings.dh_wide_min_columns`` take the wide ``tl`` tile instead."""
     E, d, I = linear_dims(w_down, transposed)
+    wide = settings.current().dh_wide_min_columns
+    if wide is not None and I >= wide:
+        return None
     gluon = gg.gluon_kernels("dh", h, 2 * h.shape[0] * d * I)
     if gluon is None or not gluon.applies(grad_out, h, w_down, transposed, int(act) < acts.NUM_GATED.value, interleaved,
                                           has_bias):
