@@ -79,7 +79,7 @@ def _h_chunk(h_ptr, grp, rows, row_end, n0, E, I, stride_hm, ACT: gl.constexpr, 
 
 
 @gluon.jit
-def _dh_mma_warpgroup(a_ring, b_ring, a_ready, b_ready, empty, handoff, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
+def _dh_mma_warpgroup(a_ring, b_ring, ready, empty, handoff, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
                       offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_hm,
                       stride_dhm, stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr,
                       WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
@@ -109,8 +109,8 @@ def _dh_mma_warpgroup(a_ring, b_ring, a_ready, b_ready, empty, handoff, stage, w
             mbarrier.wait(handoff.index(TURN), own & 1)
             own += 1
             if grp < E:  # the sentinel tiles: zeros everywhere
-                acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, True, W_KMAJOR,
-                                          BLOCK_N, BLOCK_K)
+                acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, ready, ready, empty, True, W_KMAJOR,
+                                          BLOCK_N, BLOCK_K, True)
             mbarrier.arrive(handoff.index(1 - TURN))
             # Everything below waits on memory; the other warpgroup's MMAs run meanwhile.
             rows = row0 + gl.arange(0, CHUNK, layout=row_layout)
@@ -167,8 +167,8 @@ def _dh_pingpong_kernel(
 ):
     """Two MMA warpgroups of ``num_warps`` warps (this function's own and a worker) on
     alternate tiles, and ``PRODUCER_WARPS`` copy warps: the output-gradient rows gathered
-    by cp.async, W_down by TMA, into a ring whose slots each have three mbarriers
-    (``a_ready``, ``b_ready``: copies landed; ``empty``: the MMA is done with it). Each MMA
+    by cp.async, W_down by TMA from a warp of its own, into a ring whose slots each have
+    two mbarriers (``ready``: both copies landed; ``empty``: the MMA is done with it). Each MMA
     warpgroup has its own fp32 stage for half an accumulator tile."""
     dtype: gl.constexpr = go_ptr.dtype.element_ty
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
@@ -179,12 +179,11 @@ def _dh_pingpong_kernel(
     stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, BLOCK_N // 2],
                                       gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
     weights = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    a_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    b_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(a_ready.index(s), count=PRODUCER_WARPS * 32)  # every copy thread arrives
-        mbarrier.init(b_ready.index(s), count=1)
+        # Every gathering thread arrives once its copies land, the TMA warp once with the bytes it expects.
+        mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32 + 1)
         mbarrier.init(empty.index(s), count=1)
     # handoff[i]: warpgroup i's turn at the tensor cores; the first is warpgroup 0's.
     handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -192,20 +191,20 @@ def _dh_pingpong_kernel(
     mbarrier.init(handoff.index(1), count=1)
     mbarrier.arrive(handoff.index(0))
     gl.warp_specialize([
-        (_dh_mma_warpgroup, (a_ring, b_ring, a_ready, b_ready, empty, handoff, stage.index(0), weights.index(0),
+        (_dh_mma_warpgroup, (a_ring, b_ring, ready, empty, handoff, stage.index(0), weights.index(0),
                              h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I,
                              alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
                              WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, 0,
                              num_warps)),
-        (_dh_mma_warpgroup, (a_ring, b_ring, a_ready, b_ready, empty, handoff, stage.index(1), weights.index(1),
+        (_dh_mma_warpgroup, (a_ring, b_ring, ready, empty, handoff, stage.index(1), weights.index(1),
                              h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I,
                              alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
                              WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, 1,
                              num_warps)),
-        (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, I, D,
+        (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, ready, ready, empty, LK, E, I, D,
                         stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS, True, False,
                         A_OFFSETS_32)),
-        (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, I, D,
+        (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, ready, ready, empty, LK, E, I, D,
                         stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, 1, False, True)),
     ], [num_warps, PRODUCER_WARPS, 1], [MMA_REGS, PRODUCER_REGS, B_PRODUCER_REGS])
 

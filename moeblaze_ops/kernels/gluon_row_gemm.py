@@ -320,18 +320,21 @@ def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_re
 
 @gluon.jit
 def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, GATHER_A: gl.constexpr,
-                  B_KMAJOR: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+                  B_KMAJOR: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  ONE_READY: gl.constexpr = False):
     """An MMA warpgroup's reduction over one output tile of a warp-specialised kernel's
     ring (``_ws_producer`` fills it): for each of the tile's ``k_steps`` steps, wait for its
     copies, run the asynchronous wgmma, and release the slot of the step before once its
     wgmma is done (one stays in flight); the last slot is released when the tile's MMAs
-    are. ``step`` counts the ring's steps this warpgroup has passed; returns (acc, step)."""
+    are. ``step`` counts the ring's steps this warpgroup has passed; returns (acc, step).
+    ``ONE_READY``: both copies arrive on ``a_ready``; ``b_ready`` is not waited on."""
     NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
     for k in range(k_steps):
         slot = step % NUM_STAGES
         phase = (step // NUM_STAGES) & 1
         mbarrier.wait(a_ready.index(slot), phase)
-        mbarrier.wait(b_ready.index(slot), phase)
+        if not ONE_READY:
+            mbarrier.wait(b_ready.index(slot), phase)
         if GATHER_A:
             # cp.async wrote A through the generic proxy; wgmma reads through the async one.
             fence_async_shared()
