@@ -13,9 +13,10 @@ the epilogue (h in, dH and w * act(h) out: 160 KB a 128 x 128 tile), so the tens
 idle while it does; at a short reduction (OLMoE-like: 32 steps a tile) that is a third
 of the kernel's time. Here each MMA warpgroup owns a whole 128 x 128 tile (its program's
 even or odd tiles): while one runs its epilogue, the other's tile is in the tensor cores.
-A copy warpgroup (``gluon_row_gemm._ws_producer``) fills one ring for both, in tile order,
-so a warpgroup's steps arrive only once the other's tile has been copied: the two take
-turns without a barrier of their own.
+Two copy partitions (``gluon_row_gemm._ws_producer``, one operand each) fill one ring for
+both, in tile order: a warpgroup gathers the output-gradient rows by cp.async, one warp
+issues W_down's TMA. A single warpgroup doing both issued its step's ~150 dependent
+instructions slower than the MMA consumed the step, so the tensor cores waited on it.
 
 Applies where ``gluon_row_gemm`` applies to the GEMM (16-bit, Hopper, 16-element aligned
 K, N and strides), the layout is concatenated (gate columns, then up) or the activation
