@@ -128,6 +128,18 @@ def _row_offsets(a_row_ids_ptr, row0, row_end, stride_am, GATHER_A: gl.constexpr
 
 
 @gluon.jit
+def _copy_weight_tile(b_desc, bar, b_slot, grp, n0, k0, B_KMAJOR: gl.constexpr):
+    """Start the TMA copy of expert ``grp``'s B tile at reduction ``k0``, column ``n0`` into
+    ``b_slot``, its bytes expected on ``bar`` (a 3-D descriptor: [E, N, K] when K is
+    contiguous, else [E, K, N])."""
+    mbarrier.expect(bar, b_desc.block_type.nbytes)
+    if B_KMAJOR:
+        tma_load(b_desc, [grp, n0, k0], bar, b_slot)
+    else:
+        tma_load(b_desc, [grp, k0, n0], bar, b_slot)
+
+
+@gluon.jit
 def _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
     """Expert ``grp``'s bias over the tile's columns. Loaded before the K loop, a column or
     so per thread, and added after it: loaded in the accumulator's layout, every thread
@@ -179,12 +191,7 @@ def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, sl
         ks = p_k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
         async_load(a_ring.index(slot), a_ptr + p_offs[:, None] + ks[None, :],
                     mask=(rows < p_end)[:, None] & (ks < K)[None, :])
-        bar = bars.index(slot)
-        mbarrier.expect(bar, b_desc.block_type.nbytes)
-        if B_KMAJOR:
-            tma_load(b_desc, [p_grp, p_n0, p_k * BLOCK_K], bar, b_ring.index(slot))
-        else:
-            tma_load(b_desc, [p_grp, p_k * BLOCK_K, p_n0], bar, b_ring.index(slot))
+        _copy_weight_tile(b_desc, bars.index(slot), b_ring.index(slot), p_grp, p_n0, p_k * BLOCK_K, B_KMAJOR)
         p_k += 1
         if p_k == k_steps:
             p_k = 0
@@ -298,12 +305,7 @@ def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_re
                 # A fresh barrier has completed no phase: the first pass over the ring waits for nothing.
                 mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
                 if COPY_B:  # first: its latency then runs while A's copies are issued
-                    bar = b_ready.index(slot)
-                    mbarrier.expect(bar, b_desc.block_type.nbytes)
-                    if B_KMAJOR:
-                        tma_load(b_desc, [grp, n0, k * BLOCK_K], bar, b_ring.index(slot))
-                    else:
-                        tma_load(b_desc, [grp, k * BLOCK_K, n0], bar, b_ring.index(slot))
+                    _copy_weight_tile(b_desc, b_ready.index(slot), b_ring.index(slot), grp, n0, k * BLOCK_K, B_KMAJOR)
                 if COPY_A:
                     if GATHER_A:
                         if (k + 1) * BLOCK_K <= K:
