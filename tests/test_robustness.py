@@ -396,3 +396,31 @@ def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
         assert tb.dh_part_columns(grad_out, h, w_down, **operands) == tl_columns
     assert [kwargs["tile"] for _, kwargs in launches] == [fake.TILE, tuned]
     assert all(kwargs["band"] == 3 and args[9] is parts for args, kwargs in launches)
+
+
+@pytest.mark.parametrize("rows,offsets_32", [(1024, True), (2**28 + 1, False)], ids=["small", "past_int32"])
+def test_gathered_copies_use_32_bit_offsets_only_where_they_fit(rows, offsets_32, monkeypatch):
+    """The warp-specialised Gluon copies (the ping-pong dH's and the row GEMM's) gather A's
+    rows with 32-bit element offsets only where A has fewer than 2^31 elements; past that,
+    64-bit ones (a wrong choice would address other rows without a fault). Meta tensors
+    stand in for an A that large; the launch is recorded, not run (no GPU)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from moeblaze_ops.kernels import gluon_dh, gluon_row_gemm
+
+    launches = []
+    for module in (gluon_dh, gluon_row_gemm):
+        monkeypatch.setattr(module, "launch", lambda kernel, grid, *args, **kwargs: launches.append(kwargs))
+        monkeypatch.setattr(module, "host_descriptor", lambda t, block: object())
+    d, I, E, K = 128, 64, 4, 2
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    grad_out = torch.empty(rows, d, **meta)  # A of both GEMMs, [L, d]: 2^35 elements in the large case
+    LK = 64
+    h, w_down = torch.empty(LK, 2 * I, **meta), torch.empty(E, d, I, **meta)
+    ids = torch.empty(LK, dtype=torch.int32, device="meta")
+    parts = torch.empty(LK, I // gluon_dh.PART_COLUMNS, dtype=torch.float32, device="meta")
+    gluon_dh.launch_dh(grad_out, h, w_down, ids, torch.empty(LK // K, K, device="meta"), ids, ids, h, None, parts,
+                       act=0, transposed=False, alpha=1.0, limit=7.0, fast_activation=True, band=1)
+    out = torch.empty(LK, 2 * I, **meta)
+    gluon_row_gemm.launch_row_gemm(grad_out, ids, torch.empty(E, 2 * I, d, **meta), None, ids, out, False,
+                                   warp_specialize=True)
+    assert [kwargs["A_OFFSETS_32"] for kwargs in launches] == [offsets_32, offsets_32]
