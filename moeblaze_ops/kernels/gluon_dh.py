@@ -50,8 +50,9 @@ PART_COLUMNS = 64
 TILE = GemmTile(128, 128, 64, 4, 4)
 #: (warps, registers per thread) of the copy warpgroup (the gathered rows' 16-byte
 #: copies and their offsets), and the registers of each MMA warpgroup; one more warp
-#: issues the weight tiles' TMA (``gluon_row_gemm.B_PRODUCER_REGS``). 13 warps launch with 152 registers a
-#: thread: 2 x 128 x 216 + 128 x 56 + 32 x 24 = 152 x 416.
+#: issues the weight tiles' TMA (``gluon_row_gemm.B_PRODUCER_REGS``), its warpgroup padded
+#: to four warps: 16 warps launch with 128 registers a thread, redistributed as
+#: 2 x 128 x 216 + 128 x 56 + 128 x 24 = 128 x 512.
 PRODUCER = (4, 56)
 MMA_REGS = 216
 
