@@ -383,6 +383,8 @@ def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
         assert tb.dh_part_columns(grad_out, h, w_down, **operands) == tl_columns
     with settings.override(dh_wide_min_columns=I):
         assert tb.dh_part_columns(grad_out, h, w_down, **operands) == tb.dh_tile(h, I).block_n
+        with settings.override(tiles={"dh": settings.GemmTile(128, 128, 64, 4, 4)}):  # a "dh" override: every width
+            assert tb.dh_part_columns(grad_out, h, w_down, **operands) == 64
     tuned = settings.GemmTile(128, 128, 64, 4, 5)
     assert "dh" in settings.current().gluon
     with settings.override(row_band=3, dh_wide_min_columns=I + 1):

@@ -15,8 +15,9 @@ of the kernel's time. Here each MMA warpgroup owns a whole 128 x 128 tile (its p
 even or odd tiles): while one runs its epilogue, the other's tile is in the tensor cores.
 Two copy partitions (``gluon_row_gemm._ws_producer``, one operand each) fill one ring for
 both, in tile order: a warpgroup gathers the output-gradient rows by cp.async, one warp
-issues W_down's TMA. A single warpgroup doing both issued its step's ~150 dependent
-instructions slower than the MMA consumed the step, so the tensor cores waited on it.
+issues W_down's TMA. Copy warps have no other warps to hide their instructions' latencies
+behind, so each keeps its step short, and neither operand's copies wait behind the
+other's (docs/perf-notes.md has the measurement).
 
 Applies where ``gluon_row_gemm`` applies to the GEMM (16-bit, Hopper, 16-element aligned
 K, N and strides), the layout is concatenated (gate columns, then up) or the activation
@@ -35,7 +36,7 @@ from ..settings import GemmTile
 from . import grouped_gemm as gg
 from . import triton_activations as acts
 from .gluon_common import cta_barrier, host_descriptor, on_hopper, wgmma_acc_layout
-from .gluon_row_gemm import B_PRODUCER_REGS, _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
+from .gluon_row_gemm import _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
 from .gluon_row_gemm import applies as row_gemm_applies
 from .launch import launch
 from .triton_combine import row_combine_weights
@@ -49,11 +50,12 @@ PART_COLUMNS = 64
 #: rows), 64 of K per step; a ring of 4 slots of 32 KB shared by both warpgroups.
 TILE = GemmTile(128, 128, 64, 4, 4)
 #: (warps, registers per thread) of the copy warpgroup (the gathered rows' 16-byte
-#: copies and their offsets), and the registers of each MMA warpgroup; one more warp
-#: issues the weight tiles' TMA (``gluon_row_gemm.B_PRODUCER_REGS``), its warpgroup padded
-#: to four warps: 16 warps launch with 128 registers a thread, redistributed as
+#: copies and their offsets), the registers of the copy warp that issues the weight
+#: tiles' TMA (its warpgroup padded to four warps), and those of each MMA warpgroup:
+#: 16 warps launch with 128 registers a thread, redistributed as
 #: 2 x 128 x 216 + 128 x 56 + 128 x 24 = 128 x 512.
 PRODUCER = (4, 56)
+B_PRODUCER_REGS = 24
 MMA_REGS = 216
 
 

@@ -48,10 +48,8 @@ TILE = GemmTile(128, 256, 64, 8, 4)
 #: (warps, registers per thread) of the warp-specialised kernel's copy warps: one warp
 #: issuing TMA copies, or a warpgroup whose threads each copy 16-byte pieces of gathered
 #: rows (and hold their offsets); the MMA warpgroups get the rest of the register file.
-#: ``B_PRODUCER_REGS``: a copy warp that issues only the weight tiles' TMA.
 PRODUCER_TMA = (1, 40)
 PRODUCER_GATHER = (4, 88)
-B_PRODUCER_REGS = 24
 
 
 @gluon.constexpr_function
@@ -299,7 +297,7 @@ def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_re
                 if A_OFFSETS_32:
                     offs = offs.to(gl.int32)
                 a_offs = offs[:, None] + ks[None, :]
-                in_rows = (rows < row_end)[:, None] & (ks >= 0)[None, :]
+                in_rows = (rows < row_end)[:, None] & (ks >= 0)[None, :]  # the copy's full [M, K] shape
             for k in range(k_steps):
                 slot = step % NUM_STAGES
                 # A fresh barrier has completed no phase: the first pass over the ring waits for nothing.

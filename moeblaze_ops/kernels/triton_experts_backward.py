@@ -269,15 +269,19 @@ def _pq_view(grad_w, rows_are_outputs, transposed):
     return grad_w if kept else grad_w.transpose(1, 2)
 
 
-def dh_tile(h, I):
-    """dH's tile for an h like ``h`` of I intermediate columns: the "dh_wide" kind's from
-    ``settings.dh_wide_min_columns`` columns, else the "dh" kind's. An override of the
-    "dh" tile alone (``settings.tiles``) applies at every width."""
+def _dh_is_wide(I):
+    """Whether dH of I intermediate columns is a wide layer's: from
+    ``settings.dh_wide_min_columns`` columns, unless ``settings.tiles`` overrides the "dh"
+    tile alone (it then applies at every width)."""
     config = settings.current()
     wide = config.dh_wide_min_columns is not None and I >= config.dh_wide_min_columns
-    if wide and "dh" in config.tiles and "dh_wide" not in config.tiles:
-        wide = False
-    return gg.tile_config("dh_wide" if wide else "dh", h)
+    return wide and not ("dh" in config.tiles and "dh_wide" not in config.tiles)
+
+
+def dh_tile(h, I):
+    """dH's ``tl`` tile for an h like ``h`` of I intermediate columns: the "dh_wide" kind's
+    for a wide layer (``_dh_is_wide``), else the "dh" kind's."""
+    return gg.tile_config("dh_wide" if _dh_is_wide(I) else "dh", h)
 
 
 def _epilogue_slices(block_n, columns):
@@ -287,10 +291,9 @@ def _epilogue_slices(block_n, columns):
 
 def _gluon_dh(grad_out, h, w_down, act, transposed, interleaved, has_bias):
     """``kernels.gluon_dh`` where ``settings.gluon`` names "dh" and it applies, else None.
-    Layers of at least ``settings.dh_wide_min_columns`` take the wide ``tl`` tile instead."""
+    Wide layers (``_dh_is_wide``) take the wide ``tl`` tile instead."""
     E, d, I = linear_dims(w_down, transposed)
-    wide = settings.current().dh_wide_min_columns
-    if wide is not None and I >= wide:
+    if _dh_is_wide(I):
         return None
     gluon = gg.gluon_kernels("dh", h, 2 * h.shape[0] * d * I)
     if gluon is None or not gluon.applies(grad_out, h, w_down, transposed, int(act) < acts.NUM_GATED.value, interleaved,
