@@ -161,6 +161,10 @@ class KernelSettings:
             each output tile through shared memory by TMA copies, which run on while they
             start the next tile (where TMA can write the gradient and a program has more
             than one tile), instead of storing from registers.
+        row_tma_store: the Gluon row GEMMs (up, down, dX, where ``gluon`` runs them) write
+            each output tile whose rows are all inside its expert through shared memory
+            by TMA copies, which run on while the warps start the next tile, instead of
+            storing from registers (``gluon_row_gemm._store_tile``).
         activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
             [L*K, I]) rather than computing it in its prologue.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
@@ -211,6 +215,7 @@ class KernelSettings:
     wgrad_band: int = 1
     wgrad_rows_tma: Mapping[str, int] = field(default_factory=lambda: {"wgrad_down": 0, "wgrad_up": 0})
     wgrad_tma_store: bool = True
+    row_tma_store: bool = False
     row_band: int = 4
     activation_pass: bool = True
     fast_activation: bool = True

@@ -1,8 +1,9 @@
 """Times the row GEMMs (up: gathered x @ W_gate_up; down: act(h) @ W_down; dx: dH @ W_gate_up^T)
-through the Gluon kernels (the warp-specialised one and the other)
-and the portable ``tl`` kernel on the same inputs, and checks they agree with ``tl``.
+through the Gluon kernels (the warp-specialised one and the other, each with tiles stored
+from registers or by TMA; the warp-specialised one's gathered copies in one partition or
+two) and the portable ``tl`` kernel on the same inputs, and checks they agree with ``tl``.
 
-    python3 scripts/compare_row_gemm.py [--configs olmoe mixtral]
+    python3 scripts/compare_row_gemm.py [--configs olmoe mixtral] [--kinds up down dx]
 """
 
 import argparse
@@ -18,6 +19,7 @@ from moeblaze_ops.testing import rel_err
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="*", default=["olmoe", "mixtral"], choices=sorted(CONFIGS))
+    parser.add_argument("--kinds", nargs="*", default=["up", "down", "dx"], choices=["up", "down", "dx"])
     args = parser.parse_args()
     print("| config | GEMM | kernel | ms | TFLOP/s | rel diff to tl |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -31,13 +33,21 @@ def main():
         for kind, a, row_ids, w, n, transposed in (("up", x, eti, w_gate_up, 2 * I, False),
                                                    ("down", act, None, w_down, d, False),
                                                    ("dx", grad_h, None, w_gate_up, d, True)):
-            def gluon(out, warp_specialize):
-                gluon_row_gemm.launch_row_gemm(a, row_ids, w, None, offsets, out, transposed,
-                                               warp_specialize=warp_specialize)
+            if kind not in args.kinds:
+                continue
+
+            def gluon(**variant):
+                return lambda out: gluon_row_gemm.launch_row_gemm(a, row_ids, w, None, offsets, out, transposed,
+                                                                  **variant)
 
             kernels = {"tl": lambda out: triton_experts.launch_gathered_gemm(a, row_ids, w, None, offsets, out,
                                                                              transposed, kind),
-                       "gluon": lambda out: gluon(out, False), "gluon_ws": lambda out: gluon(out, True)}
+                       "gluon": gluon(warp_specialize=False), "gluon_tma_store": gluon(warp_specialize=False,
+                                                                                       tma_store=True),
+                       "gluon_ws": gluon(), "gluon_ws_tma_store": gluon(tma_store=True)}
+            if row_ids is not None:
+                kernels["gluon_ws_split_copies"] = gluon(split_copies=True)
+                kernels["gluon_ws_split_copies_tma_store"] = gluon(split_copies=True, tma_store=True)
             flops = 2 * LK * n * a.shape[1]
             reference = None
             for label, launch in kernels.items():

@@ -47,10 +47,26 @@ def _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path):
     assert _spill_bytes(ptx, tmp_path) == 0
 
 
-@pytest.mark.parametrize("gather,bias", [(True, True), (False, False)])
+def _output_tiles(signature, constexprs, tma_store, dtype, tile):
+    """The output's TMA descriptor argument ([1, LK, N], a column half of a tile per copy), or None."""
+    constexprs["TMA_STORE"] = tma_store
+    if tma_store:
+        signature["out_desc"] = _descriptor_type(dtype, [1, tile.block_m, tile.block_n // 2])
+    else:
+        constexprs["out_desc"] = None
+
+
+def _assert_tile_stores(ptx, tma_store):
+    """Tiles inside their expert by TMA (two column halves), the others from registers."""
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx)) == (2 if tma_store else 0)
+    assert re.search(r"st\.global(\.\w+)*\.b32", ptx)
+
+
+@pytest.mark.parametrize("gather,bias,tma_store", [(True, True, False), (False, False, False), (True, False, True),
+                                                   (False, True, True)])
 @pytest.mark.parametrize("k_contiguous", [True, False], ids=["k_contiguous", "n_contiguous"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, tmp_path):
+def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, tma_store, tmp_path):
     from moeblaze_ops.kernels import gluon_row_gemm
 
     tile = gluon_row_gemm.TILE
@@ -63,6 +79,7 @@ def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, 
                       BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
                       num_warps=tile.num_warps)
+    _output_tiles(signature, constexprs, tma_store, dtype, tile)
     if not gather:
         constexprs["a_row_ids_ptr"] = None
     if not bias:
@@ -77,19 +94,23 @@ def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, 
     ptx = kernel.asm["ptx"]
     # A rows by 16-byte cp.async, then the pipeline both kernels share.
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
+    _assert_tile_stores(ptx, tma_store)
     _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path)
 
 
-@pytest.mark.parametrize("gather,bias,offsets_32", [(True, True, True), (True, False, False), (False, True, False),
-                                                    (False, False, False)])
+@pytest.mark.parametrize("gather,bias,offsets_32,tma_store,split", [
+    (True, True, True, False, False), (True, False, False, True, False), (True, False, True, True, True),
+    (True, True, True, False, True), (False, True, False, True, False), (False, False, False, False, False)])
 @pytest.mark.parametrize("k_contiguous", [True, False], ids=["k_contiguous", "n_contiguous"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gather, bias, offsets_32, tmp_path):
+def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gather, bias, offsets_32, tma_store,
+                                                       split, tmp_path):
     from moeblaze_ops.kernels import gluon_row_gemm
 
     tile = gluon_row_gemm.TILE
     block = [1, tile.block_n, tile.block_k] if k_contiguous else [1, tile.block_k, tile.block_n]
-    warps, regs = gluon_row_gemm.PRODUCER_GATHER if gather else gluon_row_gemm.PRODUCER_TMA
+    warps, regs = (gluon_row_gemm.PRODUCER_GATHER_SPLIT if split else gluon_row_gemm.PRODUCER_GATHER if gather
+                   else gluon_row_gemm.PRODUCER_TMA)
     signature = {"a_src": f"*{dtype}" if gather else _descriptor_type(dtype, [tile.block_m, tile.block_k]),
                  "b_desc": _descriptor_type(dtype, block), "bias_ptr": f"*{dtype}", "a_row_ids_ptr": "*i32",
                  "offsets_ptr": "*i32", "out_ptr": f"*{dtype}",
@@ -98,8 +119,9 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
     constexprs = dict(GATHER_A=gather, HAS_BIAS=bias, B_KMAJOR=k_contiguous, GROUPS=16, BAND=8 if gather else 1,
                       BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PRODUCER_WARPS=warps,
-                      PRODUCER_REGS=regs, A_OFFSETS_32=offsets_32,
+                      PRODUCER_REGS=regs, B_PRODUCER_REGS=regs, A_OFFSETS_32=offsets_32, SPLIT_COPIES=split,
                       num_warps=tile.num_warps)
+    _output_tiles(signature, constexprs, tma_store, dtype, tile)
     if not gather:
         constexprs["a_row_ids_ptr"] = None
     if not bias:
@@ -123,6 +145,7 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
         assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
         assert "cp.async.cg" not in ptx
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx)
+    _assert_tile_stores(ptx, tma_store)
     _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path)
 
 

@@ -1,12 +1,23 @@
 """The Gluon row GEMM (``kernels.gluon_row_gemm``) on the GPU: every routed row against a float64
 reference, over ragged, empty and sentinel-only experts, both weight layouts, gather and
-bias or not, the warp-specialised kernel and the other, and column slabs (strided views)."""
+bias or not, each kernel variant (``KERNELS``), and column slabs (strided views)."""
 
 import pytest
 import torch
 
 from conftest import rel_err
 from moeblaze_ops.layouts import expert_matrix, out_feature_slice
+
+
+#: ``launch_row_gemm``'s kernel variants: the warp-specialised kernel and the other, tiles
+#: stored from registers or by TMA, the warp-specialised kernel's copies in one partition or two.
+KERNELS = {
+    "ws": dict(warp_specialize=True),
+    "ws_tma_store": dict(warp_specialize=True, tma_store=True),
+    "ws_split_copies_tma_store": dict(warp_specialize=True, split_copies=True, tma_store=True),
+    "pipelined": dict(warp_specialize=False),
+    "pipelined_tma_store": dict(warp_specialize=False, tma_store=True),
+}
 
 
 def _hopper():
@@ -24,7 +35,7 @@ def _expert_rows(counts, sentinels, device):
 @pytest.mark.skipif(not _hopper(), reason="needs a capability 9 GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("transposed", [False, True], ids=["k_contiguous", "n_contiguous"])
-@pytest.mark.parametrize("warp_specialize", [True, False])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("gather,bias", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("counts,sentinels,K,N", [
     ([300, 0, 1, 129, 0, 1000, 64, 0], 77, 2880, 2816),  # ragged, empty experts, sentinels
@@ -33,8 +44,7 @@ def _expert_rows(counts, sentinels, device):
     ([37 * (i % 5) for i in range(40)], 200, 1408, 2880),  # 40 experts: GROUPS 64, K of the down projection
     ([1, 2, 3], 5, 16, 16),  # a single step, a single partial tile each
 ])
-def test_gluon_row_gemm_matches_float64(counts, sentinels, K, N, gather, bias, warp_specialize, transposed, dtype,
-                                        seed):
+def test_gluon_row_gemm_matches_float64(counts, sentinels, K, N, gather, bias, kernel, transposed, dtype, seed):
     from moeblaze_ops.kernels import gluon_row_gemm
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -51,8 +61,7 @@ def test_gluon_row_gemm_matches_float64(counts, sentinels, K, N, gather, bias, w
     out = torch.full((LK, N), float("nan"), device="cuda", dtype=dtype)  # unwritten rows show
     assert gluon_row_gemm.applies(a, w, out, transposed)
 
-    gluon_row_gemm.launch_row_gemm(a, a_row_ids, w, b, offsets, out, transposed,
-                                   warp_specialize=warp_specialize)
+    gluon_row_gemm.launch_row_gemm(a, a_row_ids, w, b, offsets, out, transposed, **KERNELS[kernel])
     torch.cuda.synchronize()
 
     rows = a[a_row_ids.long()] if gather else a
@@ -71,9 +80,9 @@ def test_gluon_row_gemm_matches_float64(counts, sentinels, K, N, gather, bias, w
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a capability 9 GPU")
-@pytest.mark.parametrize("warp_specialize", [True, False])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("transposed", [False, True], ids=["k_contiguous", "n_contiguous"])
-def test_gluon_row_gemm_column_slab(transposed, warp_specialize, seed):
+def test_gluon_row_gemm_column_slab(transposed, kernel, seed):
     """A column slab of the weights into a column slab of the output (as the down
     projection's ``column_slab`` runs it): strided views, same result."""
     from moeblaze_ops.kernels import gluon_row_gemm
@@ -90,8 +99,7 @@ def test_gluon_row_gemm_column_slab(transposed, warp_specialize, seed):
     w_slab, b_slab, out_slab = out_feature_slice(w, c0, c1, transposed), b[:, c0:c1], out[:, c0:c1]
     assert gluon_row_gemm.applies(a, w_slab, out_slab, transposed)
 
-    gluon_row_gemm.launch_row_gemm(a, None, w_slab, b_slab, offsets, out_slab, transposed,
-                                   warp_specialize=warp_specialize)
+    gluon_row_gemm.launch_row_gemm(a, None, w_slab, b_slab, offsets, out_slab, transposed, **KERNELS[kernel])
     torch.cuda.synchronize()
 
     bounds = offsets.tolist()

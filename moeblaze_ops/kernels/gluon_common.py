@@ -9,7 +9,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # Builtins renamed after triton 3.6: the masked cp.async (``async_copy_global_to_shared``,
@@ -74,6 +74,43 @@ def banded(tile, rows_total, cols_total, BAND: gl.constexpr):
     within = tile % band
     col = within // height
     return gl.where(col < cols_total, first + within % height, rows_total), col
+
+
+@gluon.jit
+def column_halves(acc):
+    """The accumulator tile's two column halves. Each thread holds every 8-column piece of
+    its rows, so no data moves between threads to split them."""
+    return gl.split(acc.reshape([acc.shape[0], 2, acc.shape[1] // 2]).permute((0, 2, 1)))
+
+
+@gluon.jit
+def output_buffer(out_desc, dtype: gl.constexpr, TMA_STORE: gl.constexpr):
+    """The shared buffer of ``store_half_by_tma`` (half an output tile: ``out_desc``'s block), or None."""
+    if TMA_STORE:
+        buf = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
+    else:
+        buf = None
+    return buf
+
+
+@gluon.jit
+def store_half_by_tma(out_desc, out_buf, half, e, m0, n0, TRANSPOSED: gl.constexpr):
+    """Stores ``half`` ([M, N / 2] of an accumulator tile) at (m0, n0) of block ``e`` of
+    ``out_desc`` (a 3-D descriptor: [E, M, N], or [E, N, M] where ``TRANSPOSED``) through the
+    shared buffer ``out_buf`` by a TMA copy, which then runs on while the warps go on; the
+    copy engine clips it at the descriptor's edges."""
+    tma.store_wait(0)  # the buffer's last copy has read it (the issuing thread's wait) ...
+    cta_barrier()  # ... before any thread writes it again
+    if TRANSPOSED:
+        out_buf.reshape([half.shape[1], half.shape[0]]).permute((1, 0)).store(half.to(out_desc.dtype))
+    else:
+        out_buf.reshape([half.shape[0], half.shape[1]]).store(half.to(out_desc.dtype))
+    fence_async_shared()  # generic-proxy writes before the copy engine (async proxy) reads them
+    cta_barrier()
+    if TRANSPOSED:
+        tma_store(out_desc, [e, n0, m0], out_buf)
+    else:
+        tma_store(out_desc, [e, m0, n0], out_buf)
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,15 +31,15 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
 from .. import settings
 from ..layouts import linear_dims, linear_strides
 from ..settings import GemmTile
 from . import grouped_gemm as gg
-from .gluon_common import (async_load, banded, copy_layout, copy_tma_ring, cta_barrier, host_descriptor, on_hopper,
-                           tma_load, wgmma_acc_layout)
+from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
+                           on_hopper, output_buffer, store_half_by_tma, tma_load, wgmma_acc_layout)
 from .launch import launch
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 of K per
@@ -50,6 +50,11 @@ TILE = GemmTile(128, 256, 64, 8, 4)
 #: rows (and hold their offsets); the MMA warpgroups get the rest of the register file.
 PRODUCER_TMA = (1, 40)
 PRODUCER_GATHER = (4, 88)
+#: With the copies split (``split_copies``): the gathering warps, and the registers of the
+#: TMA warp, which shares their warpgroup (so the same count: ``setmaxnreg`` is per warpgroup).
+#: Four gathering warps would make 16, launched with 128 registers a thread, fewer than
+#: the MMA's 128 x 256 wgmma needs.
+PRODUCER_GATHER_SPLIT = (2, 88)
 
 
 @gluon.constexpr_function
@@ -175,6 +180,24 @@ def _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om):
 
 
 @gluon.jit
+def _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, TMA_STORE: gl.constexpr):
+    """Stores the accumulator tile's rows inside the expert: with ``TMA_STORE`` a tile whose
+    rows all are, by TMA through ``out_buf`` a column half at a time (the copies run on
+    while the warps go on to the next tile; ``out_desc`` is the output as [1, LK, N]);
+    every other tile from registers (``_store_rows``), since a TMA copy would also write
+    the rows of the next expert's first tile."""
+    if TMA_STORE:
+        if row0 + acc.shape[0] <= row_end:
+            first, second = column_halves(acc)
+            store_half_by_tma(out_desc, out_buf, first, 0, row0, n0, False)
+            store_half_by_tma(out_desc, out_buf, second, 0, row0, n0 + acc.shape[1] // 2, False)
+        else:
+            _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om)
+    else:
+        _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om)
+
+
+@gluon.jit
 def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, slot, tile_end, n_tiles, k_steps,
              p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
              GATHER_A: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -202,12 +225,12 @@ def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, sl
 
 @gluon.jit
 def _row_gemm_kernel(
-    a_ptr, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr,
+    a_ptr, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc,
     LK, E, N, K,
     stride_am, stride_bias, stride_om,
     GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, num_warps: gl.constexpr,
 ):
     # Ring of NUM_STAGES slots: step c in the MMA, step c - 1 possibly still in it (one
     # asynchronous wgmma stays in flight), steps c + 1 .. c + AHEAD landing.
@@ -215,6 +238,7 @@ def _row_gemm_kernel(
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
     a_ring, b_ring, bars = copy_tma_ring(dtype, b_desc, NUM_STAGES, BLOCK_M, BLOCK_K)
+    out_buf = output_buffer(out_desc, dtype, TMA_STORE)
 
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
                                                   num_warps)
@@ -260,8 +284,10 @@ def _row_gemm_kernel(
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if HAS_BIAS:
                 acc = _add_bias(acc, bias)
-        _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om)
+        _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, TMA_STORE)
     cp.wait_group(0)
+    if TMA_STORE:
+        tma.store_wait(0)  # the last copy has read its buffer before the program's shared memory goes
 
 
 # --------------------------------------------------------------------------- warp-specialised
@@ -351,10 +377,10 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
 
 
 @gluon.jit
-def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, LK, E, N, K, stride_bias,
-                 stride_om, GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr,
+def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf, LK, E, N, K,
+                 stride_bias, stride_om, GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr,
                  GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
+                 BLOCK_K: gl.constexpr, num_warps: gl.constexpr, ONE_READY: gl.constexpr, TMA_STORE: gl.constexpr):
     """The MMA warpgroups: each tile's steps (``ws_tile_steps``), then the bias and the
     masked store of the tile's rows inside the expert."""
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
@@ -368,21 +394,24 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
             if HAS_BIAS:
                 bias = _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N, num_warps)
             acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, GATHER_A, B_KMAJOR,
-                                      BLOCK_N, BLOCK_K)
+                                      BLOCK_N, BLOCK_K, ONE_READY)
             if HAS_BIAS:
                 acc = _add_bias(acc, bias)
-        _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om)
+        _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, TMA_STORE)
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
 def _row_gemm_ws_kernel(
-    a_src, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr,
+    a_src, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc,
     LK, E, N, K,
     stride_am, stride_bias, stride_om,
     GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
+    B_PRODUCER_REGS: gl.constexpr, A_OFFSETS_32: gl.constexpr, TMA_STORE: gl.constexpr, SPLIT_COPIES: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """``_row_gemm_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the A and B
     tiles into the ring (``a_src`` a TMA descriptor of A, or A's pointer when its rows are
@@ -396,19 +425,39 @@ def _row_gemm_ws_kernel(
     a_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     b_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    if TMA_STORE:
+        out_buf = output_buffer(out_desc, dtype, TMA_STORE)
+    else:  # unused stand-ins: a partition's arguments cannot be None
+        out_desc = b_desc
+        out_buf = b_ring
     for s in gl.static_range(NUM_STAGES):
-        # Gathered, every copy thread arrives on a_ready once its cp.async copies land.
-        mbarrier.init(a_ready.index(s), count=PRODUCER_WARPS * 32 if GATHER_A else 1)
+        # Gathered, every copy thread arrives on a_ready once its cp.async copies land,
+        # and the TMA warp once with its bytes (one barrier a slot for both operands).
+        mbarrier.init(a_ready.index(s), count=PRODUCER_WARPS * 32 + (1 if SPLIT_COPIES else 0) if GATHER_A else 1)
         mbarrier.init(b_ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
-    gl.warp_specialize([
-        (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, LK, E, N, K,
-                        stride_bias, stride_om, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N,
-                        BLOCK_K, num_warps)),
-        (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, N,
-                        K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS,
-                        True, True, A_OFFSETS_32)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    if GATHER_A and SPLIT_COPIES:
+        # The copies in two partitions, one operand each (as in ``gluon_dh``).
+        gl.warp_specialize([
+            (_ws_consumer, (a_ring, b_ring, a_ready, a_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf,
+                            LK, E, N, K, stride_bias, stride_om, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M,
+                            BLOCK_N, BLOCK_K, num_warps, True, TMA_STORE)),
+            (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, a_ready, empty, LK, E,
+                            N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K,
+                            PRODUCER_WARPS, True, False, A_OFFSETS_32)),
+            (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, a_ready, empty, LK, E,
+                            N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, 1, False,
+                            True)),
+        ], [PRODUCER_WARPS, 1], [PRODUCER_REGS, B_PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf,
+                            LK, E, N, K, stride_bias, stride_om, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M,
+                            BLOCK_N, BLOCK_K, num_warps, False, TMA_STORE)),
+            (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E,
+                            N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K,
+                            PRODUCER_WARPS, True, True, A_OFFSETS_32)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 def _weight_view(b: torch.Tensor, transposed: bool):
@@ -440,13 +489,16 @@ def applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, transposed: boo
 
 
 def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmTile = TILE,
-                    warp_specialize: bool = True, band: Optional[int] = None):
+                    warp_specialize: bool = True, band: Optional[int] = None, tma_store: bool = False,
+                    split_copies: bool = False):
     """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) over every routed row, B an expert
     weight stack in ``transposed`` layout (``layouts``), as
     ``triton_experts.launch_gathered_gemm``; ``tile`` is (M, N, K block, warps, stages)
     with M = 16 * warps; ``warp_specialize`` picks ``_row_gemm_ws_kernel``; ``band`` is the
     tile order's band of m-tiles (``grouped_gemm.banded``), ``settings.row_band`` by
-    default."""
+    default; ``tma_store``: tiles whose rows are all inside their expert are stored by TMA
+    (``_store_tile``); ``split_copies``: the warp-specialised kernel's gathered A and its B
+    come from two copy partitions."""
     band = settings.current().row_band if band is None else band
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
         raise ValueError(f"moeblaze gluon row GEMM: block_m must be 16 * num_warps and num_stages at least 3, "
@@ -460,9 +512,10 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     b_desc = host_descriptor(view, block)
     max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(N, tile.block_n)
     grid = (gg.num_programs(a.device, max_tiles),)
+    out_desc = host_descriptor(out.unsqueeze(0), [1, tile.block_m, tile.block_n // 2]) if tma_store else None
     common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=gg.next_power_of_2(E + 1), BAND=band,
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
-                  num_warps=tile.num_warps)
+                  TMA_STORE=tma_store, num_warps=tile.num_warps)
     if warp_specialize:
         gather = a_row_ids is not None
         if gather:
@@ -470,16 +523,18 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
         else:
             a_block = [tile.block_m, tile.block_k]
             a_src = host_descriptor(a, a_block)
-        warps, regs = PRODUCER_GATHER if gather else PRODUCER_TMA
+        split = gather and split_copies
+        warps, regs = PRODUCER_GATHER_SPLIT if split else PRODUCER_GATHER if gather else PRODUCER_TMA
         launch(
             _row_gemm_ws_kernel, grid,
-            a_src, b_desc, bias, a_row_ids, offsets, out, LK, E, N, K,
+            a_src, b_desc, bias, a_row_ids, offsets, out, out_desc, LK, E, N, K,
             a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0),
-            GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=a.numel() < 2**31, **common)
+            GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, B_PRODUCER_REGS=regs,
+            A_OFFSETS_32=a.numel() < 2**31, SPLIT_COPIES=split, **common)
         return
     launch(
         _row_gemm_kernel, grid,
-        a, b_desc, bias, a_row_ids, offsets, out, LK, E, N, K,
+        a, b_desc, bias, a_row_ids, offsets, out, out_desc, LK, E, N, K,
         a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0),
         GATHER_A=a_row_ids is not None, **common,
     )

@@ -36,8 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .. import settings
 from ..settings import GemmTile
 from . import grouped_gemm as gg
-from .gluon_common import (async_load, banded, copy_layout, copy_tma_ring, cta_barrier, host_descriptor, on_hopper,
-                           tma_load, tma_store, wgmma_acc_layout)
+from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
+                           on_hopper, output_buffer, store_half_by_tma, tma_load, wgmma_acc_layout)
 from .launch import launch
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 rows of the
@@ -119,38 +119,17 @@ def _store_expert_tile(out_ptr, acc, e, m0, n0, M, N, stride_oe, stride_om, stri
 
 
 @gluon.jit
-def _store_half_by_tma(out_desc, out_buf, half, e, m0, n0, TRANSPOSED: gl.constexpr):
-    """Stores [M, N / 2] of expert ``e``'s accumulator tile (an [M, N] block of its gradient)
-    at (m0, n0) through the shared buffer ``out_buf`` by a TMA copy, which then runs on
-    while the program goes on; the copy engine clips it at the gradient's edges.
-    ``out_desc`` is the gradient as [E, M, N], or as [E, N, M] where ``TRANSPOSED``."""
-    tma.store_wait(0)  # the buffer's last copy has read it (the issuing thread's wait) ...
-    cta_barrier()  # ... before any thread writes it again
-    if TRANSPOSED:
-        out_buf.reshape([half.shape[1], half.shape[0]]).permute((1, 0)).store(half.to(out_desc.dtype))
-    else:
-        out_buf.reshape([half.shape[0], half.shape[1]]).store(half.to(out_desc.dtype))
-    fence_async_shared()  # generic-proxy writes before the copy engine (async proxy) reads them
-    cta_barrier()
-    if TRANSPOSED:
-        tma_store(out_desc, [e, n0, m0], out_buf)
-    else:
-        tma_store(out_desc, [e, m0, n0], out_buf)
-
-
-@gluon.jit
 def _store_tile(out_ptr, out_desc, out_buf, acc, e, m0, n0, M, N, stride_oe, stride_om, stride_on,
                 TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr):
     """Stores expert ``e``'s [M, N] accumulator tile at (m0, n0): by TMA in two halves of
-    N (``_store_half_by_tma``) where ``TMA_STORE``, else from registers through the
+    N (``gluon_common.store_half_by_tma``) where ``TMA_STORE``, else from registers through the
     strides."""
     if TMA_STORE:
         # N's halves are each thread's own registers (the accumulator holds every column
         # in 8-column pieces): no data moves between threads to split them.
-        HALF: gl.constexpr = acc.shape[1] // 2
-        first, second = gl.split(acc.reshape([acc.shape[0], 2, HALF]).permute((0, 2, 1)))
-        _store_half_by_tma(out_desc, out_buf, first, e, m0, n0, OUT_TRANSPOSED)
-        _store_half_by_tma(out_desc, out_buf, second, e, m0, n0 + HALF, OUT_TRANSPOSED)
+        first, second = column_halves(acc)
+        store_half_by_tma(out_desc, out_buf, first, e, m0, n0, OUT_TRANSPOSED)
+        store_half_by_tma(out_desc, out_buf, second, e, m0, n0 + acc.shape[1] // 2, OUT_TRANSPOSED)
     else:
         _store_expert_tile(out_ptr, acc, e, m0, n0, M, N, stride_oe, stride_om, stride_on)
 
@@ -162,16 +141,6 @@ def _drain(TMA_STORE: gl.constexpr):
     cp.wait_group(0)
     if TMA_STORE:
         tma.store_wait(0)
-
-
-@gluon.jit
-def _output_buffer(out_desc, dtype: gl.constexpr, TMA_STORE: gl.constexpr):
-    """The shared buffer of ``_store_half_by_tma`` (half an output tile), or None."""
-    if TMA_STORE:
-        buf = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
-    else:
-        buf = None
-    return buf
 
 
 @gluon.jit
@@ -191,7 +160,7 @@ def _wgrad_kernel(
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_P], dtype))
     b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
-    out_buf = _output_buffer(out_desc, dtype, TMA_STORE)
+    out_buf = output_buffer(out_desc, dtype, TMA_STORE)
     total = E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q)
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
@@ -268,7 +237,7 @@ def _wgrad_rows_tma_kernel(
     dtype: gl.constexpr = rows_ptr.dtype.element_ty
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, num_warps)
     g_ring, r_ring, bars = copy_tma_ring(dtype, rows_desc, NUM_STAGES, BLOCK_R, BLOCK_Q)
-    out_buf = _output_buffer(out_desc, dtype, TMA_STORE)
+    out_buf = output_buffer(out_desc, dtype, TMA_STORE)
     total = E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q)
     step = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
@@ -407,7 +376,7 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
 
 
 def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile, rows_tma: bool):
-    """``(descriptor, transposed)`` for ``_store_half_by_tma``: the weight gradient as the
+    """``(descriptor, transposed)`` for ``gluon_common.store_half_by_tma``: the weight gradient as the
     kernel's [E, M, N] accumulator tiles lie in it ([E, Q, P] for the rows-TMA kernel,
     [E, P, Q] for the others), or as [E, N, M] (``transposed``) where M is the contiguous
     dimension, with a box of half a tile; ``(None, False)`` where TMA cannot write it (the
@@ -433,7 +402,7 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     ``_wgrad_ws_kernel`` and its absence ``_wgrad_kernel`` (P block = 16 * warps).
     ``band`` is the tile order's band of P tiles (``_wgrad_tile``), ``settings.wgrad_band``
     by default. ``tma_store``: the kernel (not the warp-specialised one) writes its tiles
-    by TMA copies that run on during the next tile (``_store_half_by_tma``), where TMA can
+    by TMA copies that run on during the next tile (``gluon_common.store_half_by_tma``), where TMA can
     write the gradient and each program has a next tile."""
     if grad_w_pq.numel() == 0:
         return
