@@ -17,7 +17,9 @@ Each lowering falls back to the op's own kernel (an extern call, as for an op wi
 lowering) where the templates do not apply: tensors not on CUDA, float64,
 ``settings.backend == "torch"``, ``settings.activation_pass`` off, and index arrays
 that do not come straight from ``moeblaze::dispatch`` in the same graph (the op checks
-such arrays' values; the templates do not).
+such arrays' values; the templates do not); and where the op would run the GEMM on its
+Gluon kernel (Hopper, ``settings.gluon``, at least ``settings.small_gemm_flop``), which
+is faster than a ``tl`` template.
 
 The tile is the eager kernels' (``settings.pick_tile``) unless ``mode="max-autotune"``
 asks Inductor to benchmark the table's other tiles too, on index arrays made valid by
@@ -64,6 +66,27 @@ def _templates_apply(node, index_positions) -> bool:
         return False
     args = V.graph.current_node.args
     return all(_from_dispatch(args[i] if i < len(args) else None) for i in index_positions)
+
+
+def _op_runs_gluon(kind, a, rows, out_cols, reduction) -> bool:
+    """Whether the op's own kernels would run GEMM ``kind`` (A = ``a`` over ``rows`` routed
+    rows, ``out_cols`` output columns, ``reduction`` deep) on its Gluon kernel:
+    ``settings.gluon`` names the kind, ``a`` is 16-bit on a Hopper GPU, and each launch (a
+    column slab where down and dX make their rows in slabs) has at least
+    ``settings.small_gemm_flop`` operations by the size hints, as
+    ``grouped_gemm.gluon_kernels`` decides at run time. Those kernels are faster than the
+    ``tl`` templates, so the graph calls the op there."""
+    config = settings.current()
+    device = a.get_device()
+    if kind not in config.gluon or a.get_dtype() not in (torch.float16, torch.bfloat16) or device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    out_cols = compat.hint(out_cols)
+    if kind != "up":
+        slabs = column_slabs(out_cols)
+        out_cols = slabs[0][1] - slabs[0][0] if slabs else 0
+    return 2 * compat.hint(rows) * out_cols * compat.hint(reduction) >= config.small_gemm_flop
 
 
 # --------------------------------------------------------------------------- configs
@@ -200,7 +223,9 @@ def combined_rows(kind, a, b, offsets, token_index_map, num_tokens, transposed, 
 @compat.register_lowering(_ops.expert_up.default, type_promotion_kind=None)
 def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up=None,
               transposed=False):
-    if not _templates_apply(x, index_positions=(2, 3)):
+    if not _templates_apply(x, index_positions=(2, 3)) \
+            or _op_runs_gluon("up", x, expert_token_indices.get_size()[0],
+                              w_gate_up.get_size()[2 if transposed else 1], x.get_size()[1]):
         return compat.fallback(_ops.expert_up.default, x, w_gate_up, expert_token_indices, expert_offsets,
                                token_index_map, b_gate_up, transposed)
     return row_gemm("up", x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed,
@@ -211,7 +236,9 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down=None,
                 activation="swiglu", transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA,
                 limit=CLAMPED_SWIGLU_LIMIT):
-    if not (settings.current().activation_pass and _templates_apply(h, index_positions=(3, 4))):
+    if not (settings.current().activation_pass and _templates_apply(h, index_positions=(3, 4))) \
+            or _op_runs_gluon("down", h, h.get_size()[0], w_down.get_size()[2 if transposed else 1],
+                              w_down.get_size()[1 if transposed else 2]):
         return compat.fallback(_ops.expert_down.default, h, w_down, expert_token_indices, expert_offsets,
                                token_index_map, topk_weights, b_down, activation, transposed, interleaved,
                                alpha, limit)
@@ -236,7 +263,8 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
     # them (a dispatch, or a forward op's device-side check): the backward ops trust them,
     # as their eager kernels do.
     if not (need_input_grad and "dx" in settings.current().backward_templates
-            and _templates_apply(x, index_positions=()) and not compat.known_zero(x.get_size()[0])):
+            and _templates_apply(x, index_positions=()) and not compat.known_zero(x.get_size()[0])
+            and not _op_runs_gluon("dx", grad_h, grad_h.get_size()[0], x.get_size()[1], grad_h.get_size()[1])):
         return compat.fallback(_graph_call("expert_up_backward"), *args, need_input_grad, need_weight_grad)
     out_dim = 1 if transposed else 2  # the d of w_gate_up [E, N, d], or of [E, d, N] when transposed
     grad_x = combined_rows("dx", compat.contiguous(grad_h), w_gate_up, expert_offsets, token_index_map,

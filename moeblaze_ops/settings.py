@@ -128,8 +128,9 @@ class KernelSettings:
             ``dh_wide_min_columns``, whose wide ``tl`` tile is faster), where it applies:
             16-bit CUDA tensors on capability 9 with column counts and row strides that are
             multiples of 16. The other kinds, and every other case, run the portable
-            ``tl`` kernels. By default dH and the weight gradients, the kinds measured
-            faster.
+            ``tl`` kernels; compiled graphs then call the op's kernels where a Gluon one
+            would run (the Inductor templates are ``tl``). By default every kind, the
+            kernels measured faster.
         small_gemm_flop: GEMMs of fewer operations (2 x rows x columns x reduction) are
             host-bound, their launches rather than the GPU setting the step's time, and
             run the kernel forms that cost the host least to launch: the ``tl`` kernel
@@ -137,11 +138,13 @@ class KernelSettings:
             ``weight_tma`` names it (a TMA descriptor is made on the host, and encoded
             again by every launch). The default is chosen by measurement
             (docs/perf-notes.md).
-        gluon_warp_specialize: the GEMM kinds (of ``GLUON_KINDS``) whose Gluon kernel, where
-            ``gluon`` runs it, is the warp-specialised one: copy warps fill the ring and
-            the MMA warpgroups only wait, multiply and store (``_row_gemm_ws_kernel``,
-            ``_wgrad_ws_kernel``). The weight gradients keep their other kernel by default
-            (docs/perf-notes.md).
+        gluon_warp_specialize: per GEMM kind (of ``GLUON_KINDS``), the average routed rows
+            per expert (L*K / E, known on the host) from which its Gluon kernel, where
+            ``gluon`` runs it, is the warp-specialised one: copy warps fill the ring and the
+            MMA warpgroups only wait, multiply and store (``_row_gemm_ws_kernel``,
+            ``_wgrad_ws_kernel``). Kinds not named never are; a set of kinds means from 0
+            rows. By default the row GEMMs from 1024 rows per expert; the weight gradients
+            keep their other kernel (docs/perf-notes.md).
         row_band: the row GEMMs' output tiles (up, down, dX, dH; eager kernels and
             templates) go in bands of this many row tiles, rows fastest inside a band
             (``grouped_gemm.banded``): the tiles in flight at once then read fewer
@@ -209,13 +212,13 @@ class KernelSettings:
     tiles: Mapping[str, GemmTile] = field(default_factory=dict)
     h_tma: bool = True
     weight_tma: frozenset = frozenset({"up", "dh", "dx"})
-    gluon: frozenset = frozenset({"dh", "wgrad_down", "wgrad_up"})
+    gluon: frozenset = frozenset(GLUON_KINDS)
     small_gemm_flop: int = 10**11
-    gluon_warp_specialize: frozenset = frozenset({"up", "down", "dx"})
+    gluon_warp_specialize: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(("up", "down", "dx"), 1024))
     wgrad_band: int = 1
     wgrad_rows_tma: Mapping[str, int] = field(default_factory=lambda: {"wgrad_down": 0, "wgrad_up": 0})
     wgrad_tma_store: bool = True
-    row_tma_store: bool = False
+    row_tma_store: bool = True
     row_band: int = 4
     activation_pass: bool = True
     fast_activation: bool = True
@@ -230,6 +233,13 @@ class KernelSettings:
     launch_plans: bool = True
     lean_graph_calls: bool = True
 
+    def from_rows(self, name: str, kind: str, rows: int, experts: int) -> bool:
+        """Whether ``kind`` is on in ``name`` (``gluon_warp_specialize``, ``wgrad_rows_tma``:
+        kinds mapped to the average routed rows per expert from which they are) for a GEMM
+        over ``rows`` routed rows of ``experts`` experts."""
+        min_rows = getattr(self, name).get(kind)
+        return min_rows is not None and rows >= min_rows * experts
+
     def __post_init__(self):
         if self.backend not in ("auto", "triton", "torch"):
             raise ValueError(f"moeblaze settings: backend must be 'auto', 'triton' or 'torch', got {self.backend!r}")
@@ -240,21 +250,19 @@ class KernelSettings:
             if not isinstance(tile, GemmTile):
                 object.__setattr__(self, "tiles", {**self.tiles, kind: GemmTile(*tile)})
         object.__setattr__(self, "weight_tma", frozenset(self.weight_tma))
-        for name in ("gluon", "gluon_warp_specialize"):
-            kinds = frozenset(getattr(self, name))
-            object.__setattr__(self, name, kinds)
-            if not kinds <= set(GLUON_KINDS):
-                raise ValueError(f"moeblaze settings: {name} has GEMM kinds without a Gluon kernel "
-                                 f"{sorted(kinds - set(GLUON_KINDS))}; those with one: {GLUON_KINDS}")
-        rows_tma = self.wgrad_rows_tma
-        rows_tma = dict(rows_tma) if isinstance(rows_tma, Mapping) else dict.fromkeys(rows_tma, 0)
-        object.__setattr__(self, "wgrad_rows_tma", rows_tma)
-        if not set(rows_tma) <= {"wgrad_down", "wgrad_up"}:
-            raise ValueError(f"moeblaze settings: wgrad_rows_tma names weight-gradient kinds only "
-                             f"(wgrad_down, wgrad_up), got {sorted(rows_tma)}")
-        if not all(isinstance(n, int) and n >= 0 for n in rows_tma.values()):
-            raise ValueError(f"moeblaze settings: wgrad_rows_tma maps kinds to rows per expert (ints >= 0), "
-                             f"got {rows_tma}")
+        object.__setattr__(self, "gluon", frozenset(self.gluon))
+        if not self.gluon <= set(GLUON_KINDS):
+            raise ValueError(f"moeblaze settings: gluon has GEMM kinds without a Gluon kernel "
+                             f"{sorted(self.gluon - set(GLUON_KINDS))}; those with one: {GLUON_KINDS}")
+        for name, kinds in (("gluon_warp_specialize", GLUON_KINDS), ("wgrad_rows_tma", ("wgrad_down", "wgrad_up"))):
+            rows = getattr(self, name)
+            rows = dict(rows) if isinstance(rows, Mapping) else dict.fromkeys(rows, 0)
+            object.__setattr__(self, name, rows)
+            if not set(rows) <= set(kinds):
+                raise ValueError(f"moeblaze settings: {name} names the kinds {', '.join(kinds)} only, "
+                                 f"got {sorted(rows)}")
+            if not all(isinstance(n, int) and n >= 0 for n in rows.values()):
+                raise ValueError(f"moeblaze settings: {name} maps kinds to rows per expert (ints >= 0), got {rows}")
         columns = self.dh_epilogue_columns
         if columns is not None and not (isinstance(columns, int) and columns >= 1 and columns & (columns - 1) == 0):
             raise ValueError(f"moeblaze settings: dh_epilogue_columns must be None or a power of two, got {columns!r}")

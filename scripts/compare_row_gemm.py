@@ -1,7 +1,7 @@
 """Times the row GEMMs (up: gathered x @ W_gate_up; down: act(h) @ W_down; dx: dH @ W_gate_up^T)
 through the Gluon kernels (the warp-specialised one and the other, each with tiles stored
-from registers or by TMA; the warp-specialised one's gathered copies in one partition or
-two) and the portable ``tl`` kernel on the same inputs, and checks they agree with ``tl``.
+from registers or by TMA) and the portable ``tl`` kernel on the same inputs, and checks
+they agree with ``tl``.
 
     python3 scripts/compare_row_gemm.py [--configs olmoe mixtral] [--kinds up down dx]
 """
@@ -11,6 +11,7 @@ import argparse
 import torch
 import triton.testing
 
+from moeblaze_ops import settings
 from moeblaze_ops.bench.configs import CONFIGS, make_inputs
 from moeblaze_ops.kernels import gluon_row_gemm, triton_experts
 from moeblaze_ops.testing import rel_err
@@ -40,14 +41,15 @@ def main():
                 return lambda out: gluon_row_gemm.launch_row_gemm(a, row_ids, w, None, offsets, out, transposed,
                                                                   **variant)
 
-            kernels = {"tl": lambda out: triton_experts.launch_gathered_gemm(a, row_ids, w, None, offsets, out,
-                                                                             transposed, kind),
-                       "gluon": gluon(warp_specialize=False), "gluon_tma_store": gluon(warp_specialize=False,
-                                                                                       tma_store=True),
-                       "gluon_ws": gluon(), "gluon_ws_tma_store": gluon(tma_store=True)}
-            if row_ids is not None:
-                kernels["gluon_ws_split_copies"] = gluon(split_copies=True)
-                kernels["gluon_ws_split_copies_tma_store"] = gluon(split_copies=True, tma_store=True)
+            def tl(out):  # the portable kernel, whatever settings.gluon names
+                with settings.override(gluon=()):
+                    triton_experts.launch_gathered_gemm(a, row_ids, w, None, offsets, out, transposed, kind)
+
+            kernels = {"tl": tl,
+                       "gluon": gluon(warp_specialize=False, tma_store=False),
+                       "gluon_tma_store": gluon(warp_specialize=False, tma_store=True),
+                       "gluon_ws": gluon(warp_specialize=True, tma_store=False),
+                       "gluon_ws_tma_store": gluon(warp_specialize=True, tma_store=True)}
             flops = 2 * LK * n * a.shape[1]
             reference = None
             for label, launch in kernels.items():

@@ -100,7 +100,7 @@ def variants(kind, a):
                            settings.current().wgrad_rows_tma)
     return [(f"gluon={v} ws={w}" + (f" rows_tma={t} tma_store={s} group={g}" if v else ""),
              dict(gluon=(gluon | {kind}) if v else (gluon - {kind}), small_gemm_flop=0,
-                  gluon_warp_specialize=(ws | {kind}) if w else (ws - {kind}),
+                  gluon_warp_specialize={**{k: r for k, r in ws.items() if k != kind}, **({kind: 0} if w else {})},
                   wgrad_rows_tma={**{k: r for k, r in rows_tma.items() if k != kind}, **({kind: 0} if t else {})},
                   wgrad_tma_store=bool(s), wgrad_band=g))
             for v in a.gluon for w in (a.ws if v else [0]) for t in (a.rows_tma if v else [0])

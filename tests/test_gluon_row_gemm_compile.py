@@ -98,19 +98,17 @@ def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, 
     _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path)
 
 
-@pytest.mark.parametrize("gather,bias,offsets_32,tma_store,split", [
-    (True, True, True, False, False), (True, False, False, True, False), (True, False, True, True, True),
-    (True, True, True, False, True), (False, True, False, True, False), (False, False, False, False, False)])
+@pytest.mark.parametrize("gather,bias,offsets_32,tma_store", [(True, True, True, False), (True, False, False, True),
+                                                              (False, True, False, True), (False, False, False, False)])
 @pytest.mark.parametrize("k_contiguous", [True, False], ids=["k_contiguous", "n_contiguous"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gather, bias, offsets_32, tma_store,
-                                                       split, tmp_path):
+                                                       tmp_path):
     from moeblaze_ops.kernels import gluon_row_gemm
 
     tile = gluon_row_gemm.TILE
     block = [1, tile.block_n, tile.block_k] if k_contiguous else [1, tile.block_k, tile.block_n]
-    warps, regs = (gluon_row_gemm.PRODUCER_GATHER_SPLIT if split else gluon_row_gemm.PRODUCER_GATHER if gather
-                   else gluon_row_gemm.PRODUCER_TMA)
+    warps, regs = gluon_row_gemm.PRODUCER_GATHER if gather else gluon_row_gemm.PRODUCER_TMA
     signature = {"a_src": f"*{dtype}" if gather else _descriptor_type(dtype, [tile.block_m, tile.block_k]),
                  "b_desc": _descriptor_type(dtype, block), "bias_ptr": f"*{dtype}", "a_row_ids_ptr": "*i32",
                  "offsets_ptr": "*i32", "out_ptr": f"*{dtype}",
@@ -119,8 +117,7 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
     constexprs = dict(GATHER_A=gather, HAS_BIAS=bias, B_KMAJOR=k_contiguous, GROUPS=16, BAND=8 if gather else 1,
                       BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PRODUCER_WARPS=warps,
-                      PRODUCER_REGS=regs, B_PRODUCER_REGS=regs, A_OFFSETS_32=offsets_32, SPLIT_COPIES=split,
-                      num_warps=tile.num_warps)
+                      PRODUCER_REGS=regs, A_OFFSETS_32=offsets_32, num_warps=tile.num_warps)
     _output_tiles(signature, constexprs, tma_store, dtype, tile)
     if not gather:
         constexprs["a_row_ids_ptr"] = None

@@ -10,12 +10,11 @@ from moeblaze_ops.layouts import expert_matrix, out_feature_slice
 
 
 #: ``launch_row_gemm``'s kernel variants: the warp-specialised kernel and the other, tiles
-#: stored from registers or by TMA, the warp-specialised kernel's copies in one partition or two.
+#: stored from registers or by TMA.
 KERNELS = {
-    "ws": dict(warp_specialize=True),
+    "ws": dict(warp_specialize=True, tma_store=False),
     "ws_tma_store": dict(warp_specialize=True, tma_store=True),
-    "ws_split_copies_tma_store": dict(warp_specialize=True, split_copies=True, tma_store=True),
-    "pipelined": dict(warp_specialize=False),
+    "pipelined": dict(warp_specialize=False, tma_store=False),
     "pipelined_tma_store": dict(warp_specialize=False, tma_store=True),
 }
 

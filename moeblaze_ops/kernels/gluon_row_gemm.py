@@ -12,10 +12,16 @@ shared-memory slots, while the tensor cores run the previous steps' asynchronous
 ``warpgroup_mma``. The copies run ahead across tile boundaries: the next tile's first steps
 land while this tile's epilogue stores.
 
-Where ``settings.gluon_warp_specialize`` names the kind, ``_row_gemm_ws_kernel`` runs instead: copy
-warps fill the ring (A by TMA from a 2-D descriptor at the tile's first row where its rows
-are in expert order, by a warpgroup's cp.async where they are gathered; B by TMA) and the
-MMA warpgroups only wait, multiply and store.
+Where ``settings.gluon_warp_specialize`` names the kind (from a number of rows per expert),
+``_row_gemm_ws_kernel`` runs instead: copy warps fill the ring (A by TMA from a 2-D
+descriptor at the tile's first row where its rows are in expert order, by a warpgroup's
+cp.async where they are gathered; B by TMA) and the MMA warpgroups only wait, multiply
+and store.
+
+Either kernel stores a tile whose rows are all inside its expert through shared memory by
+TMA (``settings.row_tma_store``): the copy runs on while the warps start the next tile,
+where stores from registers would hold them up. A tile that ends past its expert's rows
+is stored from registers, masked: a TMA copy cannot stop at an expert's last row.
 
 Applies to 16-bit CUDA tensors on capability 9 whose K, N and row strides are multiples of
 16 elements (the 16-byte copies must not straddle a mask edge) and whose weight TMA can
@@ -50,11 +56,6 @@ TILE = GemmTile(128, 256, 64, 8, 4)
 #: rows (and hold their offsets); the MMA warpgroups get the rest of the register file.
 PRODUCER_TMA = (1, 40)
 PRODUCER_GATHER = (4, 88)
-#: With the copies split (``split_copies``): the gathering warps, and the registers of the
-#: TMA warp, which shares their warpgroup (so the same count: ``setmaxnreg`` is per warpgroup).
-#: Four gathering warps would make 16, launched with 128 registers a thread, fewer than
-#: the MMA's 128 x 256 wgmma needs.
-PRODUCER_GATHER_SPLIT = (2, 88)
 
 
 @gluon.constexpr_function
@@ -377,10 +378,10 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
 
 
 @gluon.jit
-def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf, LK, E, N, K,
-                 stride_bias, stride_om, GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr,
+def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf, LK, E,
+                 N, K, stride_bias, stride_om, GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr,
                  GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_K: gl.constexpr, num_warps: gl.constexpr, ONE_READY: gl.constexpr, TMA_STORE: gl.constexpr):
+                 BLOCK_K: gl.constexpr, num_warps: gl.constexpr, TMA_STORE: gl.constexpr):
     """The MMA warpgroups: each tile's steps (``ws_tile_steps``), then the bias and the
     masked store of the tile's rows inside the expert."""
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
@@ -394,7 +395,7 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
             if HAS_BIAS:
                 bias = _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N, num_warps)
             acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, GATHER_A, B_KMAJOR,
-                                      BLOCK_N, BLOCK_K, ONE_READY)
+                                      BLOCK_N, BLOCK_K)
             if HAS_BIAS:
                 acc = _add_bias(acc, bias)
         _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, TMA_STORE)
@@ -410,8 +411,7 @@ def _row_gemm_ws_kernel(
     GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    B_PRODUCER_REGS: gl.constexpr, A_OFFSETS_32: gl.constexpr, TMA_STORE: gl.constexpr, SPLIT_COPIES: gl.constexpr,
-    num_warps: gl.constexpr,
+    A_OFFSETS_32: gl.constexpr, TMA_STORE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``_row_gemm_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the A and B
     tiles into the ring (``a_src`` a TMA descriptor of A, or A's pointer when its rows are
@@ -431,33 +431,18 @@ def _row_gemm_ws_kernel(
         out_desc = b_desc
         out_buf = b_ring
     for s in gl.static_range(NUM_STAGES):
-        # Gathered, every copy thread arrives on a_ready once its cp.async copies land,
-        # and the TMA warp once with its bytes (one barrier a slot for both operands).
-        mbarrier.init(a_ready.index(s), count=PRODUCER_WARPS * 32 + (1 if SPLIT_COPIES else 0) if GATHER_A else 1)
+        # Gathered, every copy thread arrives on a_ready once its cp.async copies land.
+        mbarrier.init(a_ready.index(s), count=PRODUCER_WARPS * 32 if GATHER_A else 1)
         mbarrier.init(b_ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
-    if GATHER_A and SPLIT_COPIES:
-        # The copies in two partitions, one operand each (as in ``gluon_dh``).
-        gl.warp_specialize([
-            (_ws_consumer, (a_ring, b_ring, a_ready, a_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf,
-                            LK, E, N, K, stride_bias, stride_om, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M,
-                            BLOCK_N, BLOCK_K, num_warps, True, TMA_STORE)),
-            (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, a_ready, empty, LK, E,
-                            N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K,
-                            PRODUCER_WARPS, True, False, A_OFFSETS_32)),
-            (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, a_ready, empty, LK, E,
-                            N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, 1, False,
-                            True)),
-        ], [PRODUCER_WARPS, 1], [PRODUCER_REGS, B_PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf,
-                            LK, E, N, K, stride_bias, stride_om, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M,
-                            BLOCK_N, BLOCK_K, num_warps, False, TMA_STORE)),
-            (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E,
-                            N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K,
-                            PRODUCER_WARPS, True, True, A_OFFSETS_32)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    gl.warp_specialize([
+        (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf,
+                        LK, E, N, K, stride_bias, stride_om, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M,
+                        BLOCK_N, BLOCK_K, num_warps, TMA_STORE)),
+        (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E,
+                        N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K,
+                        PRODUCER_WARPS, True, True, A_OFFSETS_32)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 def _weight_view(b: torch.Tensor, transposed: bool):
@@ -489,16 +474,14 @@ def applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, transposed: boo
 
 
 def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmTile = TILE,
-                    warp_specialize: bool = True, band: Optional[int] = None, tma_store: bool = False,
-                    split_copies: bool = False):
+                    warp_specialize: bool = True, band: Optional[int] = None, tma_store: bool = True):
     """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) over every routed row, B an expert
     weight stack in ``transposed`` layout (``layouts``), as
     ``triton_experts.launch_gathered_gemm``; ``tile`` is (M, N, K block, warps, stages)
     with M = 16 * warps; ``warp_specialize`` picks ``_row_gemm_ws_kernel``; ``band`` is the
     tile order's band of m-tiles (``grouped_gemm.banded``), ``settings.row_band`` by
     default; ``tma_store``: tiles whose rows are all inside their expert are stored by TMA
-    (``_store_tile``); ``split_copies``: the warp-specialised kernel's gathered A and its B
-    come from two copy partitions."""
+    (``_store_tile``)."""
     band = settings.current().row_band if band is None else band
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
         raise ValueError(f"moeblaze gluon row GEMM: block_m must be 16 * num_warps and num_stages at least 3, "
@@ -523,14 +506,12 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
         else:
             a_block = [tile.block_m, tile.block_k]
             a_src = host_descriptor(a, a_block)
-        split = gather and split_copies
-        warps, regs = PRODUCER_GATHER_SPLIT if split else PRODUCER_GATHER if gather else PRODUCER_TMA
+        warps, regs = PRODUCER_GATHER if gather else PRODUCER_TMA
         launch(
             _row_gemm_ws_kernel, grid,
             a_src, b_desc, bias, a_row_ids, offsets, out, out_desc, LK, E, N, K,
             a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0),
-            GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, B_PRODUCER_REGS=regs,
-            A_OFFSETS_32=a.numel() < 2**31, SPLIT_COPIES=split, **common)
+            GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=a.numel() < 2**31, **common)
         return
     launch(
         _row_gemm_kernel, grid,

@@ -137,7 +137,8 @@ def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
     if gluon is not None and gluon.applies(a, b, out, transposed):
         config = settings.current()
         gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, config.tiles.get(kind, gluon.TILE),
-                              kind in config.gluon_warp_specialize, tma_store=config.row_tma_store)
+                              config.from_rows("gluon_warp_specialize", kind, out.shape[0], E),
+                              tma_store=config.row_tma_store)
         return
     LK, N = out.shape
     tile = gg.tile_config(kind, a)

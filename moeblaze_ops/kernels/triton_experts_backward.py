@@ -229,10 +229,9 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
     gluon = gg.gluon_kernels(kind, rows, 2 * rows.shape[0] * P * Q)
     if gluon is not None and gluon.applies(rows, gathered):
         config = settings.current()
-        min_rows = config.wgrad_rows_tma.get(kind)  # per expert, on average
         gluon.launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, config.tiles.get(kind),
-                           kind in config.gluon_warp_specialize,
-                           rows_tma=min_rows is not None and rows.shape[0] >= min_rows * E,
+                           config.from_rows("gluon_warp_specialize", kind, rows.shape[0], E),
+                           rows_tma=config.from_rows("wgrad_rows_tma", kind, rows.shape[0], E),
                            tma_store=config.wgrad_tma_store)
         return
     tile = gg.tile_config(kind, rows)
