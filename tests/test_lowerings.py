@@ -209,6 +209,40 @@ def test_templates_run_the_layer(column_slab, row_band, seed):
 
 
 @gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels need a Hopper GPU")
+@pytest.mark.parametrize("gluon", [True, False])
+def test_gemms_on_gluon_kernels_call_the_ops(gluon, seed):
+    """Where the op would run a GEMM on its Gluon kernel (Hopper, ``settings.gluon``, at
+    least ``settings.small_gemm_flop`` operations: here any), the compiled graph calls the
+    op instead of a ``tl`` template, forward and backward (dX); with ``gluon`` empty the
+    same sizes run as templates. Either way the layer and its gradients match."""
+    from torch._inductor.utils import run_and_get_code
+
+    layer = _gpu_layer(seed)
+    names = ["x", "topk_weights", "w_gate_up", "w_down"]
+
+    def loss(inputs):
+        return (moe_experts(**inputs).float() ** 2).mean()
+
+    def grads(fn):
+        inputs = {k: (v.detach().clone().requires_grad_(True) if k in names else v) for k, v in layer.items()}
+        fn(inputs).backward()
+        return [inputs[k].grad for k in names]
+
+    with settings.override(small_gemm_flop=0, **({} if gluon else dict(gluon=()))):
+        torch._dynamo.reset()
+        got, codes = run_and_get_code(lambda: grads(torch.compile(loss, fullgraph=True)))
+        expected = grads(loss)
+    code = "\n".join(codes)
+    assert ("torch.ops.moeblaze.expert_up.default(" in code) == gluon
+    assert ("torch.ops.moeblaze.expert_down.default(" in code) == gluon
+    assert ("import gathered_gemm_tile" in code) == (not gluon)  # no row GEMM template, forward or dX
+    for name, g, ref in zip(names, got, expected):
+        assert rel_err(g, ref) < 2e-2, name
+
+
+@gpu
 def test_residual_add_fuses_into_the_combine(seed):
     """``residual + moe(x)`` with one column slab: the add runs in the combine template's
     epilogue, so the graph has no pointwise kernel of its own."""
