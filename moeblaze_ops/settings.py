@@ -144,7 +144,8 @@ class KernelSettings:
             MMA warpgroups only wait, multiply and store (``_row_gemm_ws_kernel``,
             ``_wgrad_ws_kernel``). Kinds not named never are; a set of kinds means from 0
             rows. By default the row GEMMs from 1024 rows per expert; the weight gradients
-            keep their other kernel (docs/perf-notes.md).
+            keep their other kernel (docs/perf-notes.md; the warp-specialised form of
+            their rows-TMA kernel is not measured yet).
         row_band: the row GEMMs' output tiles (up, down, dX, dH; eager kernels and
             templates) go in bands of this many row tiles, rows fastest inside a band
             (``grouped_gemm.banded``): the tiles in flight at once then read fewer
@@ -156,8 +157,9 @@ class KernelSettings:
         wgrad_rows_tma: per weight-gradient kind, the average routed rows per expert (L*K /
             E, known on the host) from which its Gluon kernel (where ``gluon`` runs it)
             reads the row-ordered operand by TMA as the MMA's wide side, the gathered rows
-            being the narrow one (``gluon_wgrad._wgrad_rows_tma_kernel``); it then takes
-            precedence over ``gluon_warp_specialize``. Kinds not named never do; a set of
+            being the narrow one (``gluon_wgrad._wgrad_rows_tma_kernel``, or its
+            warp-specialised form ``_wgrad_rows_tma_ws_kernel`` where
+            ``gluon_warp_specialize`` applies too). Kinds not named never do; a set of
             kinds means from 0 rows. The defaults are chosen by measurement
             (docs/perf-notes.md).
         wgrad_tma_store: the Gluon weight gradients (not the warp-specialised kernel) write

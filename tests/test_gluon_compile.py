@@ -26,14 +26,15 @@ def _compile_for_hopper(fn, signature, constexprs, num_warps, aligned):
 
 @pytest.mark.parametrize("band", [1, 4])
 @pytest.mark.parametrize("variant", ["one_partition", "one_partition_store_mn", "one_partition_store_nm",
-                                     "warp_specialized", "rows_tma", "rows_tma_store_mn", "rows_tma_store_nm"])
+                                     "warp_specialized", "rows_tma", "rows_tma_store_mn", "rows_tma_store_nm",
+                                     "rows_tma_ws", "rows_tma_ws_store_mn", "rows_tma_ws_store_nm"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_path):
     from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type, _spill_bytes
 
     from moeblaze_ops.kernels import gluon_wgrad
 
-    rows_tma, warp_specialize = variant.startswith("rows_tma"), variant == "warp_specialized"
+    rows_tma, warp_specialize = variant.startswith("rows_tma"), variant == "warp_specialized" or "_ws" in variant
     tma_store = "store" in variant
     tile = gluon_wgrad.ROWS_TMA_TILE if rows_tma else gluon_wgrad.TILE
     ints = ["E", "P", "Q", "stride_rm", "stride_gm", "stride_oe", "stride_op", "stride_oq"]
@@ -41,7 +42,7 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
                  "out_ptr": f"*{dtype}", **{name: "i32" for name in ints}}
     constexprs = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
                       BAND=band, num_warps=tile.num_warps)
-    if not warp_specialize:
+    if not warp_specialize or rows_tma:
         # The output descriptor's box: half an [M, N] accumulator tile, in its order ("mn")
         # or transposed ("nm": M contiguous in the gradient).
         m, n = (tile.block_n, tile.block_m) if rows_tma else (tile.block_m, tile.block_n)
@@ -53,6 +54,9 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
     if rows_tma:
         signature = {"rows_desc": _descriptor_type(dtype, [tile.block_k, tile.block_m]), **signature}
         kernel_fn = gluon_wgrad._wgrad_rows_tma_kernel
+        if warp_specialize:
+            constexprs.update(zip(("PRODUCER_WARPS", "PRODUCER_REGS"), gluon_wgrad.PRODUCER))
+            kernel_fn = gluon_wgrad._wgrad_rows_tma_ws_kernel
     elif warp_specialize:
         constexprs.update(zip(("PRODUCER_WARPS", "PRODUCER_REGS"), gluon_wgrad.PRODUCER))
         kernel_fn = gluon_wgrad._wgrad_ws_kernel
@@ -148,3 +152,41 @@ def test_weight_gradient_store_choice(rows_tma, q_contiguous, programs, monkeypa
     expected = programs < 12
     assert [meta["TMA_STORE"] for meta in launches] == [False, expected]
     assert launches[1]["OUT_TRANSPOSED"] == (expected and q_contiguous == rows_tma)
+
+
+@pytest.mark.parametrize("rows_tma,warp_specialize,expected", [
+    (False, False, "_wgrad_kernel"), (False, True, "_wgrad_ws_kernel"), (True, False, "_wgrad_rows_tma_kernel"),
+    (True, True, "_wgrad_rows_tma_ws_kernel")])
+def test_weight_gradient_kernel_choice(rows_tma, warp_specialize, expected, monkeypatch):
+    """``launch_wgrad`` runs one kernel for each choice of the row-ordered operand's copy
+    (TMA or not) and warp specialisation; each but ``_wgrad_ws_kernel`` stores its tiles
+    by TMA when asked (more tiles than programs here). Stand-in kernels record their
+    launch (no GPU)."""
+    import torch
+
+    from moeblaze_ops.kernels import gluon_wgrad, grouped_gemm
+
+    launches = []
+
+    class FakeKernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append((self.name, meta))
+
+    names = ("_wgrad_kernel", "_wgrad_ws_kernel", "_wgrad_rows_tma_kernel", "_wgrad_rows_tma_ws_kernel")
+    for name in names:
+        monkeypatch.setattr(gluon_wgrad, name, FakeKernel(name))
+    monkeypatch.setattr(grouped_gemm, "num_programs", lambda device, tiles, per_sm=1: 4)
+    E, P, Q, rows_per_expert = 3, 512, 1024, 256
+    rows = torch.empty(E * rows_per_expert, P, dtype=torch.bfloat16)
+    gathered = torch.empty(16, Q, dtype=torch.bfloat16)
+    ids = torch.zeros(rows.shape[0], dtype=torch.int32)
+    offsets = torch.arange(E + 1, dtype=torch.int32) * rows_per_expert
+    gluon_wgrad.launch_wgrad(rows, gathered, ids, offsets, torch.empty(E, P, Q, dtype=torch.bfloat16),
+                             warp_specialize=warp_specialize, rows_tma=rows_tma, tma_store=True)
+    [(name, meta)] = launches
+    assert name == expected
+    assert meta.get("TMA_STORE", False) == (expected != "_wgrad_ws_kernel")
+    assert ("PRODUCER_WARPS" in meta) == warp_specialize

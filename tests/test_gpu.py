@@ -356,14 +356,14 @@ def test_index_arrays_checked_on_the_device(defect, seed):
 
 WGRAD_VARIANTS = ["gluon_ws", "gluon", "gluon_band3", "gluon_rows_tma", "gluon_rows_tma_band3",
                   "gluon_rows_tma_2_per_sm", "gluon_rows_tma_store", "gluon_rows_tma_store_band3", "gluon_store",
-                  "tl"]
+                  "gluon_rows_tma_ws", "gluon_rows_tma_ws_store", "tl"]
 
 
 def _wgrad_settings(variant):
     """The settings that run weight-gradient kernel ``variant`` (of ``WGRAD_VARIANTS``) for "wgrad_up"."""
     tiles = {"wgrad_up": GemmTile(128, 128, 64, 8, 3, 2)} if variant.endswith("2_per_sm") else {}
     return settings.override(tiles=tiles, gluon={"wgrad_up"} if variant != "tl" else set(),
-                             gluon_warp_specialize={"wgrad_up"} if variant == "gluon_ws" else set(),
+                             gluon_warp_specialize={"wgrad_up"} if "ws" in variant.split("_") else set(),
                              wgrad_rows_tma={"wgrad_up"} if "rows_tma" in variant else set(),
                              wgrad_tma_store="store" in variant,
                              wgrad_band=3 if variant.endswith("band3") else 1)
@@ -372,8 +372,8 @@ def _wgrad_settings(variant):
 @pytest.mark.parametrize("gluon", WGRAD_VARIANTS)
 @pytest.mark.parametrize("P,Q,transposed_out", [(192, 2880, False), (1408, 256, True), (64, 16, False)])
 def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
-    """Every weight-gradient kernel, the three Gluon ones (where they apply: these shapes;
-    warp-specialised, with the row-ordered operand by TMA, or neither; tiles in bands of 3
+    """Every weight-gradient kernel, the four Gluon ones (where they apply: these shapes;
+    warp-specialised, with the row-ordered operand by TMA, both, or neither; tiles in bands of 3
     tile rows, a short last band at P=1408; output tiles by TMA copies in both orientations
     of the gradient, where a program has more than one tile) and the portable tl one: out[e] = A_e^T B[ids_e] against a float64 reference, with
     ragged and empty experts, tiles that run past P and Q, a transposed output view, a

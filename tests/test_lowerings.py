@@ -220,25 +220,15 @@ def test_gemms_on_gluon_kernels_call_the_ops(gluon, seed):
     from torch._inductor.utils import run_and_get_code
 
     layer = _gpu_layer(seed)
-    names = ["x", "topk_weights", "w_gate_up", "w_down"]
-
-    def loss(inputs):
-        return (moe_experts(**inputs).float() ** 2).mean()
-
-    def grads(fn):
-        inputs = {k: (v.detach().clone().requires_grad_(True) if k in names else v) for k, v in layer.items()}
-        fn(inputs).backward()
-        return [inputs[k].grad for k in names]
-
     with settings.override(small_gemm_flop=0, **({} if gluon else dict(gluon=()))):
         torch._dynamo.reset()
-        got, codes = run_and_get_code(lambda: grads(torch.compile(loss, fullgraph=True)))
-        expected = grads(loss)
+        (_, got), codes = run_and_get_code(lambda: _grads(torch.compile(_loss, fullgraph=True), layer))
+        _, expected = _grads(_loss, layer)
     code = "\n".join(codes)
     assert ("torch.ops.moeblaze.expert_up.default(" in code) == gluon
     assert ("torch.ops.moeblaze.expert_down.default(" in code) == gluon
     assert ("import gathered_gemm_tile" in code) == (not gluon)  # no row GEMM template, forward or dX
-    for name, g, ref in zip(names, got, expected):
+    for name, g, ref in zip(GRAD_ARGS, got, expected):
         assert rel_err(g, ref) < 2e-2, name
 
 

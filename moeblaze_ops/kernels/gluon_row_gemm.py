@@ -348,13 +348,15 @@ def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_re
 @gluon.jit
 def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, GATHER_A: gl.constexpr,
                   B_KMAJOR: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  ONE_READY: gl.constexpr = False):
+                  ONE_READY: gl.constexpr = False, A_TRANSPOSED: gl.constexpr = False):
     """An MMA warpgroup's reduction over one output tile of a warp-specialised kernel's
     ring (``_ws_producer`` fills it): for each of the tile's ``k_steps`` steps, wait for its
     copies, run the asynchronous wgmma, and release the slot of the step before once its
     wgmma is done (one stays in flight); the last slot is released when the tile's MMAs
-    are. ``step`` counts the ring's steps this warpgroup has passed; returns (acc, step).
-    ``ONE_READY``: both copies arrive on ``a_ready``; ``b_ready`` is not waited on."""
+    are (a tile of no steps releases none). ``step`` counts the ring's steps this
+    warpgroup has passed; returns (acc, step). ``ONE_READY``: both copies arrive on
+    ``a_ready``; ``b_ready`` is not waited on. ``A_TRANSPOSED``: a slot of ``a_ring`` holds
+    A^T ([BLOCK_K, M]), taken as a transposed view."""
     NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
     for k in range(k_steps):
         slot = step % NUM_STAGES
@@ -365,15 +367,18 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
         if GATHER_A:
             # cp.async wrote A through the generic proxy; wgmma reads through the async one.
             fence_async_shared()
-        acc = warpgroup_mma(a_ring.index(slot), _b_operand(b_ring, slot, B_KMAJOR, BLOCK_N, BLOCK_K), acc,
-                            is_async=True)
+        if A_TRANSPOSED:
+            a = a_ring.index(slot).permute((1, 0))
+        else:
+            a = a_ring.index(slot)
+        acc = warpgroup_mma(a, _b_operand(b_ring, slot, B_KMAJOR, BLOCK_N, BLOCK_K), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         cta_barrier()  # every MMA warp's wgmma of the step before is done: release its slot
         mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k > 0)
         step += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     cta_barrier()
-    mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES))
+    mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k_steps > 0)
     return acc, step
 
 

@@ -16,6 +16,10 @@ row-ordered operand its right one (the 256-wide side), read by TMA in every step
 lies inside the expert, so two thirds of the bytes travel by the copy engine and the
 threads copy a third; the expert's last, partial step stays a masked cp.async, since
 the next expert's rows may hold anything and 0 * inf would reach this expert's sum.
+``_wgrad_rows_tma_ws_kernel`` is that kernel warp-specialised: a copy warpgroup gathers
+the rows and starts the row-ordered tiles' TMA, the MMA warpgroups run the row GEMM's step
+loop (``gluon_row_gemm.ws_tile_steps``) and store each tile by TMA beside the next tile's
+MMAs.
 
 Applies to 16-bit CUDA tensors on capability 9 whose column counts and row strides are
 multiples of 16 elements (the 16-byte copies must not straddle a mask edge); everything
@@ -38,6 +42,7 @@ from ..settings import GemmTile
 from . import grouped_gemm as gg
 from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
                            on_hopper, output_buffer, store_half_by_tma, tma_load, wgmma_acc_layout)
+from .gluon_row_gemm import ws_tile_steps
 from .launch import launch
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 rows of the
@@ -122,11 +127,9 @@ def _store_expert_tile(out_ptr, acc, e, m0, n0, M, N, stride_oe, stride_om, stri
 def _store_tile(out_ptr, out_desc, out_buf, acc, e, m0, n0, M, N, stride_oe, stride_om, stride_on,
                 TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr):
     """Stores expert ``e``'s [M, N] accumulator tile at (m0, n0): by TMA in two halves of
-    N (``gluon_common.store_half_by_tma``) where ``TMA_STORE``, else from registers through the
-    strides."""
+    N (``gluon_common.store_half_by_tma``) where ``TMA_STORE``, else from registers
+    through the strides."""
     if TMA_STORE:
-        # N's halves are each thread's own registers (the accumulator holds every column
-        # in 8-column pieces): no data moves between threads to split them.
         first, second = column_halves(acc)
         store_half_by_tma(out_desc, out_buf, first, e, m0, n0, OUT_TRANSPOSED)
         store_half_by_tma(out_desc, out_buf, second, e, m0, n0 + acc.shape[1] // 2, OUT_TRANSPOSED)
@@ -364,6 +367,98 @@ def _wgrad_ws_kernel(
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
+# --------------------------------------------------------------------------- warp-specialised, rows by TMA
+
+
+@gluon.jit
+def _wgrad_rows_tma_ws_producer(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring, r_ring, ready,
+                                empty, E, P, Q, stride_rm, stride_gm, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
+                                BLOCK_R: gl.constexpr, BAND: gl.constexpr, WARPS: gl.constexpr):
+    """The copy warpgroup of ``_wgrad_rows_tma_ws_kernel``: for every reduction step of this
+    program's tiles, wait until the MMA has released the step's ring slot, then start its
+    copies (``_issue_rows_tma_step``), each thread arriving on the slot's ``ready`` once its
+    cp.async copies have landed. The next step's gathered row ids load while this step's
+    copies are issued."""
+    NUM_STAGES: gl.constexpr = g_ring.type.shape[0]
+    step = 0
+    for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
+        _, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+        ids = _load_ids(row_ids_ptr, lo, hi, BLOCK_Q, BLOCK_R, WARPS)
+        for r0 in range(lo, hi, BLOCK_R):
+            next_ids = _load_ids(row_ids_ptr, r0 + BLOCK_R, hi, BLOCK_Q, BLOCK_R, WARPS)
+            slot = step % NUM_STAGES
+            # A fresh barrier has completed no phase: the first pass over the ring waits for nothing.
+            mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
+            _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, ids, g_ring.index(slot), r_ring.index(slot),
+                                 ready.index(slot), r0, hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
+                                 BLOCK_R, WARPS)
+            cp.mbarrier_arrive(ready.index(slot), increment_count=False)
+            ids = next_ids
+            step += 1
+
+
+@gluon.jit
+def _wgrad_rows_tma_ws_consumer(g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P, Q,
+                                stride_oe, stride_op, stride_oq, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
+                                BLOCK_R: gl.constexpr, BAND: gl.constexpr, TMA_STORE: gl.constexpr,
+                                OUT_TRANSPOSED: gl.constexpr, num_warps: gl.constexpr):
+    """The MMA warpgroups of ``_wgrad_rows_tma_ws_kernel``: each tile's steps
+    (``gluon_row_gemm.ws_tile_steps``, the gathered rows' slot as the transposed left
+    operand), then the [Q, P] tile stored (``_store_tile``)."""
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, num_warps)
+    step = 0
+    for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
+        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+        acc = gl.zeros([BLOCK_Q, BLOCK_P], gl.float32, acc_layout)
+        # An empty expert's tile has no steps: its gradient is the zeros stored below.
+        acc, step = ws_tile_steps(acc, step, gl.cdiv(hi - lo, BLOCK_R), g_ring, r_ring, ready, ready, empty, True,
+                                  False, BLOCK_P, BLOCK_R, ONE_READY=True, A_TRANSPOSED=True)
+        _store_tile(out_ptr, out_desc, out_buf, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op, TMA_STORE,
+                    OUT_TRANSPOSED)
+    _drain(TMA_STORE)
+
+
+@gluon.jit
+def _wgrad_rows_tma_ws_kernel(
+    rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr, out_desc,
+    E, P, Q,
+    stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
+    BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
+    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """``_wgrad_rows_tma_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the
+    gathered rows by cp.async and start the row-ordered tiles' TMA, the ``num_warps``
+    others run the wgmma and store, a tile's TMA store running beside the next tile's
+    MMAs. Each ring slot has two mbarriers: ``ready`` (every copy thread's cp.async copies
+    and the TMA bytes landed) and ``empty`` (the MMA is done with it)."""
+    dtype: gl.constexpr = rows_ptr.dtype.element_ty
+    g_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
+    r_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + rows_desc.block_type.shape, rows_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    if TMA_STORE:
+        out_buf = output_buffer(out_desc, dtype, TMA_STORE)
+    else:  # unused stand-ins: a partition's arguments cannot be None
+        out_desc = rows_desc
+        out_buf = r_ring
+    for s in gl.static_range(NUM_STAGES):
+        # Every copy thread arrives once its cp.async copies land, and one more arrival
+        # comes with the row-ordered tile: the TMA's expected bytes, or a plain arrive
+        # after the masked copy of an expert's partial last step.
+        mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32 + 1)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize([
+        (_wgrad_rows_tma_ws_consumer, (g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P, Q,
+                                       stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, BAND, TMA_STORE,
+                                       OUT_TRANSPOSED, num_warps)),
+        (_wgrad_rows_tma_ws_producer, (rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring, r_ring,
+                                       ready, empty, E, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, BAND,
+                                       PRODUCER_WARPS)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
 def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
     """Whether ``launch_wgrad`` handles these operands (else the portable kernel does)."""
     if not (rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16) and gathered.dtype == rows.dtype):
@@ -398,12 +493,13 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
 
     ``tile`` is (P block, Q block, R block, warps, stages[, programs per SM, registers
     then capped to fit]), ``ROWS_TMA_TILE`` or ``TILE`` by default. ``rows_tma`` picks
-    ``_wgrad_rows_tma_kernel`` (Q block = 16 * warps); else ``warp_specialize`` picks
-    ``_wgrad_ws_kernel`` and its absence ``_wgrad_kernel`` (P block = 16 * warps).
+    ``_wgrad_rows_tma_kernel`` (Q block = 16 * warps), or with ``warp_specialize``
+    ``_wgrad_rows_tma_ws_kernel``; else ``warp_specialize`` picks ``_wgrad_ws_kernel`` and
+    its absence ``_wgrad_kernel`` (P block = 16 * warps).
     ``band`` is the tile order's band of P tiles (``_wgrad_tile``), ``settings.wgrad_band``
-    by default. ``tma_store``: the kernel (not the warp-specialised one) writes its tiles
-    by TMA copies that run on during the next tile (``gluon_common.store_half_by_tma``), where TMA can
-    write the gradient and each program has a next tile."""
+    by default. ``tma_store``: the kernel (not ``_wgrad_ws_kernel``) writes its tiles by TMA
+    copies that run on during the next tile (``gluon_common.store_half_by_tma``), where TMA
+    can write the gradient and each program has a next tile."""
     if grad_w_pq.numel() == 0:
         return
     band = settings.current().wgrad_band if band is None else band
@@ -422,15 +518,21 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     grid = (gg.num_programs(rows.device, tiles, tile.programs_per_sm),)
     if tile.programs_per_sm > 1:  # registers capped so that that many programs fit an SM's file at once
         blocks["maxnreg"] = REGISTERS_PER_SM // (tile.programs_per_sm * 32 * tile.num_warps) // 8 * 8
-    # The warp-specialised kernel stores from registers; a program with one tile has no
-    # next one to run its store beside.
+    # ``_wgrad_ws_kernel`` stores from registers; a program with one tile has no next one
+    # to run its store beside.
     tma_store = tma_store and (rows_tma or not warp_specialize) and tiles > grid[0]
     out_desc, out_transposed = _output_descriptor(grad_w_pq, tile, rows_tma) if tma_store else (None, False)
     pipeline = dict(TMA_STORE=out_desc is not None, OUT_TRANSPOSED=out_transposed)
     if rows_tma:
         block = [tile.block_k, tile.block_m]
         rows_desc = host_descriptor(rows, block)
-        launch(_wgrad_rows_tma_kernel, grid, rows_desc, rows, *args[:4], out_desc, *args[4:], **pipeline, **blocks)
+        if warp_specialize:
+            warps, regs = PRODUCER
+            launch(_wgrad_rows_tma_ws_kernel, grid, rows_desc, rows, *args[:4], out_desc, *args[4:],
+                   PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **pipeline, **blocks)
+        else:
+            launch(_wgrad_rows_tma_kernel, grid, rows_desc, rows, *args[:4], out_desc, *args[4:], **pipeline,
+                   **blocks)
     elif warp_specialize:
         warps, regs = PRODUCER
         launch(_wgrad_ws_kernel, grid, rows, *args, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **blocks)
