@@ -94,6 +94,20 @@ def output_buffer(out_desc, dtype: gl.constexpr, TMA_STORE: gl.constexpr):
 
 
 @gluon.jit
+def partition_output(out_desc, dtype: gl.constexpr, TMA_STORE: gl.constexpr, stand_in_desc, stand_in_buf):
+    """``(out_desc, output_buffer(...))`` for a warp-specialised partition with
+    ``TMA_STORE``, else the stand-ins given, which it never reads: a partition's arguments
+    cannot be None."""
+    if TMA_STORE:
+        desc = out_desc
+        buf = output_buffer(out_desc, dtype, TMA_STORE)
+    else:
+        desc = stand_in_desc
+        buf = stand_in_buf
+    return desc, buf
+
+
+@gluon.jit
 def store_half_by_tma(out_desc, out_buf, half, e, m0, n0, TRANSPOSED: gl.constexpr):
     """Stores ``half`` ([M, N / 2] of an accumulator tile) at (m0, n0) of block ``e`` of
     ``out_desc`` (a 3-D descriptor: [E, M, N], or [E, N, M] where ``TRANSPOSED``) through the

@@ -45,7 +45,7 @@ from ..layouts import linear_dims, linear_strides
 from ..settings import GemmTile
 from . import grouped_gemm as gg
 from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
-                           on_hopper, output_buffer, store_half_by_tma, tma_load, wgmma_acc_layout)
+                           on_hopper, output_buffer, partition_output, store_half_by_tma, tma_load, wgmma_acc_layout)
 from .launch import launch
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 of K per
@@ -430,11 +430,7 @@ def _row_gemm_ws_kernel(
     a_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     b_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    if TMA_STORE:
-        out_buf = output_buffer(out_desc, dtype, TMA_STORE)
-    else:  # unused stand-ins: a partition's arguments cannot be None
-        out_desc = b_desc
-        out_buf = b_ring
+    out_desc, out_buf = partition_output(out_desc, dtype, TMA_STORE, b_desc, b_ring)
     for s in gl.static_range(NUM_STAGES):
         # Gathered, every copy thread arrives on a_ready once its cp.async copies land.
         mbarrier.init(a_ready.index(s), count=PRODUCER_WARPS * 32 if GATHER_A else 1)

@@ -41,7 +41,7 @@ from .. import settings
 from ..settings import GemmTile
 from . import grouped_gemm as gg
 from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
-                           on_hopper, output_buffer, store_half_by_tma, tma_load, wgmma_acc_layout)
+                           on_hopper, output_buffer, partition_output, store_half_by_tma, tma_load, wgmma_acc_layout)
 from .gluon_row_gemm import ws_tile_steps
 from .launch import launch
 
@@ -438,11 +438,7 @@ def _wgrad_rows_tma_ws_kernel(
     r_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + rows_desc.block_type.shape, rows_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    if TMA_STORE:
-        out_buf = output_buffer(out_desc, dtype, TMA_STORE)
-    else:  # unused stand-ins: a partition's arguments cannot be None
-        out_desc = rows_desc
-        out_buf = r_ring
+    out_desc, out_buf = partition_output(out_desc, dtype, TMA_STORE, rows_desc, r_ring)
     for s in gl.static_range(NUM_STAGES):
         # Every copy thread arrives once its cp.async copies land, and one more arrival
         # comes with the row-ordered tile: the TMA's expected bytes, or a plain arrive
