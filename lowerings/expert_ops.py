@@ -70,23 +70,23 @@ def _templates_apply(node, index_positions) -> bool:
 
 def _op_runs_gluon(kind, a, rows, out_cols, reduction) -> bool:
     """Whether the op's own kernels would run GEMM ``kind`` (A = ``a`` over ``rows`` routed
-    rows, ``out_cols`` output columns, ``reduction`` deep) on its Gluon kernel:
-    ``settings.gluon`` names the kind, ``a`` is 16-bit on a Hopper GPU, and each launch (a
-    column slab where down and dX make their rows in slabs) has at least
-    ``settings.small_gemm_flop`` operations by the size hints, as
-    ``grouped_gemm.gluon_kernels`` decides at run time. Those kernels are faster than the
-    ``tl`` templates, so the graph calls the op there."""
-    config = settings.current()
+    rows, ``out_cols`` output columns, ``reduction`` deep) on its Gluon kernel: the
+    decision of ``grouped_gemm.gluon_module`` on each launch's operations (a column slab
+    where down and dX make their rows in slabs; by the size hints), for a 16-bit ``a`` on a
+    Hopper GPU. Those kernels are faster than the ``tl`` templates, so the graph calls the
+    op there."""
     device = a.get_device()
-    if kind not in config.gluon or a.get_dtype() not in (torch.float16, torch.bfloat16) or device.type != "cuda":
-        return False
-    if torch.cuda.get_device_capability(device)[0] != 9:
+    if a.get_dtype() not in (torch.float16, torch.bfloat16) or device is None or device.type != "cuda":
         return False
     out_cols = compat.hint(out_cols)
     if kind != "up":
         slabs = column_slabs(out_cols)
         out_cols = slabs[0][1] - slabs[0][0] if slabs else 0
-    return 2 * compat.hint(rows) * out_cols * compat.hint(reduction) >= config.small_gemm_flop
+    if gg.gluon_module(kind, 2 * compat.hint(rows) * out_cols * compat.hint(reduction)) is None:
+        return False
+    from moeblaze_ops.kernels.gluon_common import is_hopper  # importable: gluon_module found Gluon
+
+    return is_hopper(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # --------------------------------------------------------------------------- configs

@@ -162,7 +162,7 @@ class KernelSettings:
             ``gluon_warp_specialize`` applies too). Kinds not named never do; a set of
             kinds means from 0 rows. The defaults are chosen by measurement
             (docs/perf-notes.md).
-        wgrad_tma_store: the Gluon weight gradients (not the warp-specialised kernel) write
+        wgrad_tma_store: the Gluon weight gradients (all but ``_wgrad_ws_kernel``) write
             each output tile through shared memory by TMA copies, which run on while they
             start the next tile (where TMA can write the gradient and a program has more
             than one tile), instead of storing from registers.

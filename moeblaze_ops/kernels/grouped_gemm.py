@@ -274,18 +274,23 @@ _GLUON_MODULES = {"up": "gluon_row_gemm", "down": "gluon_row_gemm", "dh": "gluon
                   "wgrad_down": "gluon_wgrad", "wgrad_up": "gluon_wgrad"}
 
 
-def gluon_kernels(kind: str, t: torch.Tensor, flop: int):
-    """The Gluon kernel module GEMM ``kind`` of ``flop`` operations runs on tensors like
-    ``t``, or None: where ``settings.gluon`` names the kind, ``t`` is on CUDA and the GEMM
-    has at least ``settings.small_gemm_flop`` (the module is imported then, and never where
-    this Triton has no Gluon). The module's ``applies`` has the last word."""
+def gluon_module(kind: str, flop: int):
+    """The Gluon kernel module GEMM ``kind`` of ``flop`` operations runs on CUDA, or None:
+    where ``settings.gluon`` names the kind and the GEMM has at least
+    ``settings.small_gemm_flop`` (the module is imported then, and never where this Triton
+    has no Gluon). The module's ``applies`` has the last word."""
     config = settings.current()
-    if kind not in config.gluon or not t.is_cuda or kind not in _GLUON_MODULES or flop < config.small_gemm_flop:
+    if kind not in config.gluon or kind not in _GLUON_MODULES or flop < config.small_gemm_flop:
         return None
     try:
         return importlib.import_module(f"{__package__}.{_GLUON_MODULES[kind]}")
     except ImportError:
         return None
+
+
+def gluon_kernels(kind: str, t: torch.Tensor, flop: int):
+    """``gluon_module`` for a GEMM on tensors like ``t``: None off CUDA."""
+    return gluon_module(kind, flop) if t.is_cuda else None
 
 
 def _descriptor(t: torch.Tensor, block):
