@@ -142,10 +142,9 @@ class KernelSettings:
             per expert (L*K / E, known on the host) from which its Gluon kernel, where
             ``gluon`` runs it, is the warp-specialised one: copy warps fill the ring and the
             MMA warpgroups only wait, multiply and store (``_row_gemm_ws_kernel``,
-            ``_wgrad_ws_kernel``). Kinds not named never are; a set of kinds means from 0
-            rows. By default the row GEMMs from 1024 rows per expert; the weight gradients
-            keep their other kernel (docs/perf-notes.md; the warp-specialised form of
-            their rows-TMA kernel is not measured yet).
+            ``_wgrad_rows_tma_ws_kernel``, ``_wgrad_ws_kernel``). Kinds not named never
+            are; a set of kinds means from 0 rows. By default the row GEMMs (up, down, dX)
+            from 1024 rows per expert, the weight gradients from 0 (docs/perf-notes.md).
         row_band: the row GEMMs' output tiles (up, down, dX, dH; eager kernels and
             templates) go in bands of this many row tiles, rows fastest inside a band
             (``grouped_gemm.banded``): the tiles in flight at once then read fewer
@@ -216,7 +215,8 @@ class KernelSettings:
     weight_tma: frozenset = frozenset({"up", "dh", "dx"})
     gluon: frozenset = frozenset(GLUON_KINDS)
     small_gemm_flop: int = 10**11
-    gluon_warp_specialize: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(("up", "down", "dx"), 1024))
+    gluon_warp_specialize: Mapping[str, int] = field(
+        default_factory=lambda: {"up": 1024, "down": 1024, "dx": 1024, "wgrad_down": 0, "wgrad_up": 0})
     wgrad_band: int = 1
     wgrad_rows_tma: Mapping[str, int] = field(default_factory=lambda: {"wgrad_down": 0, "wgrad_up": 0})
     wgrad_tma_store: bool = True

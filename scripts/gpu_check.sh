@@ -126,7 +126,7 @@ if [ "${GLUON_WS:-0}" = 1 ]; then
   echo "== row GEMMs: gluon_ws, gluon, tl" | tee -a "$LOG"
   python3 scripts/compare_row_gemm.py --configs olmoe mixtral 2>>"$LOG" | tee -a "$LOG"
   echo "== weight gradients: gluon warp-specialised or not, tl" | tee -a "$LOG"
-  python3 scripts/tune_backward.py --configs olmoe mixtral --kinds wgrad_down wgrad_up --tiles 128,256,64,8,4 \
+  python3 scripts/tune_backward.py --configs olmoe mixtral --kinds wgrad_down wgrad_up --tiles 256,128,64,8,4 \
     2>>"$LOG" | tee -a "$LOG"
   echo "== train, every Gluon kernel warp-specialised" | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train_gluon_ws" \

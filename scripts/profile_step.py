@@ -3,6 +3,7 @@ peer (kernels by device time, and the host time of the whole step).
 
     python scripts/profile_step.py [--configs qwen3_100m olmoe] [--peers moeblaze hf_grouped_mm_compiled]
         [--steps 5] [--device cuda|cpu] [--rows 25] [--cudagraphs] [--host-rows 25] [--trace DIR]
+        [--set NAME=VALUE ...]
 
 Small layers (the 100M example) are where the host side shows: compare "host ms per
 step" with "device ms per step". ``--host-rows`` adds a table sorted by host (self CPU) time, and ``--trace`` writes
@@ -17,7 +18,9 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from moeblaze_ops import settings
 from moeblaze_ops.bench import CONFIGS, make_inputs, peers
+from moeblaze_ops.bench.cli import parse_setting
 
 
 def main():
@@ -31,7 +34,14 @@ def main():
                    help="offer the CUDA-graph peers too (hf_grouped_mm_cudagraphs, moeblaze_cudagraphs)")
     p.add_argument("--host-rows", type=int, default=0, help="rows of a table sorted by host time (0: none)")
     p.add_argument("--trace", default=None, help="a folder to write Chrome traces into")
+    p.add_argument("--set", dest="settings", metavar="NAME=VALUE", action="append", type=parse_setting, default=[],
+                   help="change a kernel setting for the whole run (repeatable), as the benchmark's --set")
     a = p.parse_args()
+    with settings.override(**dict(a.settings)):
+        _profile(a)
+
+
+def _profile(a):
     cuda = a.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     for name in a.configs:

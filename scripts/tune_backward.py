@@ -130,7 +130,7 @@ def main():
                    help="the Gluon weight gradients with the row-ordered operand by TMA (1; tiles P=256, "
                         "Q=16*warps) or not (0)")
     p.add_argument("--tma-store", nargs="*", type=int, default=[0],
-                   help="Gluon weight gradients (not warp-specialised): output tiles written by TMA from "
+                   help="Gluon weight gradients (all but the warp-specialised one without --rows-tma): output tiles written by TMA from "
                         "shared memory (1) or from registers (0)")
     p.add_argument("--row-band", nargs="*", type=int, default=[settings.current().row_band],
                    help="dh and dx: the tile order's band of row tiles (settings.row_band)")
