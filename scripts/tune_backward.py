@@ -25,11 +25,12 @@ TILES = {  # (BM|BP, BN|BQ, BK|BR, warps, stages[, programs per SM])
     "dh": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 8, 3, 2), (128, 128, 32, 8, 4),
            (128, 256, 64, 8, 3)],
     "dx": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3)],
-    # The Gluon kernel takes block_m = 16 * warps (the others fail there and say so).
-    "wgrad_down": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
-                   (128, 256, 32, 8, 4)],
-    "wgrad_up": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
-                 (128, 256, 32, 8, 4)],
+    # The Gluon kernels take block_m = 16 * warps, or with --rows-tma 1 block_n = 16 * warps
+    # (the others fail there and say so); 256 x 128 x 64 x 8 x 4 is the rows-TMA default.
+    "wgrad_down": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 4),
+                   (256, 128, 64, 8, 3), (256, 128, 32, 8, 8)],
+    "wgrad_up": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 4),
+                 (256, 128, 64, 8, 3), (256, 128, 32, 8, 8)],
 }
 #: The narrowest dH tile a sweep may ask for: sizes the buffer of per-tile router partials.
 MIN_DH_BLOCK_N = 16
