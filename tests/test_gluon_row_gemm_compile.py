@@ -48,12 +48,15 @@ def _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path):
 
 
 def _output_tiles(signature, constexprs, tma_store, dtype, tile):
-    """The output's TMA descriptor argument ([1, LK, N], a column half of a tile per copy), or None."""
+    """The output's TMA descriptor argument ([1, LK, N], a column half of a tile per copy),
+    or None; no activation in the epilogue (``_activated_outputs`` for one)."""
     constexprs["TMA_STORE"] = tma_store
     if tma_store:
         signature["out_desc"] = _descriptor_type(dtype, [1, tile.block_m, tile.block_n // 2])
     else:
         constexprs["out_desc"] = None
+    signature.update(stride_actm="i32", alpha="fp32", limit="fp32")
+    constexprs.update(act_ptr=None, act_desc=None, GATED=None, ACT=-1, STORE_H=True, FAST_ACT=False)
 
 
 def _assert_tile_stores(ptx, tma_store):
@@ -224,3 +227,86 @@ def test_pingpong_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
     # The MMA warpgroups, at 216 registers beside the copy warps, spill some words a tile
     # around the epilogue; the whole-tile epilogue spilled kilobytes a thread.
     assert _spill_bytes(ptx, tmp_path) <= 1024
+
+
+#: Compiles a row GEMM with the activation in its epilogue in a subprocess, for the reason
+#: above: it calls the activation's ``tl`` function.
+_ACTIVATED_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from test_gluon_compile import _compile_for_hopper
+from test_gluon_row_gemm_compile import _descriptor_type
+from moeblaze_ops.activations import activation_code
+from moeblaze_ops.kernels import gluon_row_gemm, triton_activations
+
+dtype, warp_specialize, tma_store, store_h, act, out = json.loads(sys.argv[1])
+tile = gluon_row_gemm.TILE
+a_name = "a_src" if warp_specialize else "a_ptr"
+ints = ["LK", "E", "N", "K", "stride_am", "stride_bias", "stride_om", "stride_actm"]
+signature = {a_name: f"*{dtype}", "b_desc": _descriptor_type(dtype, [1, tile.block_n // 2, tile.block_k]),
+             "a_row_ids_ptr": "*i32", "offsets_ptr": "*i32", "out_ptr": f"*{dtype}", "act_ptr": f"*{dtype}",
+             "alpha": "fp32", "limit": "fp32", **{name: "i32" for name in ints}}
+constexprs = dict(bias_ptr=None, GATHER_A=True, HAS_BIAS=False, B_KMAJOR=True, GROUPS=16, BAND=4,
+                  BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
+                  TMA_STORE=tma_store, GATED=triton_activations.gated, ACT=int(activation_code(act)),
+                  STORE_H=store_h, FAST_ACT=True, num_warps=tile.num_warps)
+if tma_store:
+    signature["out_desc"] = signature["act_desc"] = _descriptor_type(dtype, [1, tile.block_m, tile.block_n // 2])
+else:
+    constexprs.update(out_desc=None, act_desc=None)
+kernel_fn = gluon_row_gemm._row_gemm_kernel
+if warp_specialize:
+    warps, regs = gluon_row_gemm.PRODUCER_GATHER
+    constexprs.update(PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=True)
+    kernel_fn = gluon_row_gemm._row_gemm_ws_kernel
+aligned = [a_name, "a_row_ids_ptr", "offsets_ptr", "out_ptr", "act_ptr", "N", "K", "stride_am", "stride_om",
+           "stride_actm"]
+try:
+    kernel = _compile_for_hopper(kernel_fn, signature, constexprs, tile.num_warps, aligned)
+except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
+    print("no ptxas:", error)
+    sys.exit(3)
+with open(out, "w") as f:
+    json.dump({"ptx": kernel.asm["ptx"], "shared": kernel.metadata.shared}, f)
+"""
+
+
+@pytest.mark.parametrize("dtype,warp_specialize,tma_store,store_h,act", [
+    ("bf16", True, True, True, "swiglu"), ("fp16", True, True, False, "clamped_swiglu"),
+    ("bf16", True, False, False, "swiglu"), ("bf16", False, True, True, "geglu"),
+    ("fp16", False, False, True, "swiglu")])
+def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize, tma_store, store_h, act, tmp_path):
+    """Both row GEMM kernels with a gated activation in the epilogue
+    (``gluon_row_gemm.GatedEpilogue``): each B tile by two TMA boxes (gate columns and
+    up columns), one wgmma over both, and per tile h's two halves (where stored) and the
+    activation, by TMA or from registers, with no spills: the activation goes to 16 bits
+    at once beside the accumulator."""
+    import json
+    import os
+    import sys
+
+    from moeblaze_ops.kernels import gluon_row_gemm
+
+    out = tmp_path / "kernel.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _ACTIVATED_SCRIPT,
+                             json.dumps([dtype, warp_specialize, tma_store, store_h, act, str(out)]),
+                             os.path.dirname(__file__)], env=env, capture_output=True, text=True)
+    if result.returncode == 3:
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = json.loads(out.read_text())
+    ptx = compiled["ptx"]
+    tile = gluon_row_gemm.TILE
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
+    assert loads and len(loads) % 2 == 0  # two boxes at every place a B tile is copied
+    ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
+    stores = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx))
+    assert stores == ((3 if store_h else 1) if tma_store else 0)
+    assert re.search(r"st\.global(\.\w+)*\.b32", ptx)  # tiles past their expert's end, from registers
+    if act != "geglu":
+        assert "tanh.approx.f32" in ptx
+    ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
+    assert ring <= compiled["shared"] <= MAX_SHARED
+    assert _spill_bytes(ptx, tmp_path) == 0

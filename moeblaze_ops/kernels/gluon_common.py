@@ -47,16 +47,24 @@ def wgmma_acc_layout(cols, num_warps):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
 
 
+@gluon.constexpr_function
+def tma_slot_shape(block, boxes):
+    """A shared-memory slot that holds ``boxes`` TMA boxes of shape ``block`` stacked along
+    its second dimension (the rows of a K-major [1, N, K] weight box)."""
+    return [block[0], block[1] * boxes] + list(block[2:])
+
+
 @gluon.jit
 def copy_tma_ring(dtype: gl.constexpr, tma_desc, NUM_STAGES: gl.constexpr, COPY_ROWS: gl.constexpr,
-                  COPY_COLS: gl.constexpr):
+                  COPY_COLS: gl.constexpr, TMA_BOXES: gl.constexpr = 1):
     """A ring of ``NUM_STAGES`` shared-memory slots for a pipeline with two operands: one
-    copied by cp.async ([COPY_ROWS, COPY_COLS] slots), one by TMA (``tma_desc``'s block), and
-    one mbarrier per slot, on which its TMA bytes land. Returns (cp.async ring, TMA ring,
-    barriers)."""
+    copied by cp.async ([COPY_ROWS, COPY_COLS] slots), one by TMA (``TMA_BOXES`` of
+    ``tma_desc``'s block, ``tma_slot_shape``), and one mbarrier per slot, on which its TMA
+    bytes land. Returns (cp.async ring, TMA ring, barriers)."""
     copy_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, COPY_ROWS, COPY_COLS],
                                           gl.NVMMASharedLayout.get_default_for([COPY_ROWS, COPY_COLS], dtype))
-    tma_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + tma_desc.block_type.shape, tma_desc.layout)
+    tma_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + tma_slot_shape(tma_desc.block_type.shape, TMA_BOXES),
+                                         tma_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(bars.index(s), count=1)

@@ -31,7 +31,7 @@ the portable kernel.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from triton.experimental import gluon
@@ -44,8 +44,10 @@ from .. import settings
 from ..layouts import linear_dims, linear_strides
 from ..settings import GemmTile
 from . import grouped_gemm as gg
+from . import triton_activations as acts
 from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
-                           on_hopper, output_buffer, partition_output, store_half_by_tma, tma_load, wgmma_acc_layout)
+                           on_hopper, output_buffer, partition_output, store_half_by_tma, tma_load, tma_slot_shape,
+                           wgmma_acc_layout)
 from .launch import launch
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 of K per
@@ -56,6 +58,21 @@ TILE = GemmTile(128, 256, 64, 8, 4)
 #: rows (and hold their offsets); the MMA warpgroups get the rest of the register file.
 PRODUCER_TMA = (1, 40)
 PRODUCER_GATHER = (4, 88)
+
+
+class GatedEpilogue(NamedTuple):
+    """A gated activation applied in the row GEMM's epilogue (``launch_row_gemm``): the
+    GEMM's N = 2I columns are h's gate columns then its up columns (the concatenated
+    layout), every output tile pairs BLOCK_N / 2 gate columns with the same up columns,
+    and ``act_out[r] = act(gate, up)`` ([L*K, I]) is written beside h, or instead of it."""
+
+    act_out: torch.Tensor
+    #: A gated ``activations.ActivationCode``.
+    activation: int
+    alpha: float
+    limit: float
+    #: The approximate sigmoid (``grouped_gemm.fast_sigmoid``).
+    fast: bool
 
 
 @gluon.constexpr_function
@@ -132,15 +149,23 @@ def _row_offsets(a_row_ids_ptr, row0, row_end, stride_am, GATHER_A: gl.constexpr
 
 
 @gluon.jit
-def _copy_weight_tile(b_desc, bar, b_slot, grp, n0, k0, B_KMAJOR: gl.constexpr):
+def _copy_weight_tile(b_desc, bar, b_slot, grp, n0, k0, N, B_KMAJOR: gl.constexpr, PAIRED: gl.constexpr = False):
     """Start the TMA copy of expert ``grp``'s B tile at reduction ``k0``, column ``n0`` into
     ``b_slot``, its bytes expected on ``bar`` (a 3-D descriptor: [E, N, K] when K is
-    contiguous, else [E, K, N])."""
-    mbarrier.expect(bar, b_desc.block_type.nbytes)
-    if B_KMAJOR:
-        tma_load(b_desc, [grp, n0, k0], bar, b_slot)
+    contiguous, else [E, K, N]). ``PAIRED`` (K contiguous, the box half a tile): output tile
+    ``n0`` of the N = 2I gate-and-up columns takes gate columns ``n0 / 2 ..`` into the
+    slot's first half and the same up columns (``I + n0 / 2 ..``) into its second."""
+    if PAIRED:
+        half: gl.constexpr = b_desc.block_type.shape[1]
+        mbarrier.expect(bar, 2 * b_desc.block_type.nbytes)
+        tma_load(b_desc, [grp, n0 // 2, k0], bar, b_slot.slice(0, half, dim=1))
+        tma_load(b_desc, [grp, N // 2 + n0 // 2, k0], bar, b_slot.slice(half, half, dim=1))
     else:
-        tma_load(b_desc, [grp, k0, n0], bar, b_slot)
+        mbarrier.expect(bar, b_desc.block_type.nbytes)
+        if B_KMAJOR:
+            tma_load(b_desc, [grp, n0, k0], bar, b_slot)
+        else:
+            tma_load(b_desc, [grp, k0, n0], bar, b_slot)
 
 
 @gluon.jit
@@ -199,10 +224,77 @@ def _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om
 
 
 @gluon.jit
+def _store_activated_tile(out_ptr, out_desc, act_ptr, act_desc, out_buf, acc, row0, row_end, n0, N, stride_om,
+                          stride_actm, alpha, limit, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
+                          STORE_H: gl.constexpr, FAST_ACT: gl.constexpr):
+    """The epilogue of a paired tile (``_copy_weight_tile``'s ``PAIRED``): the accumulator's
+    first column half is gate columns ``n0 / 2 ..`` of h, its second the same up columns
+    (``N / 2 + n0 / 2 ..``); it writes ``act(gate, up)`` at columns ``n0 / 2 ..`` of the
+    activation output and, with ``STORE_H``, both halves into h. Each thread holds the
+    gate and up values of the same columns, so the activation needs no data movement.
+    Stores go as ``_store_tile``'s: by TMA through ``out_buf`` (one half tile at a time)
+    where every row is inside the expert, else from registers. ``GATED`` is
+    ``triton_activations.gated``, passed in: a ``tl`` function a kernel names is one the
+    JIT resolves on every compile, and under ``TRITON_INTERPRET=1`` Gluon cannot compile it."""
+    I = N // 2
+    c0 = n0 // 2
+    gate, up = column_halves(acc)
+    # In the output's 16 bits at once: half the registers beside the accumulator's.
+    a = GATED(gate, up, ACT, alpha, limit, FAST_ACT).to(act_ptr.dtype.element_ty)
+    if TMA_STORE:
+        if row0 + acc.shape[0] <= row_end:
+            if STORE_H:
+                store_half_by_tma(out_desc, out_buf, gate, 0, row0, c0, False)
+                store_half_by_tma(out_desc, out_buf, up, 0, row0, I + c0, False)
+            store_half_by_tma(act_desc, out_buf, a, 0, row0, c0, False)
+        else:
+            if STORE_H:
+                _store_rows(out_ptr, gate, row0, row_end, c0, I, stride_om)
+                _store_rows(out_ptr + I, up, row0, row_end, c0, I, stride_om)
+            _store_rows(act_ptr, a, row0, row_end, c0, I, stride_actm)
+    else:
+        if STORE_H:
+            _store_rows(out_ptr, gate, row0, row_end, c0, I, stride_om)
+            _store_rows(out_ptr + I, up, row0, row_end, c0, I, stride_om)
+        _store_rows(act_ptr, a, row0, row_end, c0, I, stride_actm)
+
+
+@gluon.jit
+def _store_output(out_ptr, out_desc, act_ptr, act_desc, out_buf, acc, row0, row_end, n0, N, stride_om, stride_actm,
+                  alpha, limit, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
+                  STORE_H: gl.constexpr, FAST_ACT: gl.constexpr):
+    """A tile's epilogue: ``_store_activated_tile`` where the kernel applies activation
+    ``ACT`` (a gated ``ActivationCode``, computed by ``GATED``) to paired tiles, else
+    ``_store_tile`` (``ACT`` -1, ``GATED`` None)."""
+    if ACT >= 0:
+        _store_activated_tile(out_ptr, out_desc, act_ptr, act_desc, out_buf, acc, row0, row_end, n0, N, stride_om,
+                              stride_actm, alpha, limit, TMA_STORE, GATED, ACT, STORE_H, FAST_ACT)
+    else:
+        _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, TMA_STORE)
+
+
+@gluon.jit
+def _activation_outputs(act_ptr, act_desc, out_ptr, out_desc, ACT: gl.constexpr, TMA_STORE: gl.constexpr):
+    """``(act_ptr, act_desc)`` for a warp-specialised partition, or h's (``out_ptr``,
+    ``out_desc``) as stand-ins where the kernel writes no activation or stores no tile by
+    TMA: a partition's arguments cannot be None."""
+    if ACT >= 0:
+        ptr = act_ptr
+        if TMA_STORE:
+            desc = act_desc
+        else:
+            desc = out_desc
+    else:
+        ptr = out_ptr
+        desc = out_desc
+    return ptr, desc
+
+
+@gluon.jit
 def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, slot, tile_end, n_tiles, k_steps,
-             p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
-             GATHER_A: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             BLOCK_K: gl.constexpr, BAND: gl.constexpr, num_warps: gl.constexpr):
+             p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, N, K, stride_am,
+             GATHER_A: gl.constexpr, B_KMAJOR: gl.constexpr, PAIRED: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, BAND: gl.constexpr, num_warps: gl.constexpr):
     """Starts the copies of step ``p_k`` of tile ``p_tile`` into ring slot ``slot`` and
     moves on to the next step, or to the program's next tile (its schedule and row
     offsets computed now, a step before its first copies need them). Past the last
@@ -213,7 +305,8 @@ def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, sl
         ks = p_k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
         async_load(a_ring.index(slot), a_ptr + p_offs[:, None] + ks[None, :],
                     mask=(rows < p_end)[:, None] & (ks < K)[None, :])
-        _copy_weight_tile(b_desc, bars.index(slot), b_ring.index(slot), p_grp, p_n0, p_k * BLOCK_K, B_KMAJOR)
+        _copy_weight_tile(b_desc, bars.index(slot), b_ring.index(slot), p_grp, p_n0, p_k * BLOCK_K, N, B_KMAJOR,
+                          PAIRED)
         p_k += 1
         if p_k == k_steps:
             p_k = 0
@@ -226,19 +319,22 @@ def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, sl
 
 @gluon.jit
 def _row_gemm_kernel(
-    a_ptr, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc,
+    a_ptr, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc, act_ptr, act_desc,
     LK, E, N, K,
-    stride_am, stride_bias, stride_om,
+    stride_am, stride_bias, stride_om, stride_actm, alpha, limit,
     GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, num_warps: gl.constexpr,
+    NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
+    STORE_H: gl.constexpr, FAST_ACT: gl.constexpr, num_warps: gl.constexpr,
 ):
+    # ACT >= 0: the tiles are paired (gate and up columns, ``_copy_weight_tile``) and the
+    # epilogue writes act(h) to act_ptr, and h itself where STORE_H (``_store_output``).
     # Ring of NUM_STAGES slots: step c in the MMA, step c - 1 possibly still in it (one
     # asynchronous wgmma stays in flight), steps c + 1 .. c + AHEAD landing.
     AHEAD: gl.constexpr = NUM_STAGES - 2
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
-    a_ring, b_ring, bars = copy_tma_ring(dtype, b_desc, NUM_STAGES, BLOCK_M, BLOCK_K)
+    a_ring, b_ring, bars = copy_tma_ring(dtype, b_desc, NUM_STAGES, BLOCK_M, BLOCK_K, 2 if ACT >= 0 else 1)
     out_buf = output_buffer(out_desc, dtype, TMA_STORE)
 
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
@@ -254,8 +350,8 @@ def _row_gemm_kernel(
     for s in gl.static_range(AHEAD):
         p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _produce(
             a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, s, tile_end, n_tiles, k_steps,
-            p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K, stride_am,
-            GATHER_A, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, BAND, num_warps)
+            p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, N, K, stride_am,
+            GATHER_A, B_KMAJOR, ACT >= 0, BLOCK_M, BLOCK_N, BLOCK_K, BAND, num_warps)
         cp.commit_group()
 
     step = 0  # steps consumed by this program: its ring slot and its barrier's phase
@@ -278,14 +374,15 @@ def _row_gemm_kernel(
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _produce(
                     a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, (step + AHEAD) % NUM_STAGES,
-                    tile_end, n_tiles, k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, K,
-                    stride_am, GATHER_A, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, BAND, num_warps)
+                    tile_end, n_tiles, k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, N, K,
+                    stride_am, GATHER_A, B_KMAJOR, ACT >= 0, BLOCK_M, BLOCK_N, BLOCK_K, BAND, num_warps)
                 cp.commit_group()
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if HAS_BIAS:
                 acc = _add_bias(acc, bias)
-        _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, TMA_STORE)
+        _store_output(out_ptr, out_desc, act_ptr, act_desc, out_buf, acc, row0, row_end, n0, N, stride_om,
+                      stride_actm, alpha, limit, TMA_STORE, GATED, ACT, STORE_H, FAST_ACT)
     cp.wait_group(0)
     if TMA_STORE:
         tma.store_wait(0)  # the last copy has read its buffer before the program's shared memory goes
@@ -298,7 +395,8 @@ def _row_gemm_kernel(
 def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, N, K,
                  stride_am, GATHER_A: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr,
-                 COPY_A: gl.constexpr = True, COPY_B: gl.constexpr = True, A_OFFSETS_32: gl.constexpr = False):
+                 COPY_A: gl.constexpr = True, COPY_B: gl.constexpr = True, A_OFFSETS_32: gl.constexpr = False,
+                 PAIRED: gl.constexpr = False):
     """The copy warps: for every step of this program's expert tiles (the schedule of
     ``_row_tile``), wait until the MMA has released the step's ring slot, then start the
     copies of its B tile (``COPY_B``: by TMA) and its A tile (``COPY_A``: by TMA from a 2-D
@@ -306,7 +404,8 @@ def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_re
     stored; or, gathered, by every copy thread's 16-byte cp.async, each thread arriving on
     the slot's ``a_ready`` once its copies have landed). Two partitions may split the
     operands, each waiting on ``empty`` on its own. ``A_OFFSETS_32``: A's element offsets
-    fit in 32 bits (half the registers and instructions per gathered row)."""
+    fit in 32 bits (half the registers and instructions per gathered row). ``PAIRED``: B
+    tiles of gate and up columns (``_copy_weight_tile``)."""
     NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, WARPS)
     step = 0
@@ -330,7 +429,8 @@ def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_re
                 # A fresh barrier has completed no phase: the first pass over the ring waits for nothing.
                 mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
                 if COPY_B:  # first: its latency then runs while A's copies are issued
-                    _copy_weight_tile(b_desc, b_ready.index(slot), b_ring.index(slot), grp, n0, k * BLOCK_K, B_KMAJOR)
+                    _copy_weight_tile(b_desc, b_ready.index(slot), b_ring.index(slot), grp, n0, k * BLOCK_K, N,
+                                      B_KMAJOR, PAIRED)
                 if COPY_A:
                     if GATHER_A:
                         if (k + 1) * BLOCK_K <= K:
@@ -383,12 +483,14 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
 
 
 @gluon.jit
-def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf, LK, E,
-                 N, K, stride_bias, stride_om, GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr,
-                 GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_K: gl.constexpr, num_warps: gl.constexpr, TMA_STORE: gl.constexpr):
+def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, act_ptr, act_desc,
+                 out_buf, LK, E, N, K, stride_bias, stride_om, stride_actm, alpha, limit, GATHER_A: gl.constexpr,
+                 HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, num_warps: gl.constexpr,
+                 TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, STORE_H: gl.constexpr,
+                 FAST_ACT: gl.constexpr):
     """The MMA warpgroups: each tile's steps (``ws_tile_steps``), then the bias and the
-    masked store of the tile's rows inside the expert."""
+    store of the tile's rows inside the expert (``_store_output``)."""
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
                                                   num_warps)
@@ -403,20 +505,22 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
                                       BLOCK_N, BLOCK_K)
             if HAS_BIAS:
                 acc = _add_bias(acc, bias)
-        _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, TMA_STORE)
+        _store_output(out_ptr, out_desc, act_ptr, act_desc, out_buf, acc, row0, row_end, n0, N, stride_om,
+                      stride_actm, alpha, limit, TMA_STORE, GATED, ACT, STORE_H, FAST_ACT)
     if TMA_STORE:
         tma.store_wait(0)
 
 
 @gluon.jit
 def _row_gemm_ws_kernel(
-    a_src, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc,
+    a_src, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc, act_ptr, act_desc,
     LK, E, N, K,
-    stride_am, stride_bias, stride_om,
+    stride_am, stride_bias, stride_om, stride_actm, alpha, limit,
     GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    A_OFFSETS_32: gl.constexpr, TMA_STORE: gl.constexpr, num_warps: gl.constexpr,
+    A_OFFSETS_32: gl.constexpr, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
+    STORE_H: gl.constexpr, FAST_ACT: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``_row_gemm_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the A and B
     tiles into the ring (``a_src`` a TMA descriptor of A, or A's pointer when its rows are
@@ -426,23 +530,26 @@ def _row_gemm_ws_kernel(
     dtype: gl.constexpr = out_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_layout)
-    b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    b_ring = gl.allocate_shared_memory(
+        dtype, [NUM_STAGES] + tma_slot_shape(b_desc.block_type.shape, 2 if ACT >= 0 else 1), b_desc.layout)
     a_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     b_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     out_desc, out_buf = partition_output(out_desc, dtype, TMA_STORE, b_desc, b_ring)
+    act_ptr, act_desc = _activation_outputs(act_ptr, act_desc, out_ptr, out_desc, ACT, TMA_STORE)
     for s in gl.static_range(NUM_STAGES):
         # Gathered, every copy thread arrives on a_ready once its cp.async copies land.
         mbarrier.init(a_ready.index(s), count=PRODUCER_WARPS * 32 if GATHER_A else 1)
         mbarrier.init(b_ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
-        (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf,
-                        LK, E, N, K, stride_bias, stride_om, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M,
-                        BLOCK_N, BLOCK_K, num_warps, TMA_STORE)),
+        (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, act_ptr,
+                        act_desc, out_buf, LK, E, N, K, stride_bias, stride_om, stride_actm, alpha, limit, GATHER_A,
+                        HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, TMA_STORE, GATED,
+                        ACT, STORE_H, FAST_ACT)),
         (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E,
                         N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K,
-                        PRODUCER_WARPS, True, True, A_OFFSETS_32)),
+                        PRODUCER_WARPS, True, True, A_OFFSETS_32, ACT >= 0)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -474,32 +581,64 @@ def applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, transposed: boo
             and a.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0)
 
 
+def applies_gated_epilogue(a: torch.Tensor, b: torch.Tensor, bias, act_out: torch.Tensor, transposed: bool,
+                           activation: int, interleaved: bool, tile: GemmTile = TILE) -> bool:
+    """Whether ``launch_row_gemm`` takes a ``GatedEpilogue`` for these operands: where it
+    takes the GEMM (``applies``, with h [L*K, 2I] as the output) and the activation is
+    gated, the layout concatenated, K the weights' contiguous dimension (two half boxes
+    a tile), no bias, and I a multiple of half a tile (a paired tile never reaches the
+    other half's columns)."""
+    _, N, _ = linear_dims(b, transposed)
+    # (``applies`` checks the output's dtype, strides and alignment on act_out: h is made
+    # contiguous by the caller.)
+    return (activation < int(acts.NUM_GATED) and not interleaved and bias is None and N % tile.block_n == 0
+            and act_out.shape[1] * 2 == N and _weight_view(b, transposed)[1] and applies(a, b, act_out, transposed))
+
+
 def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmTile = TILE,
-                    warp_specialize: bool = True, band: Optional[int] = None, tma_store: bool = True):
+                    warp_specialize: bool = True, band: Optional[int] = None, tma_store: bool = True,
+                    epilogue: Optional[GatedEpilogue] = None):
     """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) over every routed row, B an expert
     weight stack in ``transposed`` layout (``layouts``), as
     ``triton_experts.launch_gathered_gemm``; ``tile`` is (M, N, K block, warps, stages)
     with M = 16 * warps; ``warp_specialize`` picks ``_row_gemm_ws_kernel``; ``band`` is the
     tile order's band of m-tiles (``grouped_gemm.banded``), ``settings.row_band`` by
     default; ``tma_store``: tiles whose rows are all inside their expert are stored by TMA
-    (``_store_tile``)."""
+    (``_store_tile``). ``epilogue`` (where ``applies_gated_epilogue``): the activation
+    of h = out is written to ``epilogue.act_out`` too, and h itself only where ``out`` is
+    not None."""
     band = settings.current().row_band if band is None else band
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
         raise ValueError(f"moeblaze gluon row GEMM: block_m must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")
-    LK, N = out.shape
-    E, _, K = linear_dims(b, transposed)
-    if out.numel() == 0:
+    E, N, K = linear_dims(b, transposed)
+    LK = (out if out is not None else epilogue.act_out).shape[0]
+    if LK * N == 0:
         return
     view, kmajor = _weight_view(b, transposed)
-    block = [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n]
+    # A paired tile's weights come as two boxes of half its columns (``_copy_weight_tile``).
+    box_n = tile.block_n // 2 if epilogue is not None else tile.block_n
+    block = [1, box_n, tile.block_k] if kmajor else [1, tile.block_k, box_n]
     b_desc = host_descriptor(view, block)
     max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(N, tile.block_n)
     grid = (gg.num_programs(a.device, max_tiles),)
-    out_desc = host_descriptor(out.unsqueeze(0), [1, tile.block_m, tile.block_n // 2]) if tma_store else None
+    half_box = [1, tile.block_m, tile.block_n // 2]
+    store_h = out is not None
+    act_out = epilogue.act_out if epilogue is not None else None
+    out_desc = host_descriptor(out.unsqueeze(0), half_box) if tma_store and store_h else None
+    act_desc = host_descriptor(act_out.unsqueeze(0), half_box) if tma_store and act_out is not None else None
+    if not store_h:  # h's stand-ins, never written
+        out, out_desc = act_out, act_desc
+    act_args = (act_out, act_desc) if act_out is not None else (None, None)
+    act_scalars = ((act_out.stride(0), float(epilogue.alpha), float(epilogue.limit)) if epilogue is not None
+                   else (0, 0.0, 0.0))
     common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=gg.next_power_of_2(E + 1), BAND=band,
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
-                  TMA_STORE=tma_store, num_warps=tile.num_warps)
+                  TMA_STORE=tma_store, GATED=acts.gated if epilogue is not None else None,
+                  ACT=int(epilogue.activation) if epilogue is not None else -1,
+                  STORE_H=store_h, FAST_ACT=bool(epilogue.fast) if epilogue is not None else False,
+                  num_warps=tile.num_warps)
+    strides = (a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0))
     if warp_specialize:
         gather = a_row_ids is not None
         if gather:
@@ -510,13 +649,11 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
         warps, regs = PRODUCER_GATHER if gather else PRODUCER_TMA
         launch(
             _row_gemm_ws_kernel, grid,
-            a_src, b_desc, bias, a_row_ids, offsets, out, out_desc, LK, E, N, K,
-            a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0),
+            a_src, b_desc, bias, a_row_ids, offsets, out, out_desc, *act_args, LK, E, N, K, *strides, *act_scalars,
             GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=a.numel() < 2**31, **common)
         return
     launch(
         _row_gemm_kernel, grid,
-        a, b_desc, bias, a_row_ids, offsets, out, out_desc, LK, E, N, K,
-        a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0),
+        a, b_desc, bias, a_row_ids, offsets, out, out_desc, *act_args, LK, E, N, K, *strides, *act_scalars,
         GATHER_A=a_row_ids is not None, **common,
     )
