@@ -3,7 +3,12 @@ through the Gluon kernels (the warp-specialised one and the other, each with til
 from registers or by TMA) and the portable ``tl`` kernel on the same inputs, and checks
 they agree with ``tl``.
 
-    python3 scripts/compare_row_gemm.py [--configs olmoe mixtral] [--kinds up down dx]
+``up_act`` times the up projection and its SwiGLU together: the Gluon GEMM then the
+activation pass (what the layer runs), against the GEMM with the activation in its
+epilogue (``gluon_row_gemm.GatedEpilogue``), keeping h (training) or not (inference);
+the differences are to the first's h and act(h).
+
+    python3 scripts/compare_row_gemm.py [--configs olmoe mixtral] [--kinds up down dx up_act]
 """
 
 import argparse
@@ -13,6 +18,7 @@ import torch
 import triton.testing
 
 from moeblaze_ops import settings
+from moeblaze_ops.activations import ActivationCode
 from moeblaze_ops.bench.configs import CONFIGS, make_inputs
 from moeblaze_ops.kernels import gluon_row_gemm, triton_experts
 from moeblaze_ops.testing import rel_err
@@ -21,7 +27,7 @@ from moeblaze_ops.testing import rel_err
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="*", default=["olmoe", "mixtral"], choices=sorted(CONFIGS))
-    parser.add_argument("--kinds", nargs="*", default=["up", "down", "dx"], choices=["up", "down", "dx"])
+    parser.add_argument("--kinds", nargs="*", default=["up", "down", "dx"], choices=["up", "down", "dx", "up_act"])
     args = parser.parse_args()
     print("| config | GEMM | kernel | ms | TFLOP/s | rel diff to tl |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -59,6 +65,42 @@ def main():
                 reference = out.double() if reference is None else reference
                 print(f"| {name} | {kind} | {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | "
                       f"{rel_err(out, reference):.1e} |")
+        if "up_act" in args.kinds:
+            _up_and_activation(name, x, eti, offsets, w_gate_up, I)
+
+
+def _up_and_activation(name, x, eti, offsets, w_gate_up, I):
+    """The ``up_act`` rows: the up GEMM and SwiGLU, as two kernels or as one."""
+    LK = eti.shape[0]
+    swiglu = int(ActivationCode.SWIGLU)
+    ws = settings.current().from_rows("gluon_warp_specialize", "up", LK, w_gate_up.shape[0])
+
+    def separate(h, a):
+        gluon_row_gemm.launch_row_gemm(x, eti, w_gate_up, None, offsets, h, False, warp_specialize=ws)
+        triton_experts.launch_activation(h, a, swiglu, False, 0.0, 0.0, True)
+
+    def fused(keep_h, warp_specialize):
+        epilogue = lambda a: gluon_row_gemm.GatedEpilogue(a, swiglu, 0.0, 0.0, True)  # noqa: E731
+        return lambda h, a: gluon_row_gemm.launch_row_gemm(x, eti, w_gate_up, None, offsets, h if keep_h else None,
+                                                           False, warp_specialize=warp_specialize,
+                                                           epilogue=epilogue(a))
+
+    a_probe = torch.empty(LK, I, device="cuda", dtype=x.dtype)
+    if not gluon_row_gemm.applies_gated_epilogue(x, w_gate_up, None, a_probe, False, swiglu, False):
+        print(f"| {name} | up_act | (the epilogue does not apply here) | | | |")
+        return
+    flops = 2 * LK * 2 * I * x.shape[1]
+    h_ref = a_ref = None
+    for label, run in {f"gluon{'_ws' if ws else ''} + activation pass": separate,
+                       "epilogue, h kept": fused(True, ws), "epilogue, act only": fused(False, ws),
+                       f"epilogue ({'not ' if ws else ''}warp-specialised), h kept": fused(True, not ws)}.items():
+        h = torch.full((LK, 2 * I), float("nan"), device="cuda", dtype=x.dtype)
+        a = torch.full((LK, I), float("nan"), device="cuda", dtype=x.dtype)
+        ms = triton.testing.do_bench(lambda: run(h, a), warmup=10, rep=50)
+        if h_ref is None:
+            h_ref, a_ref = h.double(), a.double()
+        diff = f"a {rel_err(a, a_ref):.1e}" + (f", h {rel_err(h, h_ref):.1e}" if "act only" not in label else "")
+        print(f"| {name} | up_act | {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | {diff} |")
 
 if __name__ == "__main__":
     main()

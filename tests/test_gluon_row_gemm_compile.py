@@ -310,3 +310,60 @@ def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
     assert ring <= compiled["shared"] <= MAX_SHARED
     assert _spill_bytes(ptx, tmp_path) == 0
+
+
+@pytest.mark.parametrize("warp_specialize", [True, False], ids=["warp_specialized", "pipelined"])
+@pytest.mark.parametrize("keep_h,tma_store", [(True, True), (False, True), (True, False)])
+def test_gated_epilogue_launch_arguments(warp_specialize, keep_h, tma_store, monkeypatch):
+    """What ``launch_row_gemm`` hands the kernel for a ``GatedEpilogue``, by the kernel's own
+    argument names: weight boxes of half a tile (two per paired tile), N the 2I columns of
+    h, the activation's output, its code and function, h or, when it is not kept, the
+    activation's output standing in for it (never written). The launch is recorded, not
+    run (no GPU)."""
+    pytest.importorskip("triton.experimental.gluon")
+    import torch
+
+    from moeblaze_ops.activations import ActivationCode
+    from moeblaze_ops.kernels import gluon_row_gemm, triton_activations
+
+    launches = []
+    monkeypatch.setattr(gluon_row_gemm, "launch", lambda kernel, grid, *args, **kwargs: launches.append(
+        (kernel, args, kwargs)))
+    # A descriptor stands for (the described tensor's last dimension, the box).
+    monkeypatch.setattr(gluon_row_gemm, "host_descriptor", lambda t, block: ("descriptor", t.shape[-1], tuple(block)))
+    LK, d, I, E = 96, 256, 384, 4
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    x, w = torch.empty(50, d, **meta), torch.empty(E, 2 * I, d, **meta)
+    ids, offsets = torch.empty(LK, dtype=torch.int32, device="meta"), torch.empty(E + 1, dtype=torch.int32,
+                                                                                device="meta")
+    h, a = torch.empty(LK, 2 * I, **meta) if keep_h else None, torch.empty(LK, I, **meta)
+    epilogue = gluon_row_gemm.GatedEpilogue(a, int(ActivationCode.CLAMPED_SWIGLU), 1.702, 7.0, fast=True)
+    gluon_row_gemm.launch_row_gemm(x, ids, w, None, offsets, h, False, warp_specialize=warp_specialize,
+                                   tma_store=tma_store, epilogue=epilogue)
+
+    (kernel, args, kwargs), = launches
+    assert kernel is (gluon_row_gemm._row_gemm_ws_kernel if warp_specialize else gluon_row_gemm._row_gemm_kernel)
+    bound = dict(zip(kernel.arg_names, args), **kwargs)
+    assert set(kernel.arg_names) <= set(bound) and not set(kernel.arg_names[:len(args)]) & set(kwargs)
+    tile = gluon_row_gemm.TILE
+    assert bound["b_desc"] == ("descriptor", d, (1, tile.block_n // 2, tile.block_k))
+    assert (bound["N"], bound["K"], bound["LK"], bound["E"]) == (2 * I, d, LK, E)
+    assert bound["act_ptr"] is a and bound["stride_actm"] == I
+    assert (bound["alpha"], bound["limit"]) == (1.702, 7.0)
+    assert bound["ACT"] == int(ActivationCode.CLAMPED_SWIGLU) and bound["GATED"] is triton_activations.gated
+    assert bound["STORE_H"] is keep_h and bound["FAST_ACT"] is True and bound["TMA_STORE"] is tma_store
+    assert bound["out_ptr"] is (h if keep_h else a)
+    half_box = (1, tile.block_m, tile.block_n // 2)
+    if tma_store:
+        assert bound["act_desc"] == ("descriptor", I, half_box)
+        assert bound["out_desc"] == ("descriptor", 2 * I if keep_h else I, half_box)
+    else:
+        assert bound["act_desc"] is None and bound["out_desc"] is None
+    # Without an epilogue the same launcher runs the plain GEMM: whole boxes, no activation.
+    launches.clear()
+    gluon_row_gemm.launch_row_gemm(x, ids, w, None, offsets, torch.empty(LK, 2 * I, **meta), False,
+                                   warp_specialize=warp_specialize, tma_store=tma_store)
+    (_, args, kwargs), = launches
+    bound = dict(zip(kernel.arg_names, args), **kwargs)
+    assert bound["b_desc"] == ("descriptor", d, (1, tile.block_n, tile.block_k))
+    assert bound["ACT"] == -1 and bound["GATED"] is None and bound["act_ptr"] is None

@@ -154,6 +154,19 @@ def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
     )
 
 
+def launch_activation(h, a, act, interleaved, alpha, limit, fast):
+    """a = act(h) for every routed row (``_activation_kernel``): the activation pass, the
+    down GEMM's A operand written once. ``act`` is an ``ActivationCode``."""
+    LK, I = a.shape
+    if LK == 0:
+        return
+    BLOCK_M, BLOCK_K = ACTIVATION_TILE if h.is_cuda else (16, 16)
+    launch(
+        _activation_kernel, (gg.cdiv(LK, BLOCK_M), gg.cdiv(I, BLOCK_K)),
+        h, a, LK, I, float(alpha), float(limit), h.stride(0), a.stride(0), ACT=int(act),
+        INTERLEAVED=interleaved, FAST_ACT=fast, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+
+
 def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed):
     _, N, _ = linear_dims(w_gate_up, transposed)
     h = gg.empty(expert_token_indices.shape[0], N, dtype=x.dtype, device=x.device)
@@ -177,12 +190,7 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
     if use_pass:
         # act(h) written once, then a plain grouped GEMM whose operands all come from memory.
         a = gg.empty(LK, I, dtype=h.dtype, device=h.device)
-        if LK > 0:
-            BLOCK_M, BLOCK_K = ACTIVATION_TILE if h.is_cuda else (16, 16)
-            launch(
-                _activation_kernel, (gg.cdiv(LK, BLOCK_M), gg.cdiv(I, BLOCK_K)),
-                h, a, LK, I, float(alpha), float(limit), h.stride(0), a.stride(0), ACT=int(act),
-                INTERLEAVED=interleaved, FAST_ACT=fast, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+        launch_activation(h, a, act, interleaved, alpha, limit, fast)
     else:
         tile = gg.tile_config("down", h)
         h_src, h_tma = gg.h_operand(h, act, interleaved, I, tile.block_m, tile.block_k)
