@@ -26,6 +26,8 @@
 # where Nsight Compute reads the counters, writes each kernel's stall reasons to $OUT/ncu.txt.
 # DH=1 times dH on the tl kernel and the ping-pong Gluon one (scripts/tune_backward.py
 # --dh-gluon) and, where ncu reads the counters, writes both kernels' stall reasons to $OUT/ncu.txt.
+# GATED_EPILOGUE=1 runs the up projection's activation-in-the-epilogue tests and times it
+# against the GEMM and the activation pass (scripts/compare_row_gemm.py --kinds up_act).
 # PEER_SITE=<dir> passes --peer-site <dir> to the benchmark (a peer such as SonicMoE installed
 # there with pip --target: its rows join the tables).
 # SONICMOE=1, in the call right after `bash scripts/sonicmoe_peer.sh stash` and carrying
@@ -133,6 +135,13 @@ if [ "${GLUON_WS:-0}" = 1 ]; then
     --skip hf_eager hf_grouped_mm moeblaze_compiled moeblaze_recompute moeblaze_recompute_compiled sonicmoe \
     --set "gluon={'wgrad_down','wgrad_up','up','down','dx'}" \
     --set "gluon_warp_specialize={'wgrad_down','wgrad_up','up','down','dx'}" --configs olmoe mixtral \
+    2>>"$LOG" | tee -a "$LOG"
+fi
+if [ "${GATED_EPILOGUE:-0}" = 1 ]; then
+  echo "== the up GEMM with SwiGLU in its epilogue: tests, then against the GEMM and the activation pass" | tee -a "$LOG"
+  python3 -m pytest -q -m gpu tests/test_gpu_gluon_row_gemm.py -k gated_epilogue -p no:cacheprovider 2>&1 \
+    | tail -3 | tee -a "$LOG"
+  python3 scripts/compare_row_gemm.py --kinds up_act --configs olmoe qwen3_a3b conf4 mixtral deepseek_v3 \
     2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${WGRAD:-0}" = 1 ]; then

@@ -1,6 +1,7 @@
 """The Gluon row GEMM (``kernels.gluon_row_gemm``) on the GPU: every routed row against a float64
 reference, over ragged, empty and sentinel-only experts, both weight layouts, gather and
-bias or not, each kernel variant (``KERNELS``), and column slabs (strided views)."""
+bias or not, each kernel variant (``KERNELS``), column slabs (strided views), and the
+gated activation in the epilogue (``GatedEpilogue``)."""
 
 import pytest
 import torch
