@@ -23,6 +23,10 @@ TMA (``settings.row_tma_store``): the copy runs on while the warps start the nex
 where stores from registers would hold them up. A tile that ends past its expert's rows
 is stored from registers, masked: a TMA copy cannot stop at an expert's last row.
 
+With a ``GatedEpilogue`` (the up projection) each tile pairs gate columns with the same
+up columns, and the epilogue writes act(h) beside h, or instead of it
+(``_store_activated_tile``).
+
 Applies to 16-bit CUDA tensors on capability 9 whose K, N and row strides are multiples of
 16 elements (the 16-byte copies must not straddle a mask edge) and whose weight TMA can
 read (one of K, N contiguous, the other strides 16-byte aligned); everything else takes
@@ -248,15 +252,20 @@ def _store_activated_tile(out_ptr, out_desc, act_ptr, act_desc, out_buf, acc, ro
                 store_half_by_tma(out_desc, out_buf, up, 0, row0, I + c0, False)
             store_half_by_tma(act_desc, out_buf, a, 0, row0, c0, False)
         else:
-            if STORE_H:
-                _store_rows(out_ptr, gate, row0, row_end, c0, I, stride_om)
-                _store_rows(out_ptr + I, up, row0, row_end, c0, I, stride_om)
-            _store_rows(act_ptr, a, row0, row_end, c0, I, stride_actm)
+            _store_activated_rows(out_ptr, act_ptr, gate, up, a, row0, row_end, c0, I, stride_om, stride_actm, STORE_H)
     else:
-        if STORE_H:
-            _store_rows(out_ptr, gate, row0, row_end, c0, I, stride_om)
-            _store_rows(out_ptr + I, up, row0, row_end, c0, I, stride_om)
-        _store_rows(act_ptr, a, row0, row_end, c0, I, stride_actm)
+        _store_activated_rows(out_ptr, act_ptr, gate, up, a, row0, row_end, c0, I, stride_om, stride_actm, STORE_H)
+
+
+@gluon.jit
+def _store_activated_rows(out_ptr, act_ptr, gate, up, a, row0, row_end, c0, I, stride_om, stride_actm,
+                          STORE_H: gl.constexpr):
+    """``_store_activated_tile``'s stores from registers (``_store_rows``): the rows inside
+    the expert, of the activation and, with ``STORE_H``, of h's gate and up columns."""
+    if STORE_H:
+        _store_rows(out_ptr, gate, row0, row_end, c0, I, stride_om)
+        _store_rows(out_ptr + I, up, row0, row_end, c0, I, stride_om)
+    _store_rows(act_ptr, a, row0, row_end, c0, I, stride_actm)
 
 
 @gluon.jit
@@ -611,6 +620,8 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
         raise ValueError(f"moeblaze gluon row GEMM: block_m must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")
+    if out is None and epilogue is None:
+        raise ValueError("moeblaze gluon row GEMM: out may be None only with an epilogue that writes act(h)")
     E, N, K = linear_dims(b, transposed)
     LK = (out if out is not None else epilogue.act_out).shape[0]
     if LK * N == 0:
@@ -629,7 +640,7 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     act_desc = host_descriptor(act_out.unsqueeze(0), half_box) if tma_store and act_out is not None else None
     if not store_h:  # h's stand-ins, never written
         out, out_desc = act_out, act_desc
-    act_args = (act_out, act_desc) if act_out is not None else (None, None)
+    act_args = (act_out, act_desc)
     act_scalars = ((act_out.stride(0), float(epilogue.alpha), float(epilogue.limit)) if epilogue is not None
                    else (0, 0.0, 0.0))
     common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=gg.next_power_of_2(E + 1), BAND=band,
