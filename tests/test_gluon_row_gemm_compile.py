@@ -149,6 +149,24 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
     _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path)
 
 
+def _compile_in_subprocess(script, args, tmp_path):
+    """``{"ptx", "shared"}`` of the kernel that ``script`` compiles from JSON ``args`` (plus
+    the output file's path) in a Python without ``TRITON_INTERPRET``; skips where the
+    Triton wheel has no ptxas (the script exits with 3)."""
+    import json
+    import os
+    import sys
+
+    out = tmp_path / "kernel.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script, json.dumps([*args, str(out)]), os.path.dirname(__file__)],
+                            env=env, capture_output=True, text=True)
+    if result.returncode == 3:
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 #: Compiles the ping-pong dH in a subprocess: it calls ``tl`` functions (the activation's
 #: backward, the combine weights), which under ``TRITON_INTERPRET=1`` (set for this test
 #: session) are interpreter functions that Gluon's compiler does not take.
@@ -197,20 +215,9 @@ def test_pingpong_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
     stages and the weights within the block's shared memory, and (almost) no spills: the
     epilogue over a whole 128 x 128 tile per warpgroup spilled kilobytes before it was
     staged through shared memory in chunks."""
-    import json
-    import os
-    import sys
-
     from moeblaze_ops.kernels import gluon_dh
 
-    out = tmp_path / "kernel.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _PINGPONG_SCRIPT, json.dumps([dtype, k_contiguous, act, str(out)]),
-                             os.path.dirname(__file__)], env=env, capture_output=True, text=True)
-    if result.returncode == 3:
-        pytest.skip(result.stdout.strip())
-    assert result.returncode == 0, result.stderr[-3000:]
-    compiled = json.loads(out.read_text())
+    compiled = _compile_in_subprocess(_PINGPONG_SCRIPT, [dtype, k_contiguous, act], tmp_path)
     ptx = compiled["ptx"]
     tile, (_, regs) = gluon_dh.TILE, gluon_dh.PRODUCER
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
@@ -281,21 +288,9 @@ def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize
     up columns), one wgmma over both, and per tile h's two halves (where stored) and the
     activation, by TMA or from registers, with no spills: the activation goes to 16 bits
     at once beside the accumulator."""
-    import json
-    import os
-    import sys
-
     from moeblaze_ops.kernels import gluon_row_gemm
 
-    out = tmp_path / "kernel.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _ACTIVATED_SCRIPT,
-                             json.dumps([dtype, warp_specialize, tma_store, store_h, act, str(out)]),
-                             os.path.dirname(__file__)], env=env, capture_output=True, text=True)
-    if result.returncode == 3:
-        pytest.skip(result.stdout.strip())
-    assert result.returncode == 0, result.stderr[-3000:]
-    compiled = json.loads(out.read_text())
+    compiled = _compile_in_subprocess(_ACTIVATED_SCRIPT, [dtype, warp_specialize, tma_store, store_h, act], tmp_path)
     ptx = compiled["ptx"]
     tile = gluon_row_gemm.TILE
     loads = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
