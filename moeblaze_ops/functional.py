@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .activations import clamped_swiglu_defaults
+from . import settings
+from .activations import clamped_swiglu_defaults, is_gated
 from .checks import check_moe_experts
 from .kernels import backward_backend, forward_backend
 
@@ -122,9 +123,14 @@ def moe_experts(
         h = calls.up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
         out = calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)
     else:
-        h = _UpNode.apply(x2, w_gate_up, b_gate_up, eti, offsets, tim, transposed, calls)
-        out = _DownNode.apply(h, w_down, b_down, tw, eti, offsets, tim, args, calls,
-                              (x2, w_gate_up, b_gate_up) if overwrite_h else None)
+        up = (x2, w_gate_up, b_gate_up) if overwrite_h else None
+        if calls is _KERNEL_CALLS and is_gated(activation) and settings.current().up_epilogue_activation:
+            # act(h) from the up projection (its GEMM's epilogue, on Hopper), not a pass.
+            h, a = _UpNode.apply(x2, w_gate_up, b_gate_up, eti, offsets, tim, transposed, calls, args)
+            out = _DownNode.apply(h, w_down, b_down, tw, eti, offsets, tim, args, calls, up, a)
+        else:
+            h = _UpNode.apply(x2, w_gate_up, b_gate_up, eti, offsets, tim, transposed, calls)
+            out = _DownNode.apply(h, w_down, b_down, tw, eti, offsets, tim, args, calls, up)
     return out.reshape(*lead, d)
 
 
@@ -195,9 +201,18 @@ class _KernelCalls:
             return forward_backend(x).expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
 
     @staticmethod
-    def down(h, w_down, eti, offsets, tim, tw, b_down, args):
+    def up_activated(x, w_gate_up, eti, offsets, tim, b_gate_up, args):
+        """``(h, act(h))`` (``settings.up_epilogue_activation``; ``args`` as ``down``'s)."""
+        activation, transposed, interleaved, alpha, limit = args
+        with _profiled("moeblaze::expert_up"):
+            return forward_backend(x).expert_up_activated(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed,
+                                                          activation, interleaved, alpha, limit)
+
+    @staticmethod
+    def down(h, w_down, eti, offsets, tim, tw, b_down, args, activated=None):
         with _profiled("moeblaze::expert_down"):
-            return forward_backend(h).expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
+            return forward_backend(h).expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args,
+                                                  activated=activated)
 
     @staticmethod
     def down_backward(grad_out, h, w_down, eti, offsets, tim, tw, b_down, args, need_w, in_place):
@@ -248,21 +263,27 @@ def _backward_calls(ctx):
 class _UpNode(torch.autograd.Function):
     """``expert_up`` in eager autograd, through ``calls``. Its own node, apart from the
     down projection's: the down weight gradients are accumulated before its backward
-    allocates the up projection's."""
+    allocates the up projection's. Given ``activation_args`` (``down``'s ``args``;
+    ``settings.up_epilogue_activation``) it returns ``(h, act(h))``, act(h) for the down
+    projection's forward alone: no gradient flows through it (backward works from h)."""
 
     @staticmethod
-    def forward(ctx, x, w_gate_up, b_gate_up, eti, offsets, tim, transposed, calls):
+    def forward(ctx, x, w_gate_up, b_gate_up, eti, offsets, tim, transposed, calls, activation_args=None):
         ctx.save_for_backward(x, w_gate_up, eti, offsets, tim)
         ctx.has_bias, ctx.transposed, ctx.calls = b_gate_up is not None, transposed, calls
-        return calls.up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+        if activation_args is None:
+            return calls.up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+        h, a = calls.up_activated(x, w_gate_up, eti, offsets, tim, b_gate_up, activation_args)
+        ctx.mark_non_differentiable(a)
+        return h, a
 
     @staticmethod
-    def backward(ctx, grad_h):
+    def backward(ctx, grad_h, *unused):
         x, w_gate_up, eti, offsets, tim = ctx.saved_tensors
         need = ctx.needs_input_grad  # x, w_gate_up, b_gate_up, ...
         grads = _up_backward(_backward_calls(ctx), grad_h, x, w_gate_up, eti, offsets, tim, ctx.has_bias,
                              ctx.transposed, need[0], need[1], need[2])
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 class _DownNode(torch.autograd.Function):
@@ -276,10 +297,12 @@ class _DownNode(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, w_down, b_down, tw, eti, offsets, tim, args, calls, up):
+    def forward(ctx, h, w_down, b_down, tw, eti, offsets, tim, args, calls, up, activated=None):
         ctx.save_for_backward(h, w_down, b_down, tw, eti, offsets, tim)
         ctx.args, ctx.calls, ctx.up, ctx.overwritten = args, calls, up, False
-        return calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)
+        if activated is None:
+            return calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)
+        return calls.down(h, w_down, eti, offsets, tim, tw, b_down, args, activated)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -303,7 +326,7 @@ class _DownNode(torch.autograd.Function):
                                                                       b_down, ctx.args, need_w, True)
             ctx.overwritten = True
         return (grad_h if need[0] else None, grad_w if need[1] else None, grad_b if has_b and need[2] else None,
-                grad_tw if need[3] else None, None, None, None, None, None, None)
+                grad_tw if need[3] else None, None, None, None, None, None, None, None)
 
 
 class _RecomputedLayer(torch.autograd.Function):

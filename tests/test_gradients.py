@@ -292,3 +292,48 @@ def test_meta_and_fake_tensors_take_the_op_route(kind, seed):
     assert out.shape == layer["x"].shape and out.device.type == ("meta" if kind == "meta" else "cpu")
     for k in _grad_inputs(layer):
         assert inputs[k].grad is not None and inputs[k].grad.shape == layer[k].shape, k
+
+
+@pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
+                                               ("silu", "concatenated")])
+def test_up_epilogue_activation_route(activation, layout, seed, monkeypatch):
+    """``settings.up_epilogue_activation``: plain eager tensors of a gated layer get act(h)
+    from the up projection and hand it to the down projection, which then activates
+    nothing itself; output and every gradient (backward works from h) bit for bit as
+    without it. Non-gated layers and the op route keep the down projection's activation."""
+    import dataclasses
+
+    from moeblaze_ops import kernels, settings
+
+    seen = []
+
+    def spied(name, fn):
+        def call(*args, **kwargs):
+            seen.append((name, kwargs.get("activated") is not None))
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(kernels, "TORCH", dataclasses.replace(
+        kernels.TORCH, expert_up=spied("up", kernels.TORCH.expert_up),
+        expert_up_activated=spied("up_activated", kernels.TORCH.expert_up_activated),
+        expert_down=spied("down", kernels.TORCH.expert_down)))
+    layer = make_layer(41, 8, 4, 5, 3, dtype=torch.float32, routing="skewed", bias=True, seed=seed,
+                       activation=activation, layout=layout)
+    names = _grad_inputs(layer)
+    g = torch.randn(41, 8, generator=torch.Generator().manual_seed(seed + 1))
+    runs = []
+    for fused in (False, True):
+        inputs = {k: (v.clone().requires_grad_(True) if k in names else v) for k, v in layer.items()}
+        seen.clear()
+        with settings.override(up_epilogue_activation=fused):
+            out = moe_experts(**inputs)
+            grads = torch.autograd.grad(out, [inputs[k] for k in names], g)
+        runs.append((out, *grads))
+        takes = fused and is_gated(activation)
+        assert seen == ([("up_activated", False), ("down", True)] if takes else [("up", False), ("down", False)])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    with settings.override(up_epilogue_activation=True), _SeesOps():  # the op route
+        seen.clear()
+        moe_experts(**layer)
+        assert ("up_activated", False) not in seen

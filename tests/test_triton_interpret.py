@@ -39,6 +39,18 @@ def test_forward_kernels(activation, layout, activation_pass, seed):
                       layout=layout, bias=layout != "concatenated")
 
 
+@pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved")])
+def test_up_epilogue_activation(activation, layout, seed):
+    """``settings.up_epilogue_activation`` on the Triton backend (the up GEMM then the
+    activation pass, inside the up projection, where no Gluon kernel runs): forward and
+    every gradient against the reference."""
+    with settings.override(up_epilogue_activation=True):
+        check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, activation=activation,
+                      layout=layout, bias=layout != "concatenated")
+        check_backward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, activation=activation,
+                       layout=layout, bias=layout != "concatenated")
+
+
 @pytest.mark.parametrize(
     "L,E,K,routing,sentinel_frac",
     [(1, 4, 2, "uniform", 0.0), (30, 4, 1, "first", 0.0), (30, 5, 2, "no_last", 0.0), (30, 4, 2, "skewed", 0.3),

@@ -36,6 +36,9 @@ class Backend:
     name: str
     dispatch: Callable
     expert_up: Callable
+    #: ``expert_up`` that also returns act(h) (``settings.up_epilogue_activation``), for
+    #: ``expert_down``'s ``activated``.
+    expert_up_activated: Callable
     expert_down: Callable
     expert_up_backward: Callable
     expert_down_backward: Callable
@@ -52,6 +55,7 @@ TORCH = Backend(
     name="torch",
     dispatch=torch_dispatch.dispatch,
     expert_up=torch_experts.expert_up,
+    expert_up_activated=torch_experts.expert_up_activated,
     expert_down=torch_experts.expert_down,
     expert_up_backward=torch_experts.expert_up_backward,
     expert_down_backward=torch_experts.expert_down_backward,
@@ -95,6 +99,7 @@ def triton_backend() -> Backend:
         name="triton",
         dispatch=triton_dispatch.dispatch_checked,
         expert_up=triton_experts.expert_up,
+        expert_up_activated=triton_experts.expert_up_activated,
         expert_down=triton_experts.expert_down,
         expert_up_backward=triton_experts_backward.expert_up_backward,
         expert_down_backward=triton_experts_backward.expert_down_backward,

@@ -85,13 +85,25 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
     return h
 
 
+def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed,
+                        activation, interleaved, alpha, limit):
+    """``(h, act(h))``: ``expert_up`` and the activation of its rows, in h's dtype."""
+    h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
+    a = activation_forward(h.to(_acc_dtype(h.dtype)), activation, alpha, limit, interleaved).to(h.dtype)
+    return h, a
+
+
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
-                b_down, activation, transposed, interleaved, alpha, limit):
+                b_down, activation, transposed, interleaved, alpha, limit, activated=None):
+    """``activated``: act(h), which the caller made already (``expert_up_activated``)."""
     acc = _acc_dtype(h.dtype)
     _, d, _ = linear_dims(w_down, transposed)
     y = torch.zeros(h.shape[0], d, dtype=acc, device=h.device)
     for e, s, t in _expert_ranges(expert_offsets):
-        a = activation_forward(h[s:t].to(acc), activation, alpha, limit, interleaved)
+        if activated is not None:
+            a = activated[s:t].to(acc)
+        else:
+            a = activation_forward(h[s:t].to(acc), activation, alpha, limit, interleaved)
         ye = a @ _matrix(w_down, e, transposed, acc)
         if b_down is not None:
             ye += b_down[e].to(acc)

@@ -22,7 +22,7 @@ from ..activations import activation_code
 from ..layouts import linear_dims, linear_strides, out_feature_slice
 from . import grouped_gemm as gg
 from .launch import launch
-from .triton_activations import activate
+from .triton_activations import NUM_GATED, activate
 from .triton_combine import combine_in_slabs
 
 
@@ -176,8 +176,37 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
     return h
 
 
+def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed,
+                        activation, interleaved, alpha, limit):
+    """``(h, act(h))``: ``expert_up`` and the activation of its rows. In one Gluon GEMM
+    whose epilogue pairs each tile's gate and up columns where that applies
+    (``gluon_row_gemm.applies_gated_epilogue``), else the GEMM then the activation pass."""
+    E, N, K = linear_dims(w_gate_up, transposed)
+    act = activation_code(activation)
+    LK = expert_token_indices.shape[0]
+    h = gg.empty(LK, N, dtype=x.dtype, device=x.device)
+    a = gg.empty(LK, N // 2 if int(act) < int(NUM_GATED) else N, dtype=x.dtype, device=x.device)
+    if h.numel() == 0:
+        return h, a
+    config = settings.current()
+    fast = gg.fast_sigmoid(h, config.fast_activation)
+    gluon = gg.gluon_kernels("up", x, 2 * h.numel() * K)
+    tile = config.tiles.get("up", gluon.TILE) if gluon is not None else None
+    if (gluon is not None and gluon.applies(x, w_gate_up, h, transposed)
+            and gluon.applies_gated_epilogue(x, w_gate_up, b_gate_up, a, transposed, int(act), interleaved, tile)):
+        gluon.launch_row_gemm(x, expert_token_indices, w_gate_up, None, expert_offsets, h, transposed, tile,
+                              config.from_rows("gluon_warp_specialize", "up", LK, E), tma_store=config.row_tma_store,
+                              epilogue=gluon.GatedEpilogue(a, int(act), float(alpha), float(limit), fast))
+    else:
+        launch_gathered_gemm(x, expert_token_indices, w_gate_up, b_gate_up, expert_offsets, h, transposed, "up")
+        launch_activation(h, a, act, interleaved, alpha, limit, fast)
+    return h, a
+
+
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-                activation, transposed, interleaved, alpha, limit):
+                activation, transposed, interleaved, alpha, limit, activated=None):
+    """``activated``: act(h), which the caller made already (``expert_up_activated``): the
+    GEMM reads it and no activation pass runs."""
     L = topk_weights.shape[0]
     LK = h.shape[0]
     E, d, I = linear_dims(w_down, transposed)
@@ -186,8 +215,10 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         h = h.contiguous()
     out = gg.empty(L, d, dtype=h.dtype, device=h.device)
     fast = gg.fast_sigmoid(h, settings.current().fast_activation)
-    use_pass = settings.current().activation_pass
-    if use_pass:
+    use_pass = settings.current().activation_pass or activated is not None
+    if activated is not None:
+        a = activated
+    elif use_pass:
         # act(h) written once, then a plain grouped GEMM whose operands all come from memory.
         a = gg.empty(LK, I, dtype=h.dtype, device=h.device)
         launch_activation(h, a, act, interleaved, alpha, limit, fast)
