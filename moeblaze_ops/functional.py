@@ -124,7 +124,14 @@ def moe_experts(
         out = calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)
     else:
         up = (x2, w_gate_up, b_gate_up) if overwrite_h else None
-        if calls is _KERNEL_CALLS and is_gated(activation) and settings.current().up_epilogue_activation:
+        fuse = calls is _KERNEL_CALLS and is_gated(activation) and settings.current().up_epilogue_activation
+        if fuse and not (torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (x2, w_gate_up, w_down, b_gate_up, b_down, tw))):
+            # Nothing to differentiate: act(h) alone, h never made. The down projection
+            # reads the activated rows; given those, its h argument serves for the row count.
+            _, a = calls.up_activated(x2, w_gate_up, eti, offsets, tim, b_gate_up, args, keep_h=False)
+            out = calls.down(a, w_down, eti, offsets, tim, tw, b_down, args, a)
+        elif fuse:
             # act(h) from the up projection (its GEMM's epilogue, on Hopper), not a pass.
             h, a = _UpNode.apply(x2, w_gate_up, b_gate_up, eti, offsets, tim, transposed, calls, args)
             out = _DownNode.apply(h, w_down, b_down, tw, eti, offsets, tim, args, calls, up, a)
@@ -201,12 +208,13 @@ class _KernelCalls:
             return forward_backend(x).expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
 
     @staticmethod
-    def up_activated(x, w_gate_up, eti, offsets, tim, b_gate_up, args):
-        """``(h, act(h))`` (``settings.up_epilogue_activation``; ``args`` as ``down``'s)."""
+    def up_activated(x, w_gate_up, eti, offsets, tim, b_gate_up, args, keep_h=True):
+        """``(h, act(h))``, h None unless ``keep_h`` (``settings.up_epilogue_activation``;
+        ``args`` as ``down``'s)."""
         activation, transposed, interleaved, alpha, limit = args
         with _profiled("moeblaze::expert_up"):
             return forward_backend(x).expert_up_activated(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed,
-                                                          activation, interleaved, alpha, limit)
+                                                          activation, interleaved, alpha, limit, keep_h=keep_h)
 
     @staticmethod
     def down(h, w_down, eti, offsets, tim, tw, b_down, args, activated=None):

@@ -175,7 +175,8 @@ class KernelSettings:
             activation, the up projection writes act(h) too, for the down GEMM to read
             instead of running the activation pass: on Hopper in the Gluon up GEMM's
             epilogue (``gluon_row_gemm.GatedEpilogue``) where it applies, elsewhere as the
-            GEMM then the pass. Off by default: not measured yet (docs/perf-notes.md).
+            GEMM then the pass. With nothing to differentiate, h is not made at all. Off
+            by default: not measured yet (docs/perf-notes.md).
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
             GEMM's prologue or the activation pass.
         dh_fast_activation: the same in the dH epilogue.

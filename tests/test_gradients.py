@@ -300,7 +300,8 @@ def test_up_epilogue_activation_route(activation, layout, seed, monkeypatch):
     """``settings.up_epilogue_activation``: plain eager tensors of a gated layer get act(h)
     from the up projection and hand it to the down projection, which then activates
     nothing itself; output and every gradient (backward works from h) bit for bit as
-    without it. Non-gated layers and the op route keep the down projection's activation."""
+    without it, and without grad no h at all. Non-gated layers and the op route keep the
+    down projection's activation."""
     import dataclasses
 
     from moeblaze_ops import kernels, settings
@@ -333,6 +334,15 @@ def test_up_epilogue_activation_route(activation, layout, seed, monkeypatch):
         assert seen == ([("up_activated", False), ("down", True)] if takes else [("up", False), ("down", False)])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+    with torch.no_grad():  # nothing to differentiate: no h
+        outs = []
+        for fused in (False, True):
+            seen.clear()
+            with settings.override(up_epilogue_activation=fused):
+                outs.append(moe_experts(**layer))
+        assert seen == ([("up_activated", False), ("down", True)] if is_gated(activation)
+                        else [("up", False), ("down", False)])
+        assert torch.equal(*outs)
     with settings.override(up_epilogue_activation=True), _SeesOps():  # the op route
         seen.clear()
         moe_experts(**layer)

@@ -86,16 +86,18 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
 
 
 def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed,
-                        activation, interleaved, alpha, limit):
-    """``(h, act(h))``: ``expert_up`` and the activation of its rows, in h's dtype."""
+                        activation, interleaved, alpha, limit, keep_h=True):
+    """``(h, act(h))``: ``expert_up`` and the activation of its rows, in h's dtype; h None
+    unless ``keep_h``."""
     h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
     a = activation_forward(h.to(_acc_dtype(h.dtype)), activation, alpha, limit, interleaved).to(h.dtype)
-    return h, a
+    return (h if keep_h else None), a
 
 
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                 b_down, activation, transposed, interleaved, alpha, limit, activated=None):
-    """``activated``: act(h), which the caller made already (``expert_up_activated``)."""
+    """``activated``: act(h), which the caller made already (``expert_up_activated``); h is
+    then read for its row count and dtype alone (a caller without h passes act(h) for it)."""
     acc = _acc_dtype(h.dtype)
     _, d, _ = linear_dims(w_down, transposed)
     y = torch.zeros(h.shape[0], d, dtype=acc, device=h.device)

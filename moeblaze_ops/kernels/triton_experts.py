@@ -177,36 +177,37 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
 
 
 def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed,
-                        activation, interleaved, alpha, limit):
-    """``(h, act(h))``: ``expert_up`` and the activation of its rows. In one Gluon GEMM
-    whose epilogue pairs each tile's gate and up columns where that applies
-    (``gluon_row_gemm.applies_gated_epilogue``), else the GEMM then the activation pass."""
+                        activation, interleaved, alpha, limit, keep_h=True):
+    """``(h, act(h))``: ``expert_up`` and the activation of its rows; h None unless
+    ``keep_h``. In one Gluon GEMM whose epilogue pairs each tile's gate and up columns
+    where that applies (``gluon_row_gemm.applies_gated_epilogue``; without ``keep_h`` h is
+    never made), else the GEMM then the activation pass."""
     E, N, K = linear_dims(w_gate_up, transposed)
     act = activation_code(activation)
     LK = expert_token_indices.shape[0]
-    h = gg.empty(LK, N, dtype=x.dtype, device=x.device)
     a = gg.empty(LK, N // 2 if int(act) < int(NUM_GATED) else N, dtype=x.dtype, device=x.device)
-    if h.numel() == 0:
-        return h, a
     config = settings.current()
-    fast = gg.fast_sigmoid(h, config.fast_activation)
-    gluon = gg.gluon_kernels("up", x, 2 * h.numel() * K)
+    fast = gg.fast_sigmoid(a, config.fast_activation)
+    gluon = gg.gluon_kernels("up", x, 2 * LK * N * K)
     tile = config.tiles.get("up", gluon.TILE) if gluon is not None else None
-    if (gluon is not None and gluon.applies(x, w_gate_up, h, transposed)
-            and gluon.applies_gated_epilogue(x, w_gate_up, b_gate_up, a, transposed, int(act), interleaved, tile)):
+    fused = (LK > 0 and gluon is not None
+             and gluon.applies_gated_epilogue(x, w_gate_up, b_gate_up, a, transposed, int(act), interleaved, tile))
+    h = gg.empty(LK, N, dtype=x.dtype, device=x.device) if keep_h or not fused else None
+    if fused:
         gluon.launch_row_gemm(x, expert_token_indices, w_gate_up, None, expert_offsets, h, transposed, tile,
                               config.from_rows("gluon_warp_specialize", "up", LK, E), tma_store=config.row_tma_store,
                               epilogue=gluon.GatedEpilogue(a, int(act), float(alpha), float(limit), fast))
-    else:
+    elif LK > 0:
         launch_gathered_gemm(x, expert_token_indices, w_gate_up, b_gate_up, expert_offsets, h, transposed, "up")
         launch_activation(h, a, act, interleaved, alpha, limit, fast)
-    return h, a
+    return (h if keep_h else None), a
 
 
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
                 activation, transposed, interleaved, alpha, limit, activated=None):
     """``activated``: act(h), which the caller made already (``expert_up_activated``): the
-    GEMM reads it and no activation pass runs."""
+    GEMM reads it and no activation pass runs; h is then read for its row count, dtype
+    and device alone (a caller without h passes act(h) for it)."""
     L = topk_weights.shape[0]
     LK = h.shape[0]
     E, d, I = linear_dims(w_down, transposed)
