@@ -135,10 +135,7 @@ def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
     flop = 2 * out.numel() * reduction
     gluon = gg.gluon_kernels(kind, a, flop)
     if gluon is not None and gluon.applies(a, b, out, transposed):
-        config = settings.current()
-        gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, config.tiles.get(kind, gluon.TILE),
-                              config.from_rows("gluon_warp_specialize", kind, out.shape[0], E),
-                              tma_store=config.row_tma_store)
+        _launch_on_gluon(gluon, kind, a, a_row_ids, b, bias, offsets, out, transposed)
         return
     LK, N = out.shape
     tile = gg.tile_config(kind, a)
@@ -152,6 +149,24 @@ def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
         stride_bias=bias.stride(0) if bias is not None else 0, stride_om=out.stride(0),
         GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None, B_TMA=b_tma, B_KMAJOR=b_kmajor,
     )
+
+
+def _gluon_tile(gluon, kind):
+    """The tile of GEMM ``kind`` on the Gluon row GEMM module ``gluon``: ``settings.tiles``'
+    override, else the kernel's own."""
+    return settings.current().tiles.get(kind, gluon.TILE)
+
+
+def _launch_on_gluon(gluon, kind, a, a_row_ids, b, bias, offsets, out, transposed, epilogue=None):
+    """``gluon.launch_row_gemm`` in the variant the settings pick for GEMM ``kind``: its
+    tile, warp-specialised by rows per expert, tiles stored by TMA or not. ``out`` may be
+    None with an ``epilogue`` (``gluon_row_gemm.GatedEpilogue``)."""
+    config = settings.current()
+    rows = (out if out is not None else epilogue.act_out).shape[0]
+    E = linear_dims(b, transposed)[0]
+    gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, _gluon_tile(gluon, kind),
+                          config.from_rows("gluon_warp_specialize", kind, rows, E), tma_store=config.row_tma_store,
+                          epilogue=epilogue)
 
 
 def launch_activation(h, a, act, interleaved, alpha, limit, fast):
@@ -182,21 +197,19 @@ def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, toke
     ``keep_h``. In one Gluon GEMM whose epilogue pairs each tile's gate and up columns
     where that applies (``gluon_row_gemm.applies_gated_epilogue``; without ``keep_h`` h is
     never made), else the GEMM then the activation pass."""
-    E, N, K = linear_dims(w_gate_up, transposed)
+    _, N, K = linear_dims(w_gate_up, transposed)
     act = activation_code(activation)
     LK = expert_token_indices.shape[0]
     a = gg.empty(LK, N // 2 if int(act) < int(NUM_GATED) else N, dtype=x.dtype, device=x.device)
-    config = settings.current()
-    fast = gg.fast_sigmoid(a, config.fast_activation)
+    fast = gg.fast_sigmoid(a, settings.current().fast_activation)
     gluon = gg.gluon_kernels("up", x, 2 * LK * N * K)
-    tile = config.tiles.get("up", gluon.TILE) if gluon is not None else None
     fused = (LK > 0 and gluon is not None
-             and gluon.applies_gated_epilogue(x, w_gate_up, b_gate_up, a, transposed, int(act), interleaved, tile))
+             and gluon.applies_gated_epilogue(x, w_gate_up, b_gate_up, a, transposed, int(act), interleaved,
+                                              _gluon_tile(gluon, "up")))
     h = gg.empty(LK, N, dtype=x.dtype, device=x.device) if keep_h or not fused else None
     if fused:
-        gluon.launch_row_gemm(x, expert_token_indices, w_gate_up, None, expert_offsets, h, transposed, tile,
-                              config.from_rows("gluon_warp_specialize", "up", LK, E), tma_store=config.row_tma_store,
-                              epilogue=gluon.GatedEpilogue(a, int(act), float(alpha), float(limit), fast))
+        _launch_on_gluon(gluon, "up", x, expert_token_indices, w_gate_up, None, expert_offsets, h, transposed,
+                         gluon.GatedEpilogue(a, int(act), float(alpha), float(limit), fast))
     elif LK > 0:
         launch_gathered_gemm(x, expert_token_indices, w_gate_up, b_gate_up, expert_offsets, h, transposed, "up")
         launch_activation(h, a, act, interleaved, alpha, limit, fast)
