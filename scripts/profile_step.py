@@ -3,15 +3,20 @@ peer (kernels by device time, and the host time of the whole step).
 
     python scripts/profile_step.py [--configs qwen3_100m olmoe] [--peers moeblaze hf_grouped_mm_compiled]
         [--steps 5] [--device cuda|cpu] [--rows 25] [--cudagraphs] [--host-rows 25] [--trace DIR]
-        [--set NAME=VALUE ...]
+        [--gaps 15] [--set NAME=VALUE ...]
 
 Small layers (the 100M example) are where the host side shows: compare "host ms per
 step" with "device ms per step". ``--host-rows`` adds a table sorted by host (self CPU) time, and ``--trace`` writes
 one Chrome trace per config and peer (open in Perfetto: the host's gaps between launches).
+``--gaps N`` reads the trace's device activity (kernels, copies, fills) and prints the GPU's
+idle time per step: the total, how much of it came in gaps under 10 us (launch to launch)
+and the N longest gaps with the activity on either side.
 """
 
 import argparse
+import json
 import os
+import tempfile
 import time
 
 import torch
@@ -34,6 +39,7 @@ def main():
                    help="offer the CUDA-graph peers too (hf_grouped_mm_cudagraphs, moeblaze_cudagraphs)")
     p.add_argument("--host-rows", type=int, default=0, help="rows of a table sorted by host time (0: none)")
     p.add_argument("--trace", default=None, help="a folder to write Chrome traces into")
+    p.add_argument("--gaps", type=int, default=0, help="print the GPU's idle time and this many longest gaps")
     p.add_argument("--set", dest="settings", metavar="NAME=VALUE", action="append", type=parse_setting, default=[],
                    help="change a kernel setting for the whole run (repeatable), as the benchmark's --set")
     a = p.parse_args()
@@ -87,11 +93,43 @@ def _profile(a):
             if a.trace:
                 os.makedirs(a.trace, exist_ok=True)
                 prof.export_chrome_trace(os.path.join(a.trace, f"{name}-{peer}.json"))
+            if a.gaps and cuda:
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = os.path.join(tmp, "trace.json")
+                    prof.export_chrome_trace(path)
+                    _print_gaps(path, a.steps, a.gaps)
             for t in (x, w, w_gate_up, w_down):
                 t.grad = None
         del fns, x, w, w_gate_up, w_down
         if cuda:
             torch.cuda.empty_cache()
+
+
+_DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _print_gaps(trace_path, steps, rows):
+    """The GPU's idle time between its first and last activity in the trace: the device
+    events merged over streams, each gap with the activity that ended before it and the
+    one that started after it."""
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"]
+                  if e.get("cat") in _DEVICE_CATEGORIES and e.get("ph") == "X"]
+    events.sort(key=lambda e: e["ts"])
+    gaps, end, last = [], None, None
+    for e in events:
+        if end is not None and e["ts"] > end:
+            gaps.append((e["ts"] - end, last["name"], e["name"]))
+        if end is None or e["ts"] + e["dur"] > end:
+            end, last = e["ts"] + e["dur"], e
+    idle = sum(g for g, _, _ in gaps)
+    short = sum(g for g, _, _ in gaps if g < 10)
+    span = (end - events[0]["ts"]) if events else 0.0
+    print(f"GPU idle per step: {idle / steps / 1e3:.3f} ms of {span / steps / 1e3:.3f} ms "
+          f"({sum(1 for g, _, _ in gaps) / steps:.0f} gaps a step; {short / steps / 1e3:.3f} ms in gaps under 10 us)")
+    print("| gap us | before | after |\n| --- | --- | --- |")
+    for g, before, after in sorted(gaps, reverse=True)[:rows]:
+        print(f"| {g:.1f} | {before[:60]} | {after[:60]} |")
 
 
 if __name__ == "__main__":
