@@ -2,6 +2,9 @@
 
 - ``expert_up``: one ``row_gemm`` (A rows gathered from x through the dispatch's
   ``expert_token_indices``) writing h.
+- ``expert_layer`` (the layer without gradients): the op itself where its up GEMM runs
+  on Gluon (its epilogue writes act(h), no h); elsewhere ``expert_up``'s and
+  ``expert_down``'s templates.
 - ``expert_down``: ``activation`` writes a = act(h) once; then, one column slab of the
   output at a time (``settings.column_slab``, as the eager kernels make their [L*K, d]
   scratch), a ``row_gemm`` on a writes the slab of every routed row and ``combine`` sums
@@ -242,10 +245,40 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         return compat.fallback(_ops.expert_down.default, h, w_down, expert_token_indices, expert_offsets,
                                token_index_map, topk_weights, b_down, activation, transposed, interleaved,
                                alpha, limit)
+    return _down_templates(h, w_down, expert_offsets, token_index_map, topk_weights, b_down, activation,
+                           transposed, interleaved, alpha, limit)
+
+
+def _down_templates(h, w_down, expert_offsets, token_index_map, topk_weights, b_down, activation, transposed,
+                    interleaved, alpha, limit):
     out_dim = 2 if transposed else 1  # w_down is [E, d, I], or [E, I, d] when transposed
     a = activation_pass(h, w_down.get_size()[3 - out_dim], activation_code(activation), interleaved, alpha, limit)
     return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],
                          transposed, out_dim, topk_weights, b_down)
+
+
+@compat.register_lowering(_ops.expert_layer.default, type_promotion_kind=None)
+def expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
+                 b_gate_up=None, b_down=None, activation="swiglu", transposed=False, interleaved=False,
+                 alpha=CLAMPED_SWIGLU_ALPHA, limit=CLAMPED_SWIGLU_LIMIT):
+    """The op where its up GEMM runs on the Gluon kernel, whose epilogue writes act(h) (h
+    never made); elsewhere the up and down projections' templates, as ``expert_up`` and
+    ``expert_down`` lower (h made and read by the activation pass): the down projection
+    on the op where its GEMM runs on Gluon."""
+    args = (x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_gate_up,
+            b_down, activation, transposed, interleaved, alpha, limit)
+    rows = expert_token_indices.get_size()[0]
+    if not (settings.current().activation_pass and _templates_apply(x, index_positions=(3, 4))) \
+            or _op_runs_gluon("up", x, rows, w_gate_up.get_size()[2 if transposed else 1], x.get_size()[1]):
+        return compat.fallback(_ops.expert_layer.default, *args)
+    h = row_gemm("up", x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed, rows)
+    if _op_runs_gluon("down", h, rows, w_down.get_size()[2 if transposed else 1],
+                      w_down.get_size()[1 if transposed else 2]):
+        return compat.fallback(_ops.expert_down.default, h, w_down, expert_token_indices, expert_offsets,
+                               token_index_map, topk_weights, b_down, activation, transposed, interleaved,
+                               alpha, limit)
+    return _down_templates(h, w_down, expert_offsets, token_index_map, topk_weights, b_down, activation,
+                           transposed, interleaved, alpha, limit)
 
 
 # --------------------------------------------------------------------------- backward

@@ -6,13 +6,15 @@ Importing the package registers the ops in the ``moeblaze`` namespace:
 projection, gathering token rows on the fly), ``expert_down`` (activation, down
 projection and the weighted combine of each token's K outputs), and their backward ops
 ``expert_up_backward``, ``expert_down_backward``, ``expert_down_backward_`` (writes dH
-over its ``h``) and ``expert_down_backward_recompute`` (recomputes ``h``). Each has a fake
+over its ``h``) and ``expert_down_backward_recompute`` (recomputes ``h``), and
+``expert_layer`` (the up and down projections in one op that never makes ``h``: the
+activation comes from the up GEMM's epilogue; its backward recomputes h). Each has a fake
 function, so ``torch.compile(fullgraph=True)`` captures it. CUDA tensors run Triton
 kernels; CPU and float64 tensors run vectorised PyTorch.
 
 - ``moe_experts``: the differentiable experts layer composed of those ops, the front door.
 - ``dispatch``, ``expert_up``, ``expert_down``, ``expert_up_backward``,
-  ``expert_down_backward``: the ops themselves (``torch.library.custom_op`` objects),
+  ``expert_down_backward``, ``expert_layer``: the ops themselves (``torch.library.custom_op`` objects),
   callable from Python.
 - ``ACTIVATIONS``, ``GATED_ACTIVATIONS``, ``is_gated``: the activations the kernels fuse.
 - ``settings``: the kernel settings (backend choice, tiles, ...), changed for a block with
@@ -34,7 +36,7 @@ from .import_hooks import when_imported
 from .activations import ACTIVATIONS, GATED_ACTIVATIONS, is_gated
 from .functional import moe_experts
 from .ops.dispatch import dispatch
-from .ops.experts import expert_down, expert_down_backward, expert_up, expert_up_backward
+from .ops.experts import expert_down, expert_down_backward, expert_layer, expert_up, expert_up_backward
 from .ops import graph_calls as _graph_calls  # noqa: F401  (registers the compiled graphs' internal ops)
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "expert_down",
     "expert_up_backward",
     "expert_down_backward",
+    "expert_layer",
     "settings",
 ]
 

@@ -115,7 +115,12 @@ def moe_experts(
     else:
         calls = _KERNEL_CALLS if _plain(x2, ids, tw, w_gate_up, w_down, b_gate_up, b_down) else _OP_CALLS
     eti, offsets, tim = calls.dispatch(ids, E)
-    if recompute:
+    if (is_gated(activation) and settings.current().up_epilogue_activation
+            and not _differentiates(x2, w_gate_up, w_down, b_gate_up, b_down, tw)):
+        # Nothing to differentiate: h is never made. The up projection writes act(h), from
+        # its GEMM's epilogue on Hopper, and the down projection reads it.
+        out = calls.layer(x2, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, args)
+    elif recompute:
         out = _RecomputedLayer.apply(x2, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args, calls)
     elif traced:
         # The ops' own formulas; Inductor's lowering writes dH over h where AOTAutograd
@@ -124,21 +129,14 @@ def moe_experts(
         out = calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)
     else:
         up = (x2, w_gate_up, b_gate_up) if overwrite_h else None
-        fuse = calls is _KERNEL_CALLS and is_gated(activation) and settings.current().up_epilogue_activation
-        if fuse and not (torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad for t in (x2, w_gate_up, w_down, b_gate_up, b_down, tw))):
-            # Nothing to differentiate: act(h) alone, h never made. The down projection
-            # reads the activated rows; given those, its h argument serves for the row count.
-            _, a = calls.up_activated(x2, w_gate_up, eti, offsets, tim, b_gate_up, args, keep_h=False)
-            out = calls.down(a, w_down, eti, offsets, tim, tw, b_down, args, a)
-        elif fuse:
-            # act(h) from the up projection (its GEMM's epilogue, on Hopper), not a pass.
-            h, a = _UpNode.apply(x2, w_gate_up, b_gate_up, eti, offsets, tim, transposed, calls, args)
-            out = _DownNode.apply(h, w_down, b_down, tw, eti, offsets, tim, args, calls, up, a)
-        else:
-            h = _UpNode.apply(x2, w_gate_up, b_gate_up, eti, offsets, tim, transposed, calls)
-            out = _DownNode.apply(h, w_down, b_down, tw, eti, offsets, tim, args, calls, up)
+        h = _UpNode.apply(x2, w_gate_up, b_gate_up, eti, offsets, tim, transposed, calls)
+        out = _DownNode.apply(h, w_down, b_down, tw, eti, offsets, tim, args, calls, up)
     return out.reshape(*lead, d)
+
+
+def _differentiates(*tensors) -> bool:
+    """Whether autograd would record a graph through any of ``tensors``."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _plain(*tensors) -> bool:
@@ -168,6 +166,10 @@ class _OpCalls:
     @staticmethod
     def down(h, w_down, eti, offsets, tim, tw, b_down, args):
         return torch.ops.moeblaze.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
+
+    @staticmethod
+    def layer(x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, args):
+        return torch.ops.moeblaze.expert_layer(x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, *args)
 
     @staticmethod
     def down_backward(grad_out, h, w_down, eti, offsets, tim, tw, b_down, args, need_w, in_place):
@@ -208,19 +210,19 @@ class _KernelCalls:
             return forward_backend(x).expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
 
     @staticmethod
-    def up_activated(x, w_gate_up, eti, offsets, tim, b_gate_up, args, keep_h=True):
-        """``(h, act(h))``, h None unless ``keep_h`` (``settings.up_epilogue_activation``;
-        ``args`` as ``down``'s)."""
-        activation, transposed, interleaved, alpha, limit = args
-        with _profiled("moeblaze::expert_up"):
-            return forward_backend(x).expert_up_activated(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed,
-                                                          activation, interleaved, alpha, limit, keep_h=keep_h)
+    def down(h, w_down, eti, offsets, tim, tw, b_down, args):
+        with _profiled("moeblaze::expert_down"):
+            return forward_backend(h).expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
 
     @staticmethod
-    def down(h, w_down, eti, offsets, tim, tw, b_down, args, activated=None):
-        with _profiled("moeblaze::expert_down"):
-            return forward_backend(h).expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args,
-                                                  activated=activated)
+    def layer(x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, args):
+        activation, transposed, interleaved, alpha, limit = args
+        backend = forward_backend(x)
+        with _profiled("moeblaze::expert_up"):
+            _, a = backend.expert_up_activated(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, activation,
+                                               interleaved, alpha, limit, keep_h=False)
+        with _profiled("moeblaze::expert_down"):  # given act(h), its h argument serves for the row count
+            return backend.expert_down(a, w_down, eti, offsets, tim, tw, b_down, *args, activated=a)
 
     @staticmethod
     def down_backward(grad_out, h, w_down, eti, offsets, tim, tw, b_down, args, need_w, in_place):
@@ -271,27 +273,21 @@ def _backward_calls(ctx):
 class _UpNode(torch.autograd.Function):
     """``expert_up`` in eager autograd, through ``calls``. Its own node, apart from the
     down projection's: the down weight gradients are accumulated before its backward
-    allocates the up projection's. Given ``activation_args`` (``down``'s ``args``;
-    ``settings.up_epilogue_activation``) it returns ``(h, act(h))``, act(h) for the down
-    projection's forward alone: no gradient flows through it (backward works from h)."""
+    allocates the up projection's."""
 
     @staticmethod
-    def forward(ctx, x, w_gate_up, b_gate_up, eti, offsets, tim, transposed, calls, activation_args=None):
+    def forward(ctx, x, w_gate_up, b_gate_up, eti, offsets, tim, transposed, calls):
         ctx.save_for_backward(x, w_gate_up, eti, offsets, tim)
         ctx.has_bias, ctx.transposed, ctx.calls = b_gate_up is not None, transposed, calls
-        if activation_args is None:
-            return calls.up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
-        h, a = calls.up_activated(x, w_gate_up, eti, offsets, tim, b_gate_up, activation_args)
-        ctx.mark_non_differentiable(a)
-        return h, a
+        return calls.up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
 
     @staticmethod
-    def backward(ctx, grad_h, *unused):
+    def backward(ctx, grad_h):
         x, w_gate_up, eti, offsets, tim = ctx.saved_tensors
         need = ctx.needs_input_grad  # x, w_gate_up, b_gate_up, ...
         grads = _up_backward(_backward_calls(ctx), grad_h, x, w_gate_up, eti, offsets, tim, ctx.has_bias,
                              ctx.transposed, need[0], need[1], need[2])
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 class _DownNode(torch.autograd.Function):
@@ -305,12 +301,10 @@ class _DownNode(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, w_down, b_down, tw, eti, offsets, tim, args, calls, up, activated=None):
+    def forward(ctx, h, w_down, b_down, tw, eti, offsets, tim, args, calls, up):
         ctx.save_for_backward(h, w_down, b_down, tw, eti, offsets, tim)
         ctx.args, ctx.calls, ctx.up, ctx.overwritten = args, calls, up, False
-        if activated is None:
-            return calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)
-        return calls.down(h, w_down, eti, offsets, tim, tw, b_down, args, activated)
+        return calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -334,7 +328,7 @@ class _DownNode(torch.autograd.Function):
                                                                       b_down, ctx.args, need_w, True)
             ctx.overwritten = True
         return (grad_h if need[0] else None, grad_w if need[1] else None, grad_b if has_b and need[2] else None,
-                grad_tw if need[3] else None, None, None, None, None, None, None, None)
+                grad_tw if need[3] else None, None, None, None, None, None, None)
 
 
 class _RecomputedLayer(torch.autograd.Function):

@@ -171,12 +171,13 @@ class KernelSettings:
             storing from registers (``gluon_row_gemm._store_tile``).
         activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
             [L*K, I]) rather than computing it in its prologue.
-        up_epilogue_activation: in eager ``moe_experts`` with plain tensors and a gated
-            activation, the up projection writes act(h) too, for the down GEMM to read
-            instead of running the activation pass: on Hopper in the Gluon up GEMM's
-            epilogue (``gluon_row_gemm.GatedEpilogue``) where it applies, elsewhere as the
-            GEMM then the pass. With nothing to differentiate, h is not made at all. Off
-            by default: not measured yet (docs/perf-notes.md).
+        up_epilogue_activation: in eager ``moe_experts`` with plain tensors, a gated
+            activation and nothing to differentiate, the up projection writes act(h)
+            instead of h, for the down GEMM to read instead of running the activation
+            pass: on Hopper in the Gluon up GEMM's epilogue
+            (``gluon_row_gemm.GatedEpilogue``) where it applies, elsewhere as the GEMM
+            then the pass. h is not made at all. (With gradients, backward needs h, and
+            writing both measured no faster, with a higher peak: docs/perf-notes.md.)
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
             GEMM's prologue or the activation pass.
         dh_fast_activation: the same in the dH epilogue.
@@ -229,7 +230,7 @@ class KernelSettings:
     row_tma_store: bool = True
     row_band: int = 4
     activation_pass: bool = True
-    up_epilogue_activation: bool = False
+    up_epilogue_activation: bool = True
     fast_activation: bool = True
     dh_fast_activation: bool = True
     dh_epilogue_columns: Optional[int] = 64

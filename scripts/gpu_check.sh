@@ -28,7 +28,7 @@
 # --dh-gluon) and, where ncu reads the counters, writes both kernels' stall reasons to $OUT/ncu.txt.
 # GATED_EPILOGUE=1 runs the up projection's activation-in-the-epilogue tests, times it
 # against the GEMM and the activation pass (scripts/compare_row_gemm.py --kinds up_act), and
-# the layer with settings.up_epilogue_activation off and on (forward and train, eager).
+# the layer's forward with settings.up_epilogue_activation off and on (eager and compiled).
 # PEER_SITE=<dir> passes --peer-site <dir> to the benchmark (a peer such as SonicMoE installed
 # there with pip --target: its rows join the tables).
 # SONICMOE=1, in the call right after `bash scripts/sonicmoe_peer.sh stash` and carrying
@@ -144,14 +144,11 @@ if [ "${GATED_EPILOGUE:-0}" = 1 ]; then
     | tail -3 | tee -a "$LOG"
   python3 scripts/compare_row_gemm.py --kinds up_act --configs olmoe qwen3_a3b conf4 mixtral deepseek_v3 \
     2>>"$LOG" | tee -a "$LOG"
-  for mode in forward train; do
-    for fused in False True; do
-      echo "== $mode, up_epilogue_activation=$fused" | tee -a "$LOG"
-      python3 -m moeblaze_ops.bench --mode $mode --no-dispatch --out "$OUT/${mode}_up_epilogue_$fused" \
-        --skip hf_eager hf_grouped_mm hf_grouped_mm_compiled moeblaze_compiled moeblaze_recompute \
-        moeblaze_recompute_compiled sonicmoe --configs olmoe mixtral conf4 --set up_epilogue_activation=$fused \
-        2>>"$LOG" | grep -E '^\|' | tee -a "$LOG"
-    done
+  for fused in False True; do
+    echo "== forward, up_epilogue_activation=$fused" | tee -a "$LOG"
+    python3 -m moeblaze_ops.bench --no-dispatch --out "$OUT/forward_up_epilogue_$fused" \
+      --skip hf_eager hf_grouped_mm hf_grouped_mm_compiled moeblaze_recompute moeblaze_recompute_compiled sonicmoe \
+      --configs olmoe mixtral conf4 --set up_epilogue_activation=$fused 2>>"$LOG" | grep -E '^\|' | tee -a "$LOG"
   done
 fi
 if [ "${WGRAD:-0}" = 1 ]; then

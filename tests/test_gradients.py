@@ -297,11 +297,11 @@ def test_meta_and_fake_tensors_take_the_op_route(kind, seed):
 @pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
                                                ("silu", "concatenated")])
 def test_up_epilogue_activation_route(activation, layout, seed, monkeypatch):
-    """``settings.up_epilogue_activation``: plain eager tensors of a gated layer get act(h)
-    from the up projection and hand it to the down projection, which then activates
-    nothing itself; output and every gradient (backward works from h) bit for bit as
-    without it, and without grad no h at all. Non-gated layers and the op route keep the
-    down projection's activation."""
+    """``settings.up_epilogue_activation``: with nothing to differentiate, a gated layer
+    gets act(h) from the up projection (no h) and hands it to the down projection, which
+    then activates nothing itself; output bit for bit as without it. The op route (a
+    dispatch mode) calls ``expert_layer``, which does the same. With gradients and for
+    non-gated layers, h and the down projection's activation as before."""
     import dataclasses
 
     from moeblaze_ops import kernels, settings
@@ -323,15 +323,14 @@ def test_up_epilogue_activation_route(activation, layout, seed, monkeypatch):
     names = _grad_inputs(layer)
     g = torch.randn(41, 8, generator=torch.Generator().manual_seed(seed + 1))
     runs = []
-    for fused in (False, True):
+    for fused in (False, True):  # gradients: h either way
         inputs = {k: (v.clone().requires_grad_(True) if k in names else v) for k, v in layer.items()}
         seen.clear()
         with settings.override(up_epilogue_activation=fused):
             out = moe_experts(**inputs)
             grads = torch.autograd.grad(out, [inputs[k] for k in names], g)
         runs.append((out, *grads))
-        takes = fused and is_gated(activation)
-        assert seen == ([("up_activated", False), ("down", True)] if takes else [("up", False), ("down", False)])
+        assert seen == [("up", False), ("down", False)]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
     with torch.no_grad():  # nothing to differentiate: no h
@@ -340,10 +339,14 @@ def test_up_epilogue_activation_route(activation, layout, seed, monkeypatch):
             seen.clear()
             with settings.override(up_epilogue_activation=fused):
                 outs.append(moe_experts(**layer))
+            takes = fused and is_gated(activation)
+            assert seen == ([("up_activated", False), ("down", True)] if takes
+                            else [("up", False), ("down", False)])
+        assert torch.equal(*outs)
+        with settings.override(up_epilogue_activation=True), _SeesOps() as mode:  # the op route
+            seen.clear()
+            assert torch.equal(moe_experts(**layer), outs[1])
+        assert mode.ops == ({"dispatch", "expert_layer"} if is_gated(activation)
+                            else {"dispatch", "expert_up", "expert_down"})
         assert seen == ([("up_activated", False), ("down", True)] if is_gated(activation)
                         else [("up", False), ("down", False)])
-        assert torch.equal(*outs)
-    with settings.override(up_epilogue_activation=True), _SeesOps():  # the op route
-        seen.clear()
-        moe_experts(**layer)
-        assert ("up_activated", False) not in seen

@@ -111,18 +111,22 @@ def test_combine_template_renders(weighted):
 
 
 @pytest.mark.slow
-def test_cpu_falls_back_to_the_ops(seed):
-    """On CPU the lowering calls the ops' own kernels: the compiled graph calls both ops
-    and matches eager, forward and backward."""
+@pytest.mark.parametrize("up_epilogue_activation", [True, False])
+def test_cpu_falls_back_to_the_ops(up_epilogue_activation, seed):
+    """On CPU the lowering calls the ops' own kernels: the compiled graph (nothing to
+    differentiate) calls ``expert_layer``, or with ``settings.up_epilogue_activation`` off
+    both projections' ops, and matches eager."""
     from torch._inductor.utils import run_and_get_code
 
     layer = make_layer(24, 16, 8, 4, 2, seed=seed)
     residual = torch.randn_like(layer["x"])
     args = [layer[k] for k in LAYER_ARGS] + [residual]
     torch._dynamo.reset()
-    out, (code,) = run_and_get_code(torch.compile(residual_moe, fullgraph=True), *args)
-    assert "torch.ops.moeblaze.expert_up.default(" in code
-    assert "torch.ops.moeblaze.expert_down.default(" in code
+    with settings.override(up_epilogue_activation=up_epilogue_activation):
+        out, (code,) = run_and_get_code(torch.compile(residual_moe, fullgraph=True), *args)
+    calls = ["expert_layer"] if up_epilogue_activation else ["expert_up", "expert_down"]
+    for op in ("expert_layer", "expert_up", "expert_down"):
+        assert (f"torch.ops.moeblaze.{op}.default(" in code) == (op in calls), op
     assert rel_err(out, residual_moe(*args)) < 1e-6
 
 
@@ -233,6 +237,23 @@ def test_gemms_on_gluon_kernels_call_the_ops(gluon, seed):
 
 
 @gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels need a Hopper GPU")
+@pytest.mark.parametrize("gluon", [True, False])
+def test_layer_without_gradients_on_gluon_calls_the_op(gluon, seed):
+    """Nothing to differentiate: where the up GEMM runs on its Gluon kernel, the compiled
+    graph calls ``expert_layer`` (act(h) from that GEMM's epilogue, no h); with ``gluon``
+    empty the same sizes run as the up and down templates. Either way the layer matches
+    the float64 one."""
+    layer = _gpu_layer(seed)
+    with settings.override(small_gemm_flop=0, poison=True, **({} if gluon else dict(gluon=()))):
+        out, code = _compiled_code(moe_experts, *[layer[k] for k in LAYER_ARGS])
+    assert ("torch.ops.moeblaze.expert_layer.default(" in code) == gluon
+    assert ("import gathered_gemm_tile" in code) == (not gluon)
+    assert rel_err(out, _reference(layer)) < 1e-2
+
+
+@gpu
 def test_residual_add_fuses_into_the_combine(seed):
     """``residual + moe(x)`` with one column slab: the add runs in the combine template's
     epilogue, so the graph has no pointwise kernel of its own."""
@@ -240,7 +261,7 @@ def test_residual_add_fuses_into_the_combine(seed):
     residual = torch.randn_like(layer["x"])
     with settings.override(column_slab=None):
         out, code = _compiled_code(residual_moe, *[layer[k] for k in LAYER_ARGS], residual)
-    assert re.search(r"def triton_tem_fused_add_expert_down\w*\(", code)  # the combine, with the add
+    assert re.search(r"def triton_tem_fused_add_expert_(down|layer)\w*\(", code)  # the combine, with the add
     assert "triton_poi" not in code and "triton_red" not in code
     assert rel_err(out, _reference(layer, residual)) < 1e-2
 

@@ -52,11 +52,12 @@ def op_args(layer):
         "expert_down_backward_recompute": (torch.randn_like(out), x.detach(), wgu.detach(), wd.detach(), eti,
                                            offsets, tim, tw.detach(), detached(bgu), detached(bd), act, tr, il,
                                            1.702, 1.0),
+        "expert_layer": (x, wgu, wd, eti, offsets, tim, tw, bgu, bd, act, tr, il, 1.702, 1.0),
     }
 
 
 OPS = ["dispatch", "expert_up", "expert_down", "expert_up_backward", "expert_down_backward",
-       "expert_down_backward_", "expert_down_backward_recompute"]
+       "expert_down_backward_", "expert_down_backward_recompute", "expert_layer"]
 
 
 @pytest.mark.parametrize("op", OPS)

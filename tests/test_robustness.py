@@ -15,7 +15,7 @@ from moeblaze_ops.testing import make_layer, reference_moe, rel_err
 
 GRADS = ("x", "topk_weights", "w_gate_up", "w_down", "b_gate_up", "b_down")
 OPS = ("dispatch", "expert_up", "expert_down", "expert_up_backward", "expert_down_backward",
-       "expert_down_backward_", "expert_down_backward_recompute")
+       "expert_down_backward_", "expert_down_backward_recompute", "expert_layer")
 
 
 def _grads(layer, out, grad_out, retain):

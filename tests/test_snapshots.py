@@ -18,7 +18,7 @@ from moeblaze_ops import moe_experts
 from moeblaze_ops.testing import SEED_ENV, base_seed, current_test_seed, make_layer, seed_for
 
 OPS = ["dispatch", "expert_up", "expert_down", "expert_up_backward", "expert_down_backward",
-       "expert_down_backward_", "expert_down_backward_recompute"]
+       "expert_down_backward_", "expert_down_backward_recompute", "expert_layer"]
 
 
 def _moeblaze_calls(gm):
@@ -37,9 +37,10 @@ moeblaze::expert_down(Tensor h, Tensor w_down, Tensor expert_token_indices, Tens
 moeblaze::expert_up_backward(Tensor grad_h, Tensor x, Tensor w_gate_up, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, bool has_bias, bool transposed, bool need_input_grad=True, bool need_weight_grad=True) -> (Tensor, Tensor, Tensor)
 moeblaze::expert_down_backward(Tensor grad_out, Tensor h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_down, str activation, bool transposed, bool interleaved, float alpha, float limit, bool need_weight_grad=True) -> (Tensor, Tensor, Tensor, Tensor)
 moeblaze::expert_down_backward_(Tensor grad_out, Tensor(a1!) h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_down, str activation, bool transposed, bool interleaved, float alpha, float limit, bool need_weight_grad=True) -> (Tensor, Tensor, Tensor)
-moeblaze::expert_down_backward_recompute(Tensor grad_out, Tensor x, Tensor w_gate_up, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_gate_up, Tensor? b_down, str activation, bool transposed, bool interleaved, float alpha, float limit, bool need_weight_grad=True) -> (Tensor, Tensor, Tensor, Tensor)""")
+moeblaze::expert_down_backward_recompute(Tensor grad_out, Tensor x, Tensor w_gate_up, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_gate_up, Tensor? b_down, str activation, bool transposed, bool interleaved, float alpha, float limit, bool need_weight_grad=True) -> (Tensor, Tensor, Tensor, Tensor)
+moeblaze::expert_layer(Tensor x, Tensor w_gate_up, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_gate_up=None, Tensor? b_down=None, str activation="swiglu", bool transposed=False, bool interleaved=False, float alpha=1.702, float limit=7.) -> Tensor""")
 
-    def _compiled_calls(self, recompute):
+    def _compiled_calls(self, recompute, grad=True):
         captured = {}
 
         def backend(gm, example_inputs):
@@ -55,11 +56,13 @@ moeblaze::expert_down_backward_recompute(Tensor grad_out, Tensor x, Tensor w_gat
                                          bw_compiler=keep("backward"))
 
         torch._dynamo.reset()
-        layer = make_layer(10, 8, 4, 4, 2, requires_grad=True, bias=True)
+        layer = make_layer(10, 8, 4, 4, 2, requires_grad=grad, bias=True)
         fn = torch.compile(lambda kw: moe_experts(**kw, recompute=recompute), backend=backend, fullgraph=True)
-        fn(layer).sum().backward()
+        out = fn(layer)
+        if grad:
+            out.sum().backward()
         return "\n".join(f"{name}: {', '.join(_moeblaze_calls(captured[name]))}"
-                         for name in ("dynamo", "forward", "backward"))
+                         for name in ("dynamo", "forward", "backward") if name in captured)
 
     def test_compiled_graphs(self):
         self.assertExpectedInline(self._compiled_calls(False), """\
@@ -72,6 +75,11 @@ backward: moeblaze.expert_down_backward.default, moeblaze.expert_up_backward.def
 dynamo: moeblaze.dispatch
 forward: moeblaze.dispatch.default, moeblaze.expert_up.default, moeblaze.expert_down.default
 backward: moeblaze.expert_down_backward_recompute.default, moeblaze.expert_up_backward.default""")
+
+    def test_compiled_graph_without_gradients(self):
+        self.assertExpectedInline(self._compiled_calls(False, grad=False), """\
+dynamo: moeblaze.dispatch, moeblaze.expert_layer
+forward: moeblaze.dispatch.default, moeblaze.expert_layer.default""")
 
 
 # Seeds: fixed per test, so a failure reruns with the same inputs; the snapshot pins them

@@ -1,7 +1,8 @@
 """The moeblaze ops: ``torch.library`` custom ops with fake functions and autograd formulas.
 
 ``dispatch`` groups the routed rows by expert (``ops/dispatch.py``); ``expert_up``,
-``expert_down`` and their backward ops run the experts (``ops/experts.py``).
+``expert_down``, their backward ops and ``expert_layer`` (both projections, h never made)
+run the experts (``ops/experts.py``).
 """
 
 import inspect

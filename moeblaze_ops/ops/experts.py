@@ -357,6 +357,96 @@ torch.library.register_autograd("moeblaze::expert_down", _expert_down_backward,
                                 setup_context=_expert_down_setup_context)
 
 
+# --------------------------------------------------------------------------- expert_layer
+
+
+@document
+@torch.library.custom_op("moeblaze::expert_layer", mutates_args=())
+def expert_layer(
+    x: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    expert_token_indices: Tensor,
+    expert_offsets: Tensor,
+    token_index_map: Tensor,
+    topk_weights: Tensor,
+    b_gate_up: Optional[Tensor] = None,
+    b_down: Optional[Tensor] = None,
+    activation: str = "swiglu",
+    transposed: bool = False,
+    interleaved: bool = False,
+    alpha: float = CLAMPED_SWIGLU_ALPHA,
+    limit: float = CLAMPED_SWIGLU_LIMIT,
+) -> Tensor:
+    """``expert_down(expert_up(x, ...), ...)`` in one op that never makes h: the up
+    projection writes ``a = activation(h)`` ([L*K, I]) straight from its GEMM's epilogue
+    (on Hopper, where the Gluon kernel applies; elsewhere the GEMM then one activation
+    pass), and the down projection and combine read it. Arguments as the two ops'.
+
+    ``moe_experts`` calls it where nothing is differentiated (``settings.up_epilogue_activation``).
+    Its autograd formula recomputes h, as ``moe_experts(..., recompute=True)`` does:
+    ``expert_down_backward_recompute`` then ``expert_up_backward``.
+    """
+    _check_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
+                 b_gate_up, b_down, activation, transposed)
+    backend = forward_backend(x)
+    backend.check_index_values("expert_layer", expert_token_indices, expert_offsets, token_index_map, x.shape[0])
+    _, a = backend.expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
+                                       b_gate_up, transposed, activation, interleaved, alpha, limit, keep_h=False)
+    # Given the activated rows, the down projection reads its h argument for the row count.
+    return backend.expert_down(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
+                               b_down, activation, transposed, interleaved, alpha, limit, activated=a)
+
+
+def _check_layer(x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, activation, transposed):
+    """``(L, d)``, after both ops' checks (the down projection's on an h of the up one's shape)."""
+    _, N, d = check_expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, op="expert_layer")
+    if topk_weights.dim() == 2 and topk_weights.shape[0] != x.shape[0]:
+        raise ValueError(f"moeblaze.expert_layer: argument 'topk_weights' must be [L, K] with "
+                         f"L = {x.shape[0]} (x.shape[0]), got {tuple(topk_weights.shape)}")
+    h = x.new_empty(1).expand(eti.shape[0], N)  # h's shape, dtype and device, without its memory
+    check_expert_down(h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed,
+                      op="expert_layer")
+    return x.shape[0], d
+
+
+@expert_layer.register_fake
+def _(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_gate_up=None,
+      b_down=None, activation="swiglu", transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA,
+      limit=CLAMPED_SWIGLU_LIMIT):
+    L, d = _check_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
+                        b_gate_up, b_down, activation, transposed)
+    return x.new_empty(L, d)
+
+
+def _expert_layer_setup_context(ctx, inputs, output):
+    x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, *args = inputs
+    ctx.save_for_backward(x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down)
+    ctx.args = tuple(args)  # activation, transposed, interleaved, alpha, limit
+
+
+def _expert_layer_backward(ctx, grad_out):
+    x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down = ctx.saved_tensors
+    need = ctx.needs_input_grad  # x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, ...
+    has_bgu, has_bd = b_gate_up is not None, b_down is not None
+    ops = torch.ops.moeblaze
+    grad_h, grad_wd, grad_bd, grad_tw = ops.expert_down_backward_recompute(
+        grad_out, x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, *ctx.args,
+        need[2] or (has_bd and need[8]))
+    need_x, need_wgu = need[0], need[1] or (has_bgu and need[7])
+    grad_x = grad_wgu = grad_bgu = None
+    if need_x or need_wgu:
+        grad_x, grad_wgu, grad_bgu = ops.expert_up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bgu,
+                                                            ctx.args[1], need_x, need_wgu)
+    return (grad_x if need_x else None, grad_wgu if need[1] else None, grad_wd if need[2] else None,
+            None, None, None, grad_tw if need[6] else None, grad_bgu if has_bgu and need[7] else None,
+            grad_bd if has_bd and need[8] else None, None, None, None, None, None)
+
+
+torch.library.register_autograd("moeblaze::expert_layer", _expert_layer_backward,
+                                setup_context=_expert_layer_setup_context)
+
+
 # --------------------------------------------------------------------------- double backward
 
 
