@@ -333,10 +333,14 @@ class _DownNode(torch.autograd.Function):
 
 class _RecomputedLayer(torch.autograd.Function):
     """expert_up + expert_down whose backward recomputes h instead of keeping it, and
-    writes dH over the recomputed h (every route, traced too)."""
+    writes dH over the recomputed h (every route, traced too). Its forward needs no h
+    either: for a gated activation (``settings.up_epilogue_activation``) the up GEMM
+    writes act(h) alone (``expert_layer``)."""
 
     @staticmethod
     def forward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args, calls):
+        if is_gated(args[0]) and settings.current().up_epilogue_activation:
+            return calls.layer(x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, args)
         h = calls.up(x, w_gate_up, eti, offsets, tim, b_gate_up, args[1])
         return calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)
 

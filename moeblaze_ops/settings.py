@@ -171,13 +171,14 @@ class KernelSettings:
             storing from registers (``gluon_row_gemm._store_tile``).
         activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
             [L*K, I]) rather than computing it in its prologue.
-        up_epilogue_activation: in eager ``moe_experts`` with plain tensors, a gated
-            activation and nothing to differentiate, the up projection writes act(h)
-            instead of h, for the down GEMM to read instead of running the activation
-            pass: on Hopper in the Gluon up GEMM's epilogue
-            (``gluon_row_gemm.GatedEpilogue``) where it applies, elsewhere as the GEMM
-            then the pass. h is not made at all. (With gradients, backward needs h, and
-            writing both measured no faster, with a higher peak: docs/perf-notes.md.)
+        up_epilogue_activation: where ``moe_experts`` with a gated activation needs no
+            h after the forward (nothing to differentiate, or ``recompute=True``), the up
+            projection writes act(h) instead of h (the op ``expert_layer``), for the
+            down GEMM to read instead of running the activation pass: on Hopper in the
+            Gluon up GEMM's epilogue (``gluon_row_gemm.GatedEpilogue``) where it
+            applies, elsewhere as the GEMM then the pass. h is not made at all. (The
+            default mode's backward needs h, and writing both measured no faster, with
+            a higher peak: docs/perf-notes.md.)
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
             GEMM's prologue or the activation pass.
         dh_fast_activation: the same in the dH epilogue.
