@@ -20,10 +20,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import settings
 from .activations import clamped_swiglu_defaults, is_gated
 from .checks import check_moe_experts
 from .kernels import backward_backend, forward_backend
+from .ops.experts import layer_kernels
 
 
 def moe_experts(
@@ -115,10 +115,11 @@ def moe_experts(
     else:
         calls = _KERNEL_CALLS if _plain(x2, ids, tw, w_gate_up, w_down, b_gate_up, b_down) else _OP_CALLS
     eti, offsets, tim = calls.dispatch(ids, E)
-    if (is_gated(activation) and settings.current().up_epilogue_activation
-            and not _differentiates(x2, w_gate_up, w_down, b_gate_up, b_down, tw)):
-        # Nothing to differentiate: h is never made. The up projection writes act(h), from
-        # its GEMM's epilogue on Hopper, and the down projection reads it.
+    if is_gated(activation) and not _differentiates(x2, w_gate_up, w_down, b_gate_up, b_down, tw):
+        # Nothing to differentiate: no h is needed after the forward, so none is made
+        # (settings.up_epilogue_activation, read where the kernels run: a traced graph
+        # must not read the settings). The up projection writes act(h), from its GEMM's
+        # epilogue on Hopper, and the down projection reads it.
         out = calls.layer(x2, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, args)
     elif recompute:
         out = _RecomputedLayer.apply(x2, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args, calls)
@@ -216,13 +217,8 @@ class _KernelCalls:
 
     @staticmethod
     def layer(x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, args):
-        activation, transposed, interleaved, alpha, limit = args
-        backend = forward_backend(x)
-        with _profiled("moeblaze::expert_up"):
-            _, a = backend.expert_up_activated(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, activation,
-                                               interleaved, alpha, limit, keep_h=False)
-        with _profiled("moeblaze::expert_down"):  # given act(h), its h argument serves for the row count
-            return backend.expert_down(a, w_down, eti, offsets, tim, tw, b_down, *args, activated=a)
+        return layer_kernels(forward_backend(x), x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down,
+                             *args, profiled=_profiled)
 
     @staticmethod
     def down_backward(grad_out, h, w_down, eti, offsets, tim, tw, b_down, args, need_w, in_place):
@@ -334,12 +330,12 @@ class _DownNode(torch.autograd.Function):
 class _RecomputedLayer(torch.autograd.Function):
     """expert_up + expert_down whose backward recomputes h instead of keeping it, and
     writes dH over the recomputed h (every route, traced too). Its forward needs no h
-    either: for a gated activation (``settings.up_epilogue_activation``) the up GEMM
-    writes act(h) alone (``expert_layer``)."""
+    either: for a gated activation it runs as ``expert_layer`` (the up GEMM writes act(h)
+    alone, where ``settings.up_epilogue_activation`` is on)."""
 
     @staticmethod
     def forward(x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args, calls):
-        if is_gated(args[0]) and settings.current().up_epilogue_activation:
+        if is_gated(args[0]):
             return calls.layer(x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, args)
         h = calls.up(x, w_gate_up, eti, offsets, tim, b_gate_up, args[1])
         return calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)

@@ -16,11 +16,13 @@ autograd saved from a checked forward).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from .. import settings
 from ..activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from ..checks import check_expert_down, check_expert_up, check_grad
 from . import document
@@ -383,7 +385,9 @@ def expert_layer(
     (on Hopper, where the Gluon kernel applies; elsewhere the GEMM then one activation
     pass), and the down projection and combine read it. Arguments as the two ops'.
 
-    ``moe_experts`` calls it where nothing is differentiated (``settings.up_epilogue_activation``).
+    ``moe_experts`` calls it for a gated activation where nothing is differentiated, and
+    in the forward of ``recompute=True``. With ``settings.up_epilogue_activation`` off it
+    makes h after all (the up projection, then the down projection activating h).
     Its autograd formula recomputes h, as ``moe_experts(..., recompute=True)`` does:
     ``expert_down_backward_recompute`` then ``expert_up_backward``.
     """
@@ -391,11 +395,27 @@ def expert_layer(
                  b_gate_up, b_down, activation, transposed)
     backend = forward_backend(x)
     backend.check_index_values("expert_layer", expert_token_indices, expert_offsets, token_index_map, x.shape[0])
-    _, a = backend.expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
-                                       b_gate_up, transposed, activation, interleaved, alpha, limit, keep_h=False)
-    # Given the activated rows, the down projection reads its h argument for the row count.
-    return backend.expert_down(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
-                               b_down, activation, transposed, interleaved, alpha, limit, activated=a)
+    return layer_kernels(backend, x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map,
+                         topk_weights, b_gate_up, b_down, activation, transposed, interleaved, alpha, limit)
+
+
+def layer_kernels(backend, x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, activation,
+                  transposed, interleaved, alpha, limit, profiled=contextlib.nullcontext):
+    """``expert_layer`` on ``backend``'s kernels, its arguments unchecked: act(h) from the
+    up projection where ``settings.up_epilogue_activation`` is on, else h, activated by the
+    down projection. ``profiled(name)`` wraps each projection (a profiler range)."""
+    if not settings.current().up_epilogue_activation:
+        with profiled("moeblaze::expert_up"):
+            h = backend.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+        with profiled("moeblaze::expert_down"):
+            return backend.expert_down(h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed,
+                                       interleaved, alpha, limit)
+    with profiled("moeblaze::expert_up"):
+        _, a = backend.expert_up_activated(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, activation,
+                                           interleaved, alpha, limit, keep_h=False)
+    with profiled("moeblaze::expert_down"):  # given act(h), its h argument serves for the row count
+        return backend.expert_down(a, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed,
+                                   interleaved, alpha, limit, activated=a)
 
 
 def _check_layer(x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, activation, transposed):
