@@ -129,6 +129,32 @@ def test_floats_an_activation_ignores_compile_nothing(seed):
     assert counter.frame_count == frames
 
 
+@pytest.mark.parametrize("grad,recompute", [(True, False), (True, True), (False, False)],
+                         ids=["default", "recompute", "no_grad"])
+def test_traced_code_reads_no_settings(grad, recompute, seed, monkeypatch):
+    """Dynamo never traces ``settings.current()``: the settings are read where kernels and
+    lowerings run. (A traced read makes Dynamo guard on a ``KernelSettings``, which torch
+    2.11 refuses with an assertion; 2.13 lets it pass.) Inside a traced frame
+    ``torch.compiler.is_compiling()`` is true, so the patched reader fails the compile."""
+    from moeblaze_ops import settings
+
+    read = settings.current
+
+    def current():
+        if torch.compiler.is_compiling():
+            raise AssertionError("settings.current() traced by Dynamo")
+        return read()
+
+    monkeypatch.setattr(settings, "current", current)
+    torch._dynamo.reset()
+    layer = make_layer(12, 16, 8, 4, 2, seed=seed, requires_grad=grad)
+    fn = torch.compile(lambda kw: moe_experts(**kw, recompute=recompute), backend="aot_eager", fullgraph=True)
+    out = fn(layer)
+    if grad:
+        out.sum().backward()
+    assert rel_err(out, moe_experts(**layer)) < 1e-6
+
+
 def test_hf_model_compiles_in_one_analysis(seed):
     """A tiny HF MoE with the moeblaze backend under torch.compile(fullgraph=True): one
     analysis (the backend hands moe_experts no float for gates that ignore alpha/limit)."""
