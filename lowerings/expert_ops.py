@@ -239,19 +239,22 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down=None,
                 activation="swiglu", transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA,
                 limit=CLAMPED_SWIGLU_LIMIT):
-    if not (settings.current().activation_pass and _templates_apply(h, index_positions=(3, 4))) \
-            or _op_runs_gluon("down", h, h.get_size()[0], w_down.get_size()[2 if transposed else 1],
-                              w_down.get_size()[1 if transposed else 2]):
+    args = (h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down, activation,
+            transposed, interleaved, alpha, limit)
+    if not (settings.current().activation_pass and _templates_apply(h, index_positions=(3, 4))):
+        return compat.fallback(_ops.expert_down.default, *args)
+    return _down_projection(*args)
+
+
+def _down_projection(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
+                     activation, transposed, interleaved, alpha, limit):
+    """``expert_down`` of h where the templates apply: the op where its GEMM runs on Gluon,
+    else the activation pass, then the down GEMM and the combine in column slabs."""
+    out_dim = 2 if transposed else 1  # w_down is [E, d, I], or [E, I, d] when transposed
+    if _op_runs_gluon("down", h, h.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim]):
         return compat.fallback(_ops.expert_down.default, h, w_down, expert_token_indices, expert_offsets,
                                token_index_map, topk_weights, b_down, activation, transposed, interleaved,
                                alpha, limit)
-    return _down_templates(h, w_down, expert_offsets, token_index_map, topk_weights, b_down, activation,
-                           transposed, interleaved, alpha, limit)
-
-
-def _down_templates(h, w_down, expert_offsets, token_index_map, topk_weights, b_down, activation, transposed,
-                    interleaved, alpha, limit):
-    out_dim = 2 if transposed else 1  # w_down is [E, d, I], or [E, I, d] when transposed
     a = activation_pass(h, w_down.get_size()[3 - out_dim], activation_code(activation), interleaved, alpha, limit)
     return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],
                          transposed, out_dim, topk_weights, b_down)
@@ -262,23 +265,17 @@ def expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, tok
                  b_gate_up=None, b_down=None, activation="swiglu", transposed=False, interleaved=False,
                  alpha=CLAMPED_SWIGLU_ALPHA, limit=CLAMPED_SWIGLU_LIMIT):
     """The op where its up GEMM runs on the Gluon kernel, whose epilogue writes act(h) (h
-    never made); elsewhere the up and down projections' templates, as ``expert_up`` and
-    ``expert_down`` lower (h made and read by the activation pass): the down projection
-    on the op where its GEMM runs on Gluon."""
-    args = (x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_gate_up,
-            b_down, activation, transposed, interleaved, alpha, limit)
+    never made); elsewhere the up projection's template writing h, then the down
+    projection as ``expert_down`` lowers it."""
     rows = expert_token_indices.get_size()[0]
     if not (settings.current().activation_pass and _templates_apply(x, index_positions=(3, 4))) \
             or _op_runs_gluon("up", x, rows, w_gate_up.get_size()[2 if transposed else 1], x.get_size()[1]):
-        return compat.fallback(_ops.expert_layer.default, *args)
+        return compat.fallback(_ops.expert_layer.default, x, w_gate_up, w_down, expert_token_indices,
+                               expert_offsets, token_index_map, topk_weights, b_gate_up, b_down, activation,
+                               transposed, interleaved, alpha, limit)
     h = row_gemm("up", x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed, rows)
-    if _op_runs_gluon("down", h, rows, w_down.get_size()[2 if transposed else 1],
-                      w_down.get_size()[1 if transposed else 2]):
-        return compat.fallback(_ops.expert_down.default, h, w_down, expert_token_indices, expert_offsets,
-                               token_index_map, topk_weights, b_down, activation, transposed, interleaved,
-                               alpha, limit)
-    return _down_templates(h, w_down, expert_offsets, token_index_map, topk_weights, b_down, activation,
-                           transposed, interleaved, alpha, limit)
+    return _down_projection(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
+                            activation, transposed, interleaved, alpha, limit)
 
 
 # --------------------------------------------------------------------------- backward
