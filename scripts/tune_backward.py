@@ -59,10 +59,10 @@ def kernels(T, d, I, E, K, device="cuda"):
                   limit=CLAMPED_SWIGLU_LIMIT)
 
     def dh():
-        n_parts = triton.cdiv(I, tb.dh_part_columns(go, h, wd, act=swiglu["act"], transposed=False, interleaved=False,
-                                                    has_bias=False))
+        gluon = tb.dh_gluon_module(go, h, wd, act=swiglu["act"], transposed=False, interleaved=False, has_bias=False)
+        n_parts = triton.cdiv(I, tb.dh_part_columns(gluon, h, I))
         part = parts[:LK * n_parts].view(LK, n_parts)  # contiguous, as the kernel indexes it
-        tb.launch_dh(go, h, wd, eti, w, tim, offs, None, grad_h, wact, part, bdot, transposed=False, **swiglu)
+        tb.launch_dh(gluon, go, h, wd, eti, w, tim, offs, None, grad_h, wact, part, bdot, transposed=False, **swiglu)
 
     def dx():  # h stands in for dH (same shape)
         te.launch_gathered_gemm(h, None, wgu, None, offs, rows, True, "dx")

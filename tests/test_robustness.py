@@ -377,25 +377,31 @@ def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
     w_down = torch.randn(E, d, I)
     grad_out = torch.randn(L, d)
     operands = dict(act=0, transposed=False, interleaved=False, has_bias=False)
+
+    def part_columns():
+        return tb.dh_part_columns(tb.dh_gluon_module(grad_out, h, w_down, **operands), h, I)
+
     tl_columns = tb.dh_tile(h, I).block_n
     assert tl_columns != 64
     with settings.override(gluon=settings.current().gluon - {"dh"}):
-        assert tb.dh_part_columns(grad_out, h, w_down, **operands) == tl_columns
+        assert part_columns() == tl_columns
     with settings.override(dh_wide_min_columns=I):
-        assert tb.dh_part_columns(grad_out, h, w_down, **operands) == tb.dh_tile(h, I).block_n
+        assert part_columns() == tb.dh_tile(h, I).block_n
         with settings.override(tiles={"dh": settings.GemmTile(128, 128, 64, 4, 4)}):  # a "dh" override: every width
-            assert tb.dh_part_columns(grad_out, h, w_down, **operands) == 64
+            assert part_columns() == 64
     tuned = settings.GemmTile(128, 128, 64, 4, 5)
     assert "dh" in settings.current().gluon
     with settings.override(row_band=3, dh_wide_min_columns=I + 1):
-        assert tb.dh_part_columns(grad_out, h, w_down, **operands) == 64
+        assert part_columns() == 64
+        gluon = tb.dh_gluon_module(grad_out, h, w_down, **operands)
+        assert gluon is fake
         parts = torch.empty(L * K, gg.cdiv(I, 64))
-        args = (grad_out, h, w_down, None, torch.rand(L, K), None, None, None, h, None, parts, None)
+        args = (gluon, grad_out, h, w_down, None, torch.rand(L, K), None, None, None, h, None, parts, None)
         tb.launch_dh(*args, act=0, transposed=False, interleaved=False, alpha=1.0, limit=7.0)
         with settings.override(tiles={"dh": tuned}):
             tb.launch_dh(*args, act=0, transposed=False, interleaved=False, alpha=1.0, limit=7.0)
         fake.applies = lambda *a: False
-        assert tb.dh_part_columns(grad_out, h, w_down, **operands) == tl_columns
+        assert part_columns() == tl_columns
     assert [kwargs["tile"] for _, kwargs in launches] == [fake.TILE, tuned]
     assert all(kwargs["band"] == 3 and args[9] is parts for args, kwargs in launches)
 

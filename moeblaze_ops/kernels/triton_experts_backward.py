@@ -288,9 +288,10 @@ def _epilogue_slices(block_n, columns):
     return 1 if columns is None else min(4, max(1, block_n // columns))
 
 
-def _gluon_dh(grad_out, h, w_down, act, transposed, interleaved, has_bias):
-    """``kernels.gluon_dh`` where ``settings.gluon`` names "dh" and it applies, else None.
-    Wide layers (``_dh_is_wide``) take the wide ``tl`` tile instead."""
+def dh_gluon_module(grad_out, h, w_down, *, act, transposed, interleaved, has_bias):
+    """The kernel dH runs on for these operands: ``kernels.gluon_dh`` where
+    ``settings.gluon`` names "dh" and it applies, else None (``_dh_kernel``). Wide layers
+    (``_dh_is_wide``) take the wide ``tl`` tile instead."""
     E, d, I = linear_dims(w_down, transposed)
     if _dh_is_wide(I):
         return None
@@ -301,24 +302,23 @@ def _gluon_dh(grad_out, h, w_down, act, transposed, interleaved, has_bias):
     return gluon
 
 
-def dh_part_columns(grad_out, h, w_down, *, act, transposed, interleaved, has_bias):
-    """Columns of each router partial ``launch_dh`` writes per row for these operands: the
-    partials buffer is [L*K, cdiv(I, this)]."""
-    gluon = _gluon_dh(grad_out, h, w_down, act, transposed, interleaved, has_bias)
-    return gluon.PART_COLUMNS if gluon is not None else dh_tile(h, linear_dims(w_down, transposed)[2]).block_n
+def dh_part_columns(gluon, h, I):
+    """Columns of each router partial ``launch_dh`` writes per row on ``gluon`` (a
+    ``dh_gluon_module`` result) for an h of I intermediate columns: the partials buffer is
+    [L*K, cdiv(I, this)]."""
+    return gluon.PART_COLUMNS if gluon is not None else dh_tile(h, I).block_n
 
 
-def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad_h, wact, parts, bdot, *, act,
-              transposed, interleaved, alpha, limit):
+def launch_dh(gluon, grad_out, h, w_down, eti, topk_weights, tim, offsets, b_down, grad_h, wact, parts, bdot, *,
+              act, transposed, interleaved, alpha, limit):
     """dH (into ``grad_h``, which may be ``h``), the router partials (``parts``: [L*K,
     cdiv(I, dh_part_columns)]), and ``wact`` = w * act(h) (the down weight gradient's
-    operand) unless it is None. On the Gluon kernel where ``settings.gluon`` names "dh"
-    and it applies (a "dh" tile in ``settings.tiles`` is then its MMA warpgroups' tile),
-    else on ``_dh_kernel``."""
+    operand) unless it is None. On ``gluon``, the Gluon module ``dh_gluon_module`` picked for
+    these operands (a "dh" tile in ``settings.tiles`` is then its MMA warpgroups' tile), or
+    where it is None on ``_dh_kernel``."""
     E, d, I = linear_dims(w_down, transposed)
     config = settings.current()
     fast = gg.fast_sigmoid(h, config.dh_fast_activation)
-    gluon = _gluon_dh(grad_out, h, w_down, act, transposed, interleaved, b_down is not None)
     if gluon is not None:
         gluon.launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact, parts, act=int(act),
                         transposed=transposed, alpha=alpha, limit=limit, fast_activation=fast, band=config.row_band,
@@ -373,12 +373,14 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
         return grad_h, grad_w, grad_b, grad_tw
     # w * act(h), for the weight gradient: written by the dH epilogue (a transient, half of h).
     wact = gg.empty(LK, I, dtype=h.dtype, device=dev) if need_weight_grad else None
-    n_parts = max(1, gg.cdiv(I, dh_part_columns(grad_out, h, w_down, act=act, transposed=transposed,
-                                                interleaved=interleaved, has_bias=b_down is not None)))
+    gluon = dh_gluon_module(grad_out, h, w_down, act=act, transposed=transposed, interleaved=interleaved,
+                     has_bias=b_down is not None)
+    n_parts = max(1, gg.cdiv(I, dh_part_columns(gluon, h, I)))
     parts = torch.empty(LK, n_parts, dtype=torch.float32, device=dev)
     bdot = torch.empty(LK, dtype=torch.float32, device=dev)
-    launch_dh(grad_out, h, w_down, expert_token_indices, topk_weights, token_index_map, expert_offsets, b_down, grad_h,
-              wact, parts, bdot, act=act, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit)
+    launch_dh(gluon, grad_out, h, w_down, expert_token_indices, topk_weights, token_index_map, expert_offsets, b_down,
+              grad_h, wact, parts, bdot, act=act, transposed=transposed, interleaved=interleaved, alpha=alpha,
+              limit=limit)
     BLOCK = 256
     launch(
         _router_grad_kernel, (gg.cdiv(LK, BLOCK),),
