@@ -76,6 +76,11 @@ def moe_experts(
             themselves: Inductor's lowering writes dH over h where AOTAutograd donated
             h to the backward.
 
+    With a gated activation and nothing to differentiate (``torch.no_grad()``, inference),
+    and in ``recompute=True``'s forward, no h is made: the layer runs as the op
+    ``expert_layer``, whose up GEMM writes act(h) for the down GEMM to read
+    (``settings.up_epilogue_activation``).
+
     Not supported, with a clear error: ``torch.func`` transforms (``grad``, ``vmap``,
     ``jacrev``, ...; torch's custom-op autograd does not run under them: use
     ``torch.autograd.grad`` or ``.backward()``, and put a batch in the leading dimensions
