@@ -34,6 +34,30 @@ def test_gradcheck(activation, layout, bias, seed):
     assert torch.autograd.gradcheck(f, [layer[k] for k in names]), f"seed={seed}"
 
 
+@pytest.mark.parametrize("frozen", [(), ("w_gate_up", "b_gate_up", "x"), ("w_down", "b_down", "topk_weights")],
+                         ids=["all", "up_frozen", "down_frozen"])
+@pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
+                                               ("gelu", "transposed")])
+def test_expert_layer_gradients(activation, layout, frozen, seed):
+    """``moeblaze::expert_layer``'s autograd formula (h recomputed; ``moe_experts`` calls the
+    op only where nothing is differentiated, so only a direct call reaches it): gradcheck
+    in float64 on sentinels and an empty expert, inputs in ``frozen`` left out."""
+    layer = make_layer(7, 4, 3, 4, 2, dtype=torch.float64, activation=activation, layout=layout, bias=True,
+                       routing="no_last", sentinel_frac=0.3, seed=seed)
+    ops = torch.ops.moeblaze
+    eti, offsets, tim = ops.dispatch(layer["topk_ids"], 4)
+    names = [k for k in _grad_inputs(layer) if k not in frozen]
+
+    def f(*tensors):
+        t = {**layer, **dict(zip(names, tensors))}
+        return ops.expert_layer(t["x"], t["w_gate_up"], t["w_down"], eti, offsets, tim, t["topk_weights"],
+                                t["b_gate_up"], t["b_down"], activation, layer["transposed"], layer["interleaved"],
+                                1.702, 1.0)
+
+    inputs = [layer[k].detach().clone().requires_grad_(True) for k in names]
+    assert torch.autograd.gradcheck(f, inputs), f"seed={seed}"
+
+
 def test_gradcheck_sentinels_and_empty_expert(seed):
     layer = make_layer(7, 4, 3, 4, 2, dtype=torch.float64, routing="no_last", sentinel_frac=0.3, bias=True,
                        seed=seed, requires_grad=True)
