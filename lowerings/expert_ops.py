@@ -15,6 +15,8 @@
   down projection's pattern on dH (``row_gemm`` per slab, then an unweighted
   ``combine``); the weight gradients stay the op's kernels.
 - ``expert_down_backward``: the op's kernels, in place over h where h is donated to it.
+- ``dispatch``: the op's kernels, as an extern call (through its internal twin under
+  ``settings.lean_graph_calls``, as the backward ops).
 
 Each lowering falls back to the op's own kernel (an extern call, as for an op without a
 lowering) where the templates do not apply: tensors not on CUDA, float64,
@@ -223,6 +225,13 @@ def combined_rows(kind, a, b, offsets, token_index_map, num_tokens, transposed, 
 # --------------------------------------------------------------------------- the lowerings
 
 
+@compat.register_lowering(_ops.dispatch.default, type_promotion_kind=None)
+def dispatch(topk_ids, num_experts):
+    """The op's kernels (with their device-side checks of the ids), as an extern call; its
+    arguments' shapes were checked when the graph was traced."""
+    return compat.fallback(_graph_call("dispatch"), topk_ids, num_experts)
+
+
 @compat.register_lowering(_ops.expert_up.default, type_promotion_kind=None)
 def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up=None,
               transposed=False):
@@ -303,14 +312,15 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
     return grad_x, grad_w, grad_b
 
 
-#: The internal op (``ops.graph_calls``) of each backward op the lowerings call as an extern kernel.
-_INTERNAL = {"expert_up_backward": "_up_backward_kernels", "expert_down_backward": "_down_backward_kernels",
-             "expert_down_backward_": "_down_backward_kernels_"}
+#: The internal op (``ops.graph_calls``) of each op the lowerings call as an extern kernel
+#: with nothing left to check: ``dispatch`` and the backward ops.
+_INTERNAL = {"dispatch": "_dispatch_kernels", "expert_up_backward": "_up_backward_kernels",
+             "expert_down_backward": "_down_backward_kernels", "expert_down_backward_": "_down_backward_kernels_"}
 
 
 def _graph_call(op: str):
-    """The op a compiled graph calls for backward op ``op``: the public one, or its internal
-    twin under ``settings.lean_graph_calls``."""
+    """The op a compiled graph calls for op ``op``: the public one, or its internal twin
+    under ``settings.lean_graph_calls``."""
     return getattr(_ops, _INTERNAL[op] if settings.current().lean_graph_calls else op).default
 
 

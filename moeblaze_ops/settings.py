@@ -205,8 +205,8 @@ class KernelSettings:
             "dx", the input gradient of the up projection (a ``row_gemm`` on dH and an
             unweighted ``combine``, as the forward's down projection and combine); the
             op's kernels then make the weight gradients alone. Empty: the op makes all.
-        lean_graph_calls: compiled graphs call the backward kernels the lowerings keep as
-            extern calls through internal ops defined with the low-level ``torch.library``
+        lean_graph_calls: compiled graphs call ``dispatch`` and the backward kernels the
+            lowerings keep as extern calls through internal ops defined with the low-level ``torch.library``
             API (``ops.graph_calls``), which cost the host a dispatcher call, not the
             public custom ops' Python wrappers, and skip the argument checks the traced
             graph already passed.

@@ -92,6 +92,8 @@ def op_calls(x, ids, w, wgu, wd, n):
         "expert_down_backward_ (in place)": (lambda: torch.ops.moeblaze.expert_down_backward_(*down_args),
                                              lambda: backend.expert_down_backward(*down_args, in_place=True)),
         # The internal ops compiled graphs call under settings.lean_graph_calls (ops.graph_calls).
+        "_dispatch_kernels": (lambda: torch.ops.moeblaze._dispatch_kernels(ids, wgu.shape[0]),
+                              lambda: backend.dispatch(ids, wgu.shape[0])),
         "_up_backward_kernels": (lambda: torch.ops.moeblaze._up_backward_kernels(*up_args),
                                  lambda: backend.expert_up_backward(*up_args, True, True)),
         "_down_backward_kernels_": (lambda: torch.ops.moeblaze._down_backward_kernels_(*down_args),

@@ -149,7 +149,8 @@ def test_compiled_backward_writes_dh_over_h(lean, seed):
     AOTAutograd donated to it (h and dH never both exist, as in eager), with eager's
     gradients; a second backward through that graph is refused rather than reading the
     overwritten h. Under ``settings.lean_graph_calls`` the graph calls the internal ops
-    (``ops.graph_calls``) instead of the public ones, with the same gradients."""
+    (``ops.graph_calls``) instead of the public ones, dispatch's too, with the same
+    gradients."""
     from torch._inductor.utils import run_and_get_code
 
     layer = make_layer(24, 16, 8, 4, 2, seed=seed)
@@ -161,9 +162,12 @@ def test_compiled_backward_writes_dh_over_h(lean, seed):
                     ("expert_down_backward_", "expert_up_backward"))
         assert any(f"torch.ops.moeblaze.{down}.default(" in code for code in codes)
         assert any(f"torch.ops.moeblaze.{up}.default(" in code for code in codes)
-        if lean:  # no call of the public backward ops left
+        dispatch = "_dispatch_kernels" if lean else "dispatch"
+        assert any(f"torch.ops.moeblaze.{dispatch}.default(" in code for code in codes)
+        if lean:  # no call of the public dispatch or backward ops left
             assert not any(f"torch.ops.moeblaze.{op}.default(" in code for code in codes
-                           for op in ("expert_down_backward_", "expert_down_backward", "expert_up_backward"))
+                           for op in ("dispatch", "expert_down_backward_", "expert_down_backward",
+                                      "expert_up_backward"))
         for g, ref in zip(grads, _grads(_loss, layer)[1]):
             assert rel_err(g, ref) < 1e-6
         with pytest.raises(RuntimeError, match="retain_graph"):

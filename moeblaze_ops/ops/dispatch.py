@@ -38,7 +38,9 @@ def dispatch(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor
 
 
 @dispatch.register_fake
-def _(topk_ids, num_experts):
+def dispatch_like(topk_ids, num_experts):
+    """Empty tensors shaped as ``dispatch``'s outputs, after its argument checks (the fake
+    functions)."""
     check_dispatch(topk_ids, num_experts)
     rows = topk_ids.shape[0] * topk_ids.shape[1]
     return (

@@ -1,5 +1,5 @@
-"""Internal ops through which compiled graphs call the backward kernels that the lowerings
-keep as extern calls, where ``settings.lean_graph_calls`` asks for them.
+"""Internal ops through which compiled graphs call ``dispatch`` and the backward kernels
+that the lowerings keep as extern calls, where ``settings.lean_graph_calls`` asks for them.
 
 A call of a ``torch.library.custom_op`` runs Python wrappers around the op's function:
 autograd, ``torch._disable_dynamo``, the backend redispatch and, for an op that mutates
@@ -10,7 +10,8 @@ compiled layer calls two backward ops a step.
 
 These ops call the backend's kernels without the public ops' argument checks: those ran
 on the fake tensors when the graph was traced, and the index arrays are the forward's,
-which checked them. They are not public. They have no autograd (a compiled backward runs
+which checked them. (The data checks of ``topk_ids``, negative or repeated ids, stay: they
+are part of the dispatch kernels.) They are not public. They have no autograd (a compiled backward runs
 without grad), and the in-place form bumps no version counter (its h is a buffer the
 compiled backward owns).
 """
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import backward_backend
+from ..kernels import backward_backend, forward_backend
+from .dispatch import dispatch_like
 from .experts import _check_down_backward, _check_up_backward, _down_grads_like, _up_grads_like
 
 _lib = torch.library.Library("moeblaze", "FRAGMENT")
@@ -29,9 +31,14 @@ _UP = ("Tensor grad_h, Tensor x, Tensor w_gate_up, Tensor expert_token_indices, 
 _DOWN = ("Tensor grad_out, Tensor{mutated} h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, "
          "Tensor token_index_map, Tensor topk_weights, Tensor? b_down, str activation, bool transposed, "
          "bool interleaved, float alpha, float limit, bool need_weight_grad=True")
+_lib.define("_dispatch_kernels(Tensor topk_ids, SymInt num_experts) -> (Tensor, Tensor, Tensor)")
 _lib.define(f"_up_backward_kernels({_UP}) -> (Tensor, Tensor, Tensor)")
 _lib.define(f"_down_backward_kernels({_DOWN.format(mutated='')}) -> (Tensor, Tensor, Tensor, Tensor)")
 _lib.define(f"_down_backward_kernels_({_DOWN.format(mutated='(a!)')}) -> (Tensor, Tensor, Tensor)")
+
+
+def _dispatch_kernels(topk_ids, num_experts):
+    return forward_backend(topk_ids).dispatch(topk_ids, num_experts)
 
 
 def _up_backward_kernels(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed, need_input_grad=True,
@@ -54,8 +61,11 @@ def _down_backward_kernels_(grad_out, h, w_down, eti, offsets, tim, topk_weights
                                                     need_weight_grad=need_weight_grad)[1:]
 
 
-for _fn in (_up_backward_kernels, _down_backward_kernels, _down_backward_kernels_):
+for _fn in (_dispatch_kernels, _up_backward_kernels, _down_backward_kernels, _down_backward_kernels_):
     _lib.impl(_fn.__name__, _fn, "CompositeExplicitAutograd")
+
+
+torch.library.register_fake("moeblaze::_dispatch_kernels", dispatch_like, lib=_lib)
 
 
 @torch.library.register_fake("moeblaze::_up_backward_kernels", lib=_lib)
