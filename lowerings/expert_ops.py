@@ -19,7 +19,9 @@
   ``settings.lean_graph_calls``, as the backward ops).
 
 Each lowering falls back to the op's own kernel (an extern call, as for an op without a
-lowering) where the templates do not apply: tensors not on CUDA, float64,
+lowering; under ``settings.lean_graph_calls`` through its internal twin in
+``ops.graph_calls``, which skips the checks, where the index arrays come from a
+``dispatch`` in the same graph) where the templates do not apply: tensors not on CUDA, float64,
 ``settings.backend == "torch"``, ``settings.activation_pass`` off, and index arrays
 that do not come straight from ``moeblaze::dispatch`` in the same graph (the op checks
 such arrays' values; the templates do not); and where the op would run the GEMM on its
@@ -45,6 +47,7 @@ from moeblaze_ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT,
 from moeblaze_ops.kernels import grouped_gemm as gg
 from moeblaze_ops.kernels.triton_combine import COMBINE_TILE, column_slabs
 from moeblaze_ops.kernels.triton_experts import ACTIVATION_TILE
+from moeblaze_ops.ops import graph_calls
 
 from . import compat, templates
 
@@ -52,6 +55,11 @@ _ops = torch.ops.moeblaze
 
 
 # --------------------------------------------------------------------------- when the templates apply
+
+# FX argument positions of the index arrays (expert_token_indices, expert_offsets,
+# token_index_map) in each forward op.
+_UP_INDEX_ARRAYS = _DOWN_INDEX_ARRAYS = (2, 3, 4)
+_LAYER_INDEX_ARRAYS = (3, 4, 5)
 
 
 def _from_dispatch(arg) -> bool:
@@ -235,11 +243,11 @@ def dispatch(topk_ids, num_experts):
 @compat.register_lowering(_ops.expert_up.default, type_promotion_kind=None)
 def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up=None,
               transposed=False):
-    if not _templates_apply(x, index_positions=(2, 3)) \
+    if not _templates_apply(x, index_positions=_UP_INDEX_ARRAYS) \
             or _op_runs_gluon("up", x, expert_token_indices.get_size()[0],
                               w_gate_up.get_size()[2 if transposed else 1], x.get_size()[1]):
-        return compat.fallback(_ops.expert_up.default, x, w_gate_up, expert_token_indices, expert_offsets,
-                               token_index_map, b_gate_up, transposed)
+        return compat.fallback(_graph_call("expert_up", _UP_INDEX_ARRAYS), x, w_gate_up, expert_token_indices,
+                               expert_offsets, token_index_map, b_gate_up, transposed)
     return row_gemm("up", x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed,
                     expert_token_indices.get_size()[0])
 
@@ -250,20 +258,21 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
                 limit=CLAMPED_SWIGLU_LIMIT):
     args = (h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down, activation,
             transposed, interleaved, alpha, limit)
-    if not (settings.current().activation_pass and _templates_apply(h, index_positions=(3, 4))):
-        return compat.fallback(_ops.expert_down.default, *args)
-    return _down_projection(*args)
+    if not (settings.current().activation_pass and _templates_apply(h, index_positions=_DOWN_INDEX_ARRAYS)):
+        return compat.fallback(_graph_call("expert_down", _DOWN_INDEX_ARRAYS), *args)
+    return _down_projection(*args, index_positions=_DOWN_INDEX_ARRAYS)
 
 
 def _down_projection(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-                     activation, transposed, interleaved, alpha, limit):
+                     activation, transposed, interleaved, alpha, limit, index_positions):
     """``expert_down`` of h where the templates apply: the op where its GEMM runs on Gluon,
-    else the activation pass, then the down GEMM and the combine in column slabs."""
+    else the activation pass, then the down GEMM and the combine in column slabs. The
+    index arrays are at FX argument ``index_positions`` of the node being lowered."""
     out_dim = 2 if transposed else 1  # w_down is [E, d, I], or [E, I, d] when transposed
     if _op_runs_gluon("down", h, h.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim]):
-        return compat.fallback(_ops.expert_down.default, h, w_down, expert_token_indices, expert_offsets,
-                               token_index_map, topk_weights, b_down, activation, transposed, interleaved,
-                               alpha, limit)
+        return compat.fallback(_graph_call("expert_down", index_positions), h, w_down, expert_token_indices,
+                               expert_offsets, token_index_map, topk_weights, b_down, activation, transposed,
+                               interleaved, alpha, limit)
     a = activation_pass(h, w_down.get_size()[3 - out_dim], activation_code(activation), interleaved, alpha, limit)
     return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],
                          transposed, out_dim, topk_weights, b_down)
@@ -277,14 +286,14 @@ def expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, tok
     never made); elsewhere the up projection's template writing h, then the down
     projection as ``expert_down`` lowers it."""
     rows = expert_token_indices.get_size()[0]
-    if not (settings.current().activation_pass and _templates_apply(x, index_positions=(3, 4))) \
+    if not (settings.current().activation_pass and _templates_apply(x, index_positions=_LAYER_INDEX_ARRAYS)) \
             or _op_runs_gluon("up", x, rows, w_gate_up.get_size()[2 if transposed else 1], x.get_size()[1]):
-        return compat.fallback(_ops.expert_layer.default, x, w_gate_up, w_down, expert_token_indices,
-                               expert_offsets, token_index_map, topk_weights, b_gate_up, b_down, activation,
-                               transposed, interleaved, alpha, limit)
+        return compat.fallback(_graph_call("expert_layer", _LAYER_INDEX_ARRAYS), x, w_gate_up, w_down,
+                               expert_token_indices, expert_offsets, token_index_map, topk_weights, b_gate_up,
+                               b_down, activation, transposed, interleaved, alpha, limit)
     h = row_gemm("up", x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed, rows)
     return _down_projection(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-                            activation, transposed, interleaved, alpha, limit)
+                            activation, transposed, interleaved, alpha, limit, index_positions=_LAYER_INDEX_ARRAYS)
 
 
 # --------------------------------------------------------------------------- backward
@@ -312,16 +321,22 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
     return grad_x, grad_w, grad_b
 
 
-#: The internal op (``ops.graph_calls``) of each op the lowerings call as an extern kernel
-#: with nothing left to check: ``dispatch`` and the backward ops.
+#: The internal op (``ops.graph_calls``) of each op the lowerings call as an extern kernel.
 _INTERNAL = {"dispatch": "_dispatch_kernels", "expert_up_backward": "_up_backward_kernels",
-             "expert_down_backward": "_down_backward_kernels", "expert_down_backward_": "_down_backward_kernels_"}
+             "expert_down_backward": "_down_backward_kernels", "expert_down_backward_": "_down_backward_kernels_",
+             **{public: twin for twin, public in graph_calls.FORWARD_TWINS.items()}}
 
 
-def _graph_call(op: str):
+def _graph_call(op: str, index_positions=()):
     """The op a compiled graph calls for op ``op``: the public one, or its internal twin
-    under ``settings.lean_graph_calls``."""
-    return getattr(_ops, _INTERNAL[op] if settings.current().lean_graph_calls else op).default
+    under ``settings.lean_graph_calls``. A forward op's twin checks nothing, so it is taken
+    only where the index arrays (FX argument ``index_positions`` of the node being
+    lowered) come from a ``dispatch`` in this graph; the backward ops' come from a checked
+    forward."""
+    args = V.graph.current_node.args
+    lean = settings.current().lean_graph_calls and all(
+        _from_dispatch(args[i] if i < len(args) else None) for i in index_positions)
+    return getattr(_ops, _INTERNAL[op] if lean else op).default
 
 
 def _donated_and_last_use(node, position) -> bool:

@@ -205,11 +205,13 @@ class KernelSettings:
             "dx", the input gradient of the up projection (a ``row_gemm`` on dH and an
             unweighted ``combine``, as the forward's down projection and combine); the
             op's kernels then make the weight gradients alone. Empty: the op makes all.
-        lean_graph_calls: compiled graphs call ``dispatch`` and the backward kernels the
-            lowerings keep as extern calls through internal ops defined with the low-level ``torch.library``
-            API (``ops.graph_calls``), which cost the host a dispatcher call, not the
-            public custom ops' Python wrappers, and skip the argument checks the traced
-            graph already passed.
+        lean_graph_calls: compiled graphs call the kernels the lowerings keep as extern
+            calls (``dispatch``, the forward ops on Gluon, the backward ops) through
+            internal ops defined with the low-level ``torch.library`` API
+            (``ops.graph_calls``), which cost the host a dispatcher call, not the public
+            custom ops' Python wrappers, and skip the argument checks the traced graph
+            already passed (a forward op's twin, also the index arrays' value check: only
+            for arrays the graph's own ``dispatch`` made).
         launch_plans: repeated Triton launches skip the JIT's argument binding and cache
             lookup (``kernels.launch``): the compiled kernel found for the first call of
             a kind of arguments is launched directly from then on.

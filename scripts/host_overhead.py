@@ -94,6 +94,10 @@ def op_calls(x, ids, w, wgu, wd, n):
         # The internal ops compiled graphs call under settings.lean_graph_calls (ops.graph_calls).
         "_dispatch_kernels": (lambda: torch.ops.moeblaze._dispatch_kernels(ids, wgu.shape[0]),
                               lambda: backend.dispatch(ids, wgu.shape[0])),
+        "_up_kernels": (lambda: torch.ops.moeblaze._up_kernels(x, wgu, eti, offsets, tim),
+                        lambda: backend.expert_up(x, wgu, eti, offsets, tim, None, False)),
+        "_down_kernels": (lambda: torch.ops.moeblaze._down_kernels(*down_args[1:]),
+                          lambda: backend.expert_down(*down_args[1:])),
         "_up_backward_kernels": (lambda: torch.ops.moeblaze._up_backward_kernels(*up_args),
                                  lambda: backend.expert_up_backward(*up_args, True, True)),
         "_down_backward_kernels_": (lambda: torch.ops.moeblaze._down_backward_kernels_(*down_args),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moeblaze_ops import moe_experts, settings
+from moeblaze_ops.ops.graph_calls import FORWARD_TWINS
 from moeblaze_ops.testing import make_layer, rel_err
 
 LAYER_ARGS = ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")
@@ -111,23 +112,56 @@ def test_combine_template_renders(weighted):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("lean", [True, False], ids=["lean_graph_calls", "public_ops"])
 @pytest.mark.parametrize("up_epilogue_activation", [True, False])
-def test_cpu_falls_back_to_the_ops(up_epilogue_activation, seed):
+def test_cpu_falls_back_to_the_ops(up_epilogue_activation, lean, seed):
     """On CPU the lowering calls the ops' own kernels: the compiled graph (nothing to
     differentiate) calls ``expert_layer`` (which makes h after all with
-    ``settings.up_epilogue_activation`` off) and matches eager."""
+    ``settings.up_epilogue_activation`` off), through its unchecked internal twin under
+    ``settings.lean_graph_calls`` (the index arrays come from the graph's dispatch), and
+    matches eager."""
     from torch._inductor.utils import run_and_get_code
 
     layer = make_layer(24, 16, 8, 4, 2, seed=seed)
     residual = torch.randn_like(layer["x"])
     args = [layer[k] for k in LAYER_ARGS] + [residual]
     torch._dynamo.reset()
-    with settings.override(up_epilogue_activation=up_epilogue_activation):
+    with settings.override(up_epilogue_activation=up_epilogue_activation, lean_graph_calls=lean):
         out, (code,) = run_and_get_code(torch.compile(residual_moe, fullgraph=True), *args)
-    for op in ("expert_layer", "expert_up", "expert_down"):
-        assert (f"torch.ops.moeblaze.{op}.default(" in code) == (op == "expert_layer"), op
+    called = {"_layer_kernels", "_dispatch_kernels"} if lean else {"expert_layer", "dispatch"}
+    for op in ("expert_layer", "_layer_kernels", "dispatch", "_dispatch_kernels", "expert_up", "expert_down",
+               "_up_kernels", "_down_kernels"):
+        assert (f"torch.ops.moeblaze.{op}.default(" in code) == (op in called), op
     with settings.override(up_epilogue_activation=up_epilogue_activation):
         assert rel_err(out, residual_moe(*args)) < 1e-6
+
+
+@pytest.mark.slow
+def test_forward_twins_only_for_the_graphs_own_index_arrays(seed):
+    """Index arrays that a compiled graph takes as inputs (not made by its own dispatch)
+    reach the public, checking ops even under ``settings.lean_graph_calls``; made by its
+    dispatch, they reach the internal twins. Both match eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    layer = make_layer(24, 16, 8, 4, 2, seed=seed)
+    ops = torch.ops.moeblaze
+    eti, offsets, tim = ops.dispatch(layer["topk_ids"], 4)
+
+    def given_arrays(x, w_gate_up, w_down, topk_weights, eti, offsets, tim):
+        h = ops.expert_up(x, w_gate_up, eti, offsets, tim)
+        return ops.expert_down(h, w_down, eti, offsets, tim, topk_weights)
+
+    def own_arrays(x, w_gate_up, w_down, topk_weights, topk_ids):
+        return given_arrays(x, w_gate_up, w_down, topk_weights, *ops.dispatch(topk_ids, 4))
+
+    tensors = [layer[k] for k in ("x", "w_gate_up", "w_down", "topk_weights")]
+    for fn, extra, twins in ((given_arrays, [eti, offsets, tim], False), (own_arrays, [layer["topk_ids"]], True)):
+        torch._dynamo.reset()
+        out, (code,) = run_and_get_code(torch.compile(fn, fullgraph=True), *tensors, *extra)
+        for public, twin in (("expert_up", "_up_kernels"), ("expert_down", "_down_kernels")):
+            assert (f"torch.ops.moeblaze.{twin}.default(" in code) == twins, twin
+            assert (f"torch.ops.moeblaze.{public}.default(" in code) == (not twins), public
+        assert rel_err(out, given_arrays(*tensors, eti, offsets, tim)) < 1e-6
 
 
 def _loss(x, topk_ids, topk_weights, w_gate_up, w_down):
@@ -211,8 +245,8 @@ def test_templates_run_the_layer(column_slab, row_band, seed):
         out, code = _compiled_code(moe_experts, *[layer[k] for k in LAYER_ARGS])
     for helper in TEMPLATE_HELPERS:
         assert helper in code
-    assert "torch.ops.moeblaze.expert_up.default(" not in code
-    assert "torch.ops.moeblaze.expert_down.default(" not in code
+    for op in ("expert_up", "expert_down", "expert_layer", *FORWARD_TWINS):
+        assert f"torch.ops.moeblaze.{op}.default(" not in code, op
     assert rel_err(out, _reference(layer)) < 1e-2
 
 
@@ -223,8 +257,9 @@ def test_templates_run_the_layer(column_slab, row_band, seed):
 def test_gemms_on_gluon_kernels_call_the_ops(gluon, seed):
     """Where the op would run a GEMM on its Gluon kernel (Hopper, ``settings.gluon``, at
     least ``settings.small_gemm_flop`` operations: here any), the compiled graph calls the
-    op instead of a ``tl`` template, forward and backward (dX); with ``gluon`` empty the
-    same sizes run as templates. Either way the layer and its gradients match."""
+    op (its internal twin: ``settings.lean_graph_calls``) instead of a ``tl`` template,
+    forward and backward (dX); with ``gluon`` empty the same sizes run as templates.
+    Either way the layer and its gradients match."""
     from torch._inductor.utils import run_and_get_code
 
     layer = _gpu_layer(seed)
@@ -233,8 +268,8 @@ def test_gemms_on_gluon_kernels_call_the_ops(gluon, seed):
         (_, got), codes = run_and_get_code(lambda: _grads(torch.compile(_loss, fullgraph=True), layer))
         _, expected = _grads(_loss, layer)
     code = "\n".join(codes)
-    assert ("torch.ops.moeblaze.expert_up.default(" in code) == gluon
-    assert ("torch.ops.moeblaze.expert_down.default(" in code) == gluon
+    assert ("torch.ops.moeblaze._up_kernels.default(" in code) == gluon
+    assert ("torch.ops.moeblaze._down_kernels.default(" in code) == gluon
     assert ("import gathered_gemm_tile" in code) == (not gluon)  # no row GEMM template, forward or dX
     for name, g, ref in zip(GRAD_ARGS, got, expected):
         assert rel_err(g, ref) < 2e-2, name
@@ -246,13 +281,13 @@ def test_gemms_on_gluon_kernels_call_the_ops(gluon, seed):
 @pytest.mark.parametrize("gluon", [True, False])
 def test_layer_without_gradients_on_gluon_calls_the_op(gluon, seed):
     """Nothing to differentiate: where the up GEMM runs on its Gluon kernel, the compiled
-    graph calls ``expert_layer`` (act(h) from that GEMM's epilogue, no h); with ``gluon``
-    empty the same sizes run as the up and down templates. Either way the layer matches
-    the float64 one."""
+    graph calls ``expert_layer`` (act(h) from that GEMM's epilogue, no h; its internal
+    twin, ``settings.lean_graph_calls``); with ``gluon`` empty the same sizes run as the
+    up and down templates. Either way the layer matches the float64 one."""
     layer = _gpu_layer(seed)
     with settings.override(small_gemm_flop=0, poison=True, **({} if gluon else dict(gluon=()))):
         out, code = _compiled_code(moe_experts, *[layer[k] for k in LAYER_ARGS])
-    assert ("torch.ops.moeblaze.expert_layer.default(" in code) == gluon
+    assert ("torch.ops.moeblaze._layer_kernels.default(" in code) == gluon
     assert ("import gathered_gemm_tile" in code) == (not gluon)
     assert rel_err(out, _reference(layer)) < 1e-2
 

@@ -59,7 +59,7 @@ def expert_up(
 
 
 @expert_up.register_fake
-def _(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up=None, transposed=False):
+def expert_up_like(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up=None, transposed=False):
     _, N, _ = check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
                               b_gate_up, transposed)
     return x.new_empty(expert_token_indices.shape[0], N)
@@ -174,7 +174,7 @@ def expert_down(
 
 
 @expert_down.register_fake
-def _(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down=None,
+def expert_down_like(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down=None,
       activation="swiglu", transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA, limit=CLAMPED_SWIGLU_LIMIT):
     _, d, _ = check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map,
                                 topk_weights, b_down, activation, transposed)
@@ -431,7 +431,7 @@ def _check_layer(x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_u
 
 
 @expert_layer.register_fake
-def _(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_gate_up=None,
+def expert_layer_like(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_gate_up=None,
       b_down=None, activation="swiglu", transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA,
       limit=CLAMPED_SWIGLU_LIMIT):
     L, d = _check_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
