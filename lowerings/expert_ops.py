@@ -21,8 +21,8 @@
 Each lowering falls back to the op's own kernel (an extern call, as for an op without a
 lowering; under ``settings.lean_graph_calls`` through its internal twin in
 ``ops.graph_calls``, which skips the checks, where the index arrays come from a
-``dispatch`` in the same graph) where the templates do not apply: tensors not on CUDA, float64,
-``settings.backend == "torch"``, ``settings.activation_pass`` off, and index arrays
+``dispatch`` in the same graph) where the templates do not apply: tensors not on CUDA,
+float64, ``settings.backend == "torch"``, ``settings.activation_pass`` off, and index arrays
 that do not come straight from ``moeblaze::dispatch`` in the same graph (the op checks
 such arrays' values; the templates do not); and where the op would run the GEMM on its
 Gluon kernel (Hopper, ``settings.gluon``, at least ``settings.small_gemm_flop``), which
@@ -77,6 +77,12 @@ def _templates_apply(node, index_positions) -> bool:
         return False
     if settings.current().backend == "torch":
         return False
+    return _index_arrays_from_dispatch(index_positions)
+
+
+def _index_arrays_from_dispatch(index_positions) -> bool:
+    """Whether FX arguments ``index_positions`` of the node being lowered are all outputs
+    of a ``moeblaze::dispatch`` in this graph."""
     args = V.graph.current_node.args
     return all(_from_dispatch(args[i] if i < len(args) else None) for i in index_positions)
 
@@ -333,9 +339,7 @@ def _graph_call(op: str, index_positions=()):
     only where the index arrays (FX argument ``index_positions`` of the node being
     lowered) come from a ``dispatch`` in this graph; the backward ops' come from a checked
     forward."""
-    args = V.graph.current_node.args
-    lean = settings.current().lean_graph_calls and all(
-        _from_dispatch(args[i] if i < len(args) else None) for i in index_positions)
+    lean = settings.current().lean_graph_calls and _index_arrays_from_dispatch(index_positions)
     return getattr(_ops, _INTERNAL[op] if lean else op).default
 
 

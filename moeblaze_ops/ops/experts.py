@@ -224,6 +224,21 @@ def _check_down_backward(grad_out, h, w_down, eti, offsets, tim, topk_weights, b
     return E, d
 
 
+def _check_up_then_down(op, x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, activation,
+                        transposed):
+    """The checks of an op that runs the up projection and then the down projection (or
+    its backward) on the h it makes: ``expert_up``'s, x and ``topk_weights`` of one token
+    count, then ``expert_down``'s on an h of the up projection's shape. Returns
+    ``(L, N, d)``."""
+    _, N, d = check_expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, op=op)
+    if topk_weights.dim() == 2 and topk_weights.shape[0] != x.shape[0]:
+        raise ValueError(f"moeblaze.{op}: argument 'topk_weights' must be [L, K] with L = {x.shape[0]} "
+                         f"(x.shape[0]), got {tuple(topk_weights.shape)}")
+    h = x.new_empty(1).expand(eti.shape[0], N)  # h's shape, dtype and device, without its memory
+    check_expert_down(h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed, op=op)
+    return x.shape[0], N, d
+
+
 def _down_grads_like(h, w_down, b_down, topk_weights, need_weight_grad):
     """Empty tensors shaped as expert_down_backward's outputs (the fake functions)."""
     grad_b = torch.empty_like(b_down) if b_down is not None and need_weight_grad else h.new_empty(0)
@@ -312,30 +327,33 @@ def expert_down_backward_recompute(
     cannot be merged by torch.compile with the forward's ``expert_up`` (which would make
     the compiled forward save h after all).
     """
-    check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed,
-                    op="expert_down_backward_recompute")
-    if topk_weights.dim() == 2 and topk_weights.shape[0] != x.shape[0]:
-        raise ValueError(f"moeblaze.expert_down_backward_recompute: argument 'topk_weights' must be [L, K] with "
-                         f"L = {x.shape[0]} (x.shape[0]), got {tuple(topk_weights.shape)}")
+    _check_down_backward_recompute(grad_out, x, w_gate_up, w_down, expert_token_indices, expert_offsets,
+                                   token_index_map, topk_weights, b_gate_up, b_down, activation, transposed)
     backward_backend(x).check_backward_index_values("expert_down_backward_recompute", expert_token_indices,
                                                     expert_offsets, token_index_map, x.shape[0])
     h = forward_backend(x).expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
                                      b_gate_up, transposed)
-    _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
-                         topk_weights, b_down, activation, transposed)
     return backward_backend(h).expert_down_backward(
         grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
         activation, transposed, interleaved, alpha, limit, in_place=True, need_weight_grad=need_weight_grad)
 
 
+def _check_down_backward_recompute(grad_out, x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up,
+                                   b_down, activation, transposed):
+    """Returns N, the width of the h the op recomputes."""
+    op = "expert_down_backward_recompute"
+    L, N, d = _check_up_then_down(op, x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down,
+                                  activation, transposed)
+    check_grad(op, "grad_out", grad_out, (L, d), x.device)
+    return N
+
+
 @expert_down_backward_recompute.register_fake
 def _(grad_out, x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
       b_gate_up, b_down, activation, transposed, interleaved, alpha, limit, need_weight_grad=True):
-    _, N, _ = check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
-                              transposed, op="expert_down_backward_recompute")
+    N = _check_down_backward_recompute(grad_out, x, w_gate_up, w_down, expert_token_indices, expert_offsets,
+                                       token_index_map, topk_weights, b_gate_up, b_down, activation, transposed)
     h = x.new_empty(expert_token_indices.shape[0], N)
-    _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
-                         topk_weights, b_down, activation, transposed)
     return _down_grads_like(h, w_down, b_down, topk_weights, need_weight_grad)
 
 
@@ -391,8 +409,8 @@ def expert_layer(
     Its autograd formula recomputes h, as ``moe_experts(..., recompute=True)`` does:
     ``expert_down_backward_recompute`` then ``expert_up_backward``.
     """
-    _check_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
-                 b_gate_up, b_down, activation, transposed)
+    _check_up_then_down("expert_layer", x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map,
+                        topk_weights, b_gate_up, b_down, activation, transposed)
     backend = forward_backend(x)
     backend.check_index_values("expert_layer", expert_token_indices, expert_offsets, token_index_map, x.shape[0])
     return layer_kernels(backend, x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map,
@@ -418,24 +436,12 @@ def layer_kernels(backend, x, w_gate_up, w_down, eti, offsets, tim, topk_weights
                                    interleaved, alpha, limit, activated=a)
 
 
-def _check_layer(x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, activation, transposed):
-    """``(L, d)``, after both ops' checks (the down projection's on an h of the up one's shape)."""
-    _, N, d = check_expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, op="expert_layer")
-    if topk_weights.dim() == 2 and topk_weights.shape[0] != x.shape[0]:
-        raise ValueError(f"moeblaze.expert_layer: argument 'topk_weights' must be [L, K] with "
-                         f"L = {x.shape[0]} (x.shape[0]), got {tuple(topk_weights.shape)}")
-    h = x.new_empty(1).expand(eti.shape[0], N)  # h's shape, dtype and device, without its memory
-    check_expert_down(h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed,
-                      op="expert_layer")
-    return x.shape[0], d
-
-
 @expert_layer.register_fake
 def expert_layer_like(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_gate_up=None,
       b_down=None, activation="swiglu", transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA,
       limit=CLAMPED_SWIGLU_LIMIT):
-    L, d = _check_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
-                        b_gate_up, b_down, activation, transposed)
+    L, _, d = _check_up_then_down("expert_layer", x, w_gate_up, w_down, expert_token_indices, expert_offsets,
+                                  token_index_map, topk_weights, b_gate_up, b_down, activation, transposed)
     return x.new_empty(L, d)
 
 
