@@ -34,8 +34,8 @@ from moeblaze_ops import settings
 from moeblaze_ops.bench import CONFIGS, make_inputs
 from moeblaze_ops.bench.cli import parse_setting
 
-KERNEL_FIELDS = ("dispatch", "expert_up", "expert_up_activated", "expert_down", "expert_up_backward",
-                 "expert_down_backward")
+KERNEL_FIELDS = ("dispatch", "expert_up", "expert_up_activated", "expert_down", "expert_down_activated",
+                 "expert_up_backward", "expert_down_backward")
 
 
 def without_kernels(backend):

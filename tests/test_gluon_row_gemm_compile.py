@@ -49,14 +49,14 @@ def _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path):
 
 def _output_tiles(signature, constexprs, tma_store, dtype, tile):
     """The output's TMA descriptor argument ([1, LK, N], a column half of a tile per copy),
-    or None; no activation in the epilogue (``_activated_outputs`` for one)."""
+    or None; no activation in the epilogue (``_ACTIVATED_SCRIPT`` has one)."""
     constexprs["TMA_STORE"] = tma_store
     if tma_store:
         signature["out_desc"] = _descriptor_type(dtype, [1, tile.block_m, tile.block_n // 2])
     else:
         constexprs["out_desc"] = None
-    signature.update(stride_actm="i32", alpha="fp32", limit="fp32")
-    constexprs.update(act_ptr=None, act_desc=None, GATED=None, ACT=-1, STORE_H=True, FAST_ACT=False)
+    signature.update(alpha="fp32", limit="fp32")
+    constexprs.update(GATED=None, ACT=-1, FAST_ACT=False)
 
 
 def _assert_tile_stores(ptx, tma_store):
@@ -246,28 +246,27 @@ from test_gluon_row_gemm_compile import _descriptor_type
 from moeblaze_ops.activations import activation_code
 from moeblaze_ops.kernels import gluon_row_gemm, triton_activations
 
-dtype, warp_specialize, tma_store, store_h, act, out = json.loads(sys.argv[1])
+dtype, warp_specialize, tma_store, act, out = json.loads(sys.argv[1])
 tile = gluon_row_gemm.TILE
 a_name = "a_src" if warp_specialize else "a_ptr"
-ints = ["LK", "E", "N", "K", "stride_am", "stride_bias", "stride_om", "stride_actm"]
+ints = ["LK", "E", "N", "K", "stride_am", "stride_bias", "stride_om"]
 signature = {a_name: f"*{dtype}", "b_desc": _descriptor_type(dtype, [1, tile.block_n // 2, tile.block_k]),
-             "a_row_ids_ptr": "*i32", "offsets_ptr": "*i32", "out_ptr": f"*{dtype}", "act_ptr": f"*{dtype}",
+             "a_row_ids_ptr": "*i32", "offsets_ptr": "*i32", "out_ptr": f"*{dtype}",
              "alpha": "fp32", "limit": "fp32", **{name: "i32" for name in ints}}
 constexprs = dict(bias_ptr=None, GATHER_A=True, HAS_BIAS=False, B_KMAJOR=True, GROUPS=16, BAND=4,
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
                   TMA_STORE=tma_store, GATED=triton_activations.gated, ACT=int(activation_code(act)),
-                  STORE_H=store_h, FAST_ACT=True, num_warps=tile.num_warps)
+                  FAST_ACT=True, num_warps=tile.num_warps)
 if tma_store:
-    signature["out_desc"] = signature["act_desc"] = _descriptor_type(dtype, [1, tile.block_m, tile.block_n // 2])
+    signature["out_desc"] = _descriptor_type(dtype, [1, tile.block_m, tile.block_n // 2])
 else:
-    constexprs.update(out_desc=None, act_desc=None)
+    constexprs.update(out_desc=None)
 kernel_fn = gluon_row_gemm._row_gemm_kernel
 if warp_specialize:
     warps, regs = gluon_row_gemm.PRODUCER_GATHER
     constexprs.update(PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=True)
     kernel_fn = gluon_row_gemm._row_gemm_ws_kernel
-aligned = [a_name, "a_row_ids_ptr", "offsets_ptr", "out_ptr", "act_ptr", "N", "K", "stride_am", "stride_om",
-           "stride_actm"]
+aligned = [a_name, "a_row_ids_ptr", "offsets_ptr", "out_ptr", "N", "K", "stride_am", "stride_om"]
 try:
     kernel = _compile_for_hopper(kernel_fn, signature, constexprs, tile.num_warps, aligned)
 except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
@@ -278,18 +277,17 @@ with open(out, "w") as f:
 """
 
 
-@pytest.mark.parametrize("dtype,warp_specialize,tma_store,store_h,act", [
-    ("bf16", True, True, True, "swiglu"), ("fp16", True, False, False, "clamped_swiglu"),
-    ("bf16", False, True, False, "geglu")])
-def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize, tma_store, store_h, act, tmp_path):
+@pytest.mark.parametrize("dtype,warp_specialize,tma_store,act", [
+    ("bf16", True, True, "swiglu"), ("fp16", True, False, "clamped_swiglu"), ("bf16", False, True, "geglu")])
+def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize, tma_store, act, tmp_path):
     """Both row GEMM kernels with a gated activation in the epilogue
     (``gluon_row_gemm.GatedEpilogue``): each B tile by two TMA boxes (gate columns and
-    up columns), one wgmma over both, and per tile h's two halves (where stored) and the
-    activation, by TMA or from registers, with no spills: the activation goes to 16 bits
+    up columns), one wgmma over both, and per tile the activation alone (h is never
+    stored), by TMA or from registers, with no spills: the activation goes to 16 bits
     at once beside the accumulator."""
     from moeblaze_ops.kernels import gluon_row_gemm
 
-    compiled = _compile_in_subprocess(_ACTIVATED_SCRIPT, [dtype, warp_specialize, tma_store, store_h, act], tmp_path)
+    compiled = _compile_in_subprocess(_ACTIVATED_SCRIPT, [dtype, warp_specialize, tma_store, act], tmp_path)
     ptx = compiled["ptx"]
     tile = gluon_row_gemm.TILE
     loads = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
@@ -297,7 +295,7 @@ def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize
     ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
     stores = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx))
-    assert stores == ((3 if store_h else 1) if tma_store else 0)
+    assert stores == (1 if tma_store else 0)  # act(h)'s half tile; h is never stored
     assert re.search(r"st\.global(\.\w+)*\.b32", ptx)  # tiles past their expert's end, from registers
     if act != "geglu":
         assert "tanh.approx.f32" in ptx
@@ -307,13 +305,13 @@ def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize
 
 
 @pytest.mark.parametrize("warp_specialize", [True, False], ids=["warp_specialized", "pipelined"])
-@pytest.mark.parametrize("keep_h,tma_store", [(True, True), (False, True), (True, False)])
-def test_gated_epilogue_launch_arguments(warp_specialize, keep_h, tma_store, monkeypatch):
+@pytest.mark.parametrize("tma_store", [True, False])
+def test_gated_epilogue_launch_arguments(warp_specialize, tma_store, monkeypatch):
     """What ``launch_row_gemm`` hands the kernel for a ``GatedEpilogue``, by the kernel's own
     argument names: weight boxes of half a tile (two per paired tile), N the 2I columns of
-    h, the activation's output, its code and function, h or, when it is not kept, the
-    activation's output standing in for it (never written). The launch is recorded, not
-    run (no GPU)."""
+    h, the activation's output [LK, I] as the output (its stride and its half-tile TMA
+    boxes), the activation's code and function. The launch is recorded, not run (no
+    GPU)."""
     pytest.importorskip("triton.experimental.gluon")
     import torch
 
@@ -330,9 +328,9 @@ def test_gated_epilogue_launch_arguments(warp_specialize, keep_h, tma_store, mon
     x, w = torch.empty(50, d, **meta), torch.empty(E, 2 * I, d, **meta)
     ids, offsets = torch.empty(LK, dtype=torch.int32, device="meta"), torch.empty(E + 1, dtype=torch.int32,
                                                                                 device="meta")
-    h, a = torch.empty(LK, 2 * I, **meta) if keep_h else None, torch.empty(LK, I, **meta)
-    epilogue = gluon_row_gemm.GatedEpilogue(a, int(ActivationCode.CLAMPED_SWIGLU), 1.702, 7.0, fast=True)
-    gluon_row_gemm.launch_row_gemm(x, ids, w, None, offsets, h, False, warp_specialize=warp_specialize,
+    a = torch.empty(LK, I, **meta)
+    epilogue = gluon_row_gemm.GatedEpilogue(int(ActivationCode.CLAMPED_SWIGLU), 1.702, 7.0, fast=True)
+    gluon_row_gemm.launch_row_gemm(x, ids, w, None, offsets, a, False, warp_specialize=warp_specialize,
                                    tma_store=tma_store, epilogue=epilogue)
 
     (kernel, args, kwargs), = launches
@@ -342,17 +340,12 @@ def test_gated_epilogue_launch_arguments(warp_specialize, keep_h, tma_store, mon
     tile = gluon_row_gemm.TILE
     assert bound["b_desc"] == ("descriptor", d, (1, tile.block_n // 2, tile.block_k))
     assert (bound["N"], bound["K"], bound["LK"], bound["E"]) == (2 * I, d, LK, E)
-    assert bound["act_ptr"] is a and bound["stride_actm"] == I
+    assert bound["out_ptr"] is a and bound["stride_om"] == I
     assert (bound["alpha"], bound["limit"]) == (1.702, 7.0)
     assert bound["ACT"] == int(ActivationCode.CLAMPED_SWIGLU) and bound["GATED"] is triton_activations.gated
-    assert bound["STORE_H"] is keep_h and bound["FAST_ACT"] is True and bound["TMA_STORE"] is tma_store
-    assert bound["out_ptr"] is (h if keep_h else a)
+    assert bound["FAST_ACT"] is True and bound["TMA_STORE"] is tma_store
     half_box = (1, tile.block_m, tile.block_n // 2)
-    if tma_store:
-        assert bound["act_desc"] == ("descriptor", I, half_box)
-        assert bound["out_desc"] == ("descriptor", 2 * I if keep_h else I, half_box)
-    else:
-        assert bound["act_desc"] is None and bound["out_desc"] is None
+    assert bound["out_desc"] == (("descriptor", I, half_box) if tma_store else None)
     # Without an epilogue the same launcher runs the plain GEMM: whole boxes, no activation.
     launches.clear()
     gluon_row_gemm.launch_row_gemm(x, ids, w, None, offsets, torch.empty(LK, 2 * I, **meta), False,
@@ -360,4 +353,4 @@ def test_gated_epilogue_launch_arguments(warp_specialize, keep_h, tma_store, mon
     (_, args, kwargs), = launches
     bound = dict(zip(kernel.arg_names, args), **kwargs)
     assert bound["b_desc"] == ("descriptor", d, (1, tile.block_n, tile.block_k))
-    assert bound["ACT"] == -1 and bound["GATED"] is None and bound["act_ptr"] is None
+    assert bound["ACT"] == -1 and bound["GATED"] is None

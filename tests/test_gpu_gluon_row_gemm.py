@@ -115,7 +115,6 @@ def test_gluon_row_gemm_column_slab(transposed, kernel, seed):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a capability 9 GPU")
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("store_h", [True, False], ids=["h_and_act", "act_only"])
 @pytest.mark.parametrize("activation,dtype", [("swiglu", torch.bfloat16), ("geglu", torch.float16),
                                               ("clamped_swiglu", torch.bfloat16)])
 @pytest.mark.parametrize("counts,sentinels,K,I", [
@@ -123,10 +122,9 @@ def test_gluon_row_gemm_column_slab(transposed, kernel, seed):
     ([0, 0, 0], 33, 64, 128),  # only sentinel rows
     ([1, 2, 3], 5, 16, 256),  # a single step, a single partial tile each
 ])
-def test_gluon_row_gemm_gated_epilogue_matches_float64(counts, sentinels, K, I, activation, dtype, store_h, kernel,
-                                                       seed):
-    """The up projection with its activation in the epilogue (``GatedEpilogue``): h (where
-    kept) and act(h) against float64, both from gate and up columns paired in each tile."""
+def test_gluon_row_gemm_gated_epilogue_matches_float64(counts, sentinels, K, I, activation, dtype, kernel, seed):
+    """The up projection with its activation in the epilogue (``GatedEpilogue``): act(h)
+    against float64, from gate and up columns paired in each tile."""
     from moeblaze_ops.activations import activation_code, activation_forward, clamped_swiglu_defaults
     from moeblaze_ops.kernels import gluon_row_gemm
 
@@ -136,27 +134,22 @@ def test_gluon_row_gemm_gated_epilogue_matches_float64(counts, sentinels, K, I, 
     x = torch.randn(T, K, device="cuda", dtype=dtype, generator=g)
     ids = torch.randint(0, T, (LK,), device="cuda", dtype=torch.int32, generator=g)
     w = torch.randn(E, 2 * I, K, device="cuda", dtype=dtype, generator=g) / K ** 0.5
-    h = torch.full((LK, 2 * I), float("nan"), device="cuda", dtype=dtype) if store_h else None
     a = torch.full((LK, I), float("nan"), device="cuda", dtype=dtype)  # unwritten rows show
     alpha, limit = clamped_swiglu_defaults()
     assert gluon_row_gemm.applies_gated_epilogue(x, w, None, a, False, int(activation_code(activation)), False)
 
-    epilogue = gluon_row_gemm.GatedEpilogue(a, int(activation_code(activation)), alpha, limit, fast=True)
-    gluon_row_gemm.launch_row_gemm(x, ids, w, None, offsets, h, False, epilogue=epilogue, **KERNELS[kernel])
+    epilogue = gluon_row_gemm.GatedEpilogue(int(activation_code(activation)), alpha, limit, fast=True)
+    gluon_row_gemm.launch_row_gemm(x, ids, w, None, offsets, a, False, epilogue=epilogue, **KERNELS[kernel])
     torch.cuda.synchronize()
 
     bounds = offsets.tolist()
     assert not a.isnan().any() and (a[bounds[E]:] == 0).all()
-    if store_h:
-        assert not h.isnan().any() and (h[bounds[E]:] == 0).all()
     rows = x[ids.long()].double()
     for e in range(E):
         lo, hi = bounds[e], bounds[e + 1]
         if lo == hi:
             continue
         h_ref = rows[lo:hi] @ w[e].double().T
-        if store_h:
-            assert rel_err(h[lo:hi], h_ref) < 1e-2, f"h, expert {e}"
         a_ref = activation_forward(h_ref, activation, alpha, limit, interleaved=False)
         assert rel_err(a[lo:hi], a_ref) < 1e-2, f"act(h), expert {e}"
 

@@ -36,10 +36,12 @@ class Backend:
     name: str
     dispatch: Callable
     expert_up: Callable
-    #: ``expert_up`` that also returns act(h) (``settings.up_epilogue_activation``), for
-    #: ``expert_down``'s ``activated``.
+    #: act(h) of ``expert_up``'s rows, h never kept where the kernels allow
+    #: (``settings.up_epilogue_activation``): ``expert_layer``'s up projection.
     expert_up_activated: Callable
     expert_down: Callable
+    #: ``expert_down`` of rows ``expert_up_activated`` activated (no activation arguments).
+    expert_down_activated: Callable
     expert_up_backward: Callable
     expert_down_backward: Callable
     #: ``(op, expert_token_indices, expert_offsets, token_index_map, num_tokens)``: checks the
@@ -57,6 +59,7 @@ TORCH = Backend(
     expert_up=torch_experts.expert_up,
     expert_up_activated=torch_experts.expert_up_activated,
     expert_down=torch_experts.expert_down,
+    expert_down_activated=torch_experts.expert_down_activated,
     expert_up_backward=torch_experts.expert_up_backward,
     expert_down_backward=torch_experts.expert_down_backward,
     check_index_values=checks.check_index_values,
@@ -101,6 +104,7 @@ def triton_backend() -> Backend:
         expert_up=triton_experts.expert_up,
         expert_up_activated=triton_experts.expert_up_activated,
         expert_down=triton_experts.expert_down,
+        expert_down_activated=triton_experts.expert_down_activated,
         expert_up_backward=triton_experts_backward.expert_up_backward,
         expert_down_backward=triton_experts_backward.expert_down_backward,
         check_index_values=triton_dispatch.assert_index_arrays,

@@ -23,9 +23,9 @@ TMA (``settings.row_tma_store``): the copy runs on while the warps start the nex
 where stores from registers would hold them up. A tile that ends past its expert's rows
 is stored from registers, masked: a TMA copy cannot stop at an expert's last row.
 
-With a ``GatedEpilogue`` (the up projection) each tile pairs gate columns with the same
-up columns, and the epilogue writes act(h) beside h, or instead of it
-(``_store_activated_tile``).
+With a ``GatedEpilogue`` (the up projection without h) each tile pairs gate columns with
+the same up columns, and the epilogue writes act(h) in place of h: the output is then
+[L*K, N / 2] (``_store_activated_tile``).
 
 Applies to 16-bit CUDA tensors on capability 9 whose K, N and row strides are multiples of
 16 elements (the 16-byte copies must not straddle a mask edge) and whose weight TMA can
@@ -68,9 +68,8 @@ class GatedEpilogue(NamedTuple):
     """A gated activation applied in the row GEMM's epilogue (``launch_row_gemm``): the
     GEMM's N = 2I columns are h's gate columns then its up columns (the concatenated
     layout), every output tile pairs BLOCK_N / 2 gate columns with the same up columns,
-    and ``act_out[r] = act(gate, up)`` ([L*K, I]) is written beside h, or instead of it."""
+    and the output is ``act(gate, up)`` ([L*K, I]); h is never stored."""
 
-    act_out: torch.Tensor
     #: A gated ``activations.ActivationCode``.
     activation: int
     alpha: float
@@ -228,75 +227,40 @@ def _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om
 
 
 @gluon.jit
-def _store_activated_tile(out_ptr, out_desc, act_ptr, act_desc, out_buf, acc, row0, row_end, n0, N, stride_om,
-                          stride_actm, alpha, limit, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                          STORE_H: gl.constexpr, FAST_ACT: gl.constexpr):
+def _store_activated_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, alpha, limit,
+                          TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr):
     """The epilogue of a paired tile (``_copy_weight_tile``'s ``PAIRED``): the accumulator's
     first column half is gate columns ``n0 / 2 ..`` of h, its second the same up columns
     (``N / 2 + n0 / 2 ..``); it writes ``act(gate, up)`` at columns ``n0 / 2 ..`` of the
-    activation output and, with ``STORE_H``, both halves into h. Each thread holds the
-    gate and up values of the same columns, so the activation needs no data movement.
-    Stores go as ``_store_tile``'s: by TMA through ``out_buf`` (one half tile at a time)
-    where every row is inside the expert, else from registers. ``GATED`` is
-    ``triton_activations.gated``, passed in: a ``tl`` function a kernel names is one the
-    JIT resolves on every compile, and under ``TRITON_INTERPRET=1`` Gluon cannot compile it."""
-    I = N // 2
-    c0 = n0 // 2
+    output ([L*K, N / 2]). Each thread holds the gate and up values of the same columns,
+    so the activation needs no data movement. Stores go as ``_store_tile``'s: by TMA
+    through ``out_buf`` where every row is inside the expert, else from registers.
+    ``GATED`` is ``triton_activations.gated``, passed in: a ``tl`` function a kernel names
+    is one the JIT resolves on every compile, and under ``TRITON_INTERPRET=1`` Gluon cannot
+    compile it."""
     gate, up = column_halves(acc)
     # In the output's 16 bits at once: half the registers beside the accumulator's.
-    a = GATED(gate, up, ACT, alpha, limit, FAST_ACT).to(act_ptr.dtype.element_ty)
+    a = GATED(gate, up, ACT, alpha, limit, FAST_ACT).to(out_ptr.dtype.element_ty)
     if TMA_STORE:
         if row0 + acc.shape[0] <= row_end:
-            if STORE_H:
-                store_half_by_tma(out_desc, out_buf, gate, 0, row0, c0, False)
-                store_half_by_tma(out_desc, out_buf, up, 0, row0, I + c0, False)
-            store_half_by_tma(act_desc, out_buf, a, 0, row0, c0, False)
+            store_half_by_tma(out_desc, out_buf, a, 0, row0, n0 // 2, False)
         else:
-            _store_activated_rows(out_ptr, act_ptr, gate, up, a, row0, row_end, c0, I, stride_om, stride_actm, STORE_H)
+            _store_rows(out_ptr, a, row0, row_end, n0 // 2, N // 2, stride_om)
     else:
-        _store_activated_rows(out_ptr, act_ptr, gate, up, a, row0, row_end, c0, I, stride_om, stride_actm, STORE_H)
+        _store_rows(out_ptr, a, row0, row_end, n0 // 2, N // 2, stride_om)
 
 
 @gluon.jit
-def _store_activated_rows(out_ptr, act_ptr, gate, up, a, row0, row_end, c0, I, stride_om, stride_actm,
-                          STORE_H: gl.constexpr):
-    """``_store_activated_tile``'s stores from registers (``_store_rows``): the rows inside
-    the expert, of the activation and, with ``STORE_H``, of h's gate and up columns."""
-    if STORE_H:
-        _store_rows(out_ptr, gate, row0, row_end, c0, I, stride_om)
-        _store_rows(out_ptr + I, up, row0, row_end, c0, I, stride_om)
-    _store_rows(act_ptr, a, row0, row_end, c0, I, stride_actm)
-
-
-@gluon.jit
-def _store_output(out_ptr, out_desc, act_ptr, act_desc, out_buf, acc, row0, row_end, n0, N, stride_om, stride_actm,
-                  alpha, limit, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                  STORE_H: gl.constexpr, FAST_ACT: gl.constexpr):
+def _store_output(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, alpha, limit,
+                  TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr):
     """A tile's epilogue: ``_store_activated_tile`` where the kernel applies activation
     ``ACT`` (a gated ``ActivationCode``, computed by ``GATED``) to paired tiles, else
     ``_store_tile`` (``ACT`` -1, ``GATED`` None)."""
     if ACT >= 0:
-        _store_activated_tile(out_ptr, out_desc, act_ptr, act_desc, out_buf, acc, row0, row_end, n0, N, stride_om,
-                              stride_actm, alpha, limit, TMA_STORE, GATED, ACT, STORE_H, FAST_ACT)
+        _store_activated_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, alpha, limit,
+                              TMA_STORE, GATED, ACT, FAST_ACT)
     else:
         _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, TMA_STORE)
-
-
-@gluon.jit
-def _activation_outputs(act_ptr, act_desc, out_ptr, out_desc, ACT: gl.constexpr, TMA_STORE: gl.constexpr):
-    """``(act_ptr, act_desc)`` for a warp-specialised partition, or h's (``out_ptr``,
-    ``out_desc``) as stand-ins where the kernel writes no activation or stores no tile by
-    TMA: a partition's arguments cannot be None."""
-    if ACT >= 0:
-        ptr = act_ptr
-        if TMA_STORE:
-            desc = act_desc
-        else:
-            desc = out_desc
-    else:
-        ptr = out_ptr
-        desc = out_desc
-    return ptr, desc
 
 
 @gluon.jit
@@ -328,16 +292,16 @@ def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, sl
 
 @gluon.jit
 def _row_gemm_kernel(
-    a_ptr, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc, act_ptr, act_desc,
+    a_ptr, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc,
     LK, E, N, K,
-    stride_am, stride_bias, stride_om, stride_actm, alpha, limit,
+    stride_am, stride_bias, stride_om, alpha, limit,
     GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-    STORE_H: gl.constexpr, FAST_ACT: gl.constexpr, num_warps: gl.constexpr,
+    FAST_ACT: gl.constexpr, num_warps: gl.constexpr,
 ):
     # ACT >= 0: the tiles are paired (gate and up columns, ``_copy_weight_tile``) and the
-    # epilogue writes act(h) to act_ptr, and h itself where STORE_H (``_store_output``).
+    # epilogue writes act(h), [LK, N / 2], in place of h (``_store_output``).
     # Ring of NUM_STAGES slots: step c in the MMA, step c - 1 possibly still in it (one
     # asynchronous wgmma stays in flight), steps c + 1 .. c + AHEAD landing.
     AHEAD: gl.constexpr = NUM_STAGES - 2
@@ -390,8 +354,8 @@ def _row_gemm_kernel(
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if HAS_BIAS:
                 acc = _add_bias(acc, bias)
-        _store_output(out_ptr, out_desc, act_ptr, act_desc, out_buf, acc, row0, row_end, n0, N, stride_om,
-                      stride_actm, alpha, limit, TMA_STORE, GATED, ACT, STORE_H, FAST_ACT)
+        _store_output(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, alpha, limit, TMA_STORE,
+                      GATED, ACT, FAST_ACT)
     cp.wait_group(0)
     if TMA_STORE:
         tma.store_wait(0)  # the last copy has read its buffer before the program's shared memory goes
@@ -492,12 +456,11 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
 
 
 @gluon.jit
-def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, act_ptr, act_desc,
-                 out_buf, LK, E, N, K, stride_bias, stride_om, stride_actm, alpha, limit, GATHER_A: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, num_warps: gl.constexpr,
-                 TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, STORE_H: gl.constexpr,
-                 FAST_ACT: gl.constexpr):
+def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf, LK, E,
+                 N, K, stride_bias, stride_om, alpha, limit, GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, num_warps: gl.constexpr, TMA_STORE: gl.constexpr,
+                 GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr):
     """The MMA warpgroups: each tile's steps (``ws_tile_steps``), then the bias and the
     store of the tile's rows inside the expert (``_store_output``)."""
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
@@ -514,22 +477,22 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
                                       BLOCK_N, BLOCK_K)
             if HAS_BIAS:
                 acc = _add_bias(acc, bias)
-        _store_output(out_ptr, out_desc, act_ptr, act_desc, out_buf, acc, row0, row_end, n0, N, stride_om,
-                      stride_actm, alpha, limit, TMA_STORE, GATED, ACT, STORE_H, FAST_ACT)
+        _store_output(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, alpha, limit, TMA_STORE,
+                      GATED, ACT, FAST_ACT)
     if TMA_STORE:
         tma.store_wait(0)
 
 
 @gluon.jit
 def _row_gemm_ws_kernel(
-    a_src, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc, act_ptr, act_desc,
+    a_src, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc,
     LK, E, N, K,
-    stride_am, stride_bias, stride_om, stride_actm, alpha, limit,
+    stride_am, stride_bias, stride_om, alpha, limit,
     GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     A_OFFSETS_32: gl.constexpr, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-    STORE_H: gl.constexpr, FAST_ACT: gl.constexpr, num_warps: gl.constexpr,
+    FAST_ACT: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``_row_gemm_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the A and B
     tiles into the ring (``a_src`` a TMA descriptor of A, or A's pointer when its rows are
@@ -545,17 +508,15 @@ def _row_gemm_ws_kernel(
     b_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     out_desc, out_buf = partition_output(out_desc, dtype, TMA_STORE, b_desc, b_ring)
-    act_ptr, act_desc = _activation_outputs(act_ptr, act_desc, out_ptr, out_desc, ACT, TMA_STORE)
     for s in gl.static_range(NUM_STAGES):
         # Gathered, every copy thread arrives on a_ready once its cp.async copies land.
         mbarrier.init(a_ready.index(s), count=PRODUCER_WARPS * 32 if GATHER_A else 1)
         mbarrier.init(b_ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
-        (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, act_ptr,
-                        act_desc, out_buf, LK, E, N, K, stride_bias, stride_om, stride_actm, alpha, limit, GATHER_A,
-                        HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, TMA_STORE, GATED,
-                        ACT, STORE_H, FAST_ACT)),
+        (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf,
+                        LK, E, N, K, stride_bias, stride_om, alpha, limit, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS,
+                        BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, TMA_STORE, GATED, ACT, FAST_ACT)),
         (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E,
                         N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K,
                         PRODUCER_WARPS, True, True, A_OFFSETS_32, ACT >= 0)),
@@ -590,18 +551,16 @@ def applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, transposed: boo
             and a.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0)
 
 
-def applies_gated_epilogue(a: torch.Tensor, b: torch.Tensor, bias, act_out: torch.Tensor, transposed: bool,
+def applies_gated_epilogue(a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, transposed: bool,
                            activation: int, interleaved: bool, tile: GemmTile = TILE) -> bool:
-    """Whether ``launch_row_gemm`` takes a ``GatedEpilogue`` for these operands: where it
-    takes the GEMM (``applies``, with h [L*K, 2I] as the output) and the activation is
+    """Whether ``launch_row_gemm`` takes a ``GatedEpilogue`` for these operands, ``out``
+    being act(h) [L*K, I]: where it takes the GEMM (``applies``) and the activation is
     gated, the layout concatenated, K the weights' contiguous dimension (two half boxes
     a tile), no bias, and I a multiple of half a tile (a paired tile never reaches the
     other half's columns)."""
     _, N, _ = linear_dims(b, transposed)
-    # (``applies`` checks the output's dtype, strides and alignment on act_out: h is made
-    # contiguous by the caller.)
     return (activation < int(acts.NUM_GATED) and not interleaved and bias is None and N % tile.block_n == 0
-            and act_out.shape[1] * 2 == N and _weight_view(b, transposed)[1] and applies(a, b, act_out, transposed))
+            and out.shape[1] * 2 == N and _weight_view(b, transposed)[1] and applies(a, b, out, transposed))
 
 
 def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmTile = TILE,
@@ -613,17 +572,14 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     with M = 16 * warps; ``warp_specialize`` picks ``_row_gemm_ws_kernel``; ``band`` is the
     tile order's band of m-tiles (``grouped_gemm.banded``), ``settings.row_band`` by
     default; ``tma_store``: tiles whose rows are all inside their expert are stored by TMA
-    (``_store_tile``). ``epilogue`` (where ``applies_gated_epilogue``): the activation
-    of h = out is written to ``epilogue.act_out`` too, and h itself only where ``out`` is
-    not None."""
+    (``_store_tile``). With an ``epilogue`` (where ``applies_gated_epilogue``) out is
+    act(A @ B_e), half the GEMM's columns."""
     band = settings.current().row_band if band is None else band
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
         raise ValueError(f"moeblaze gluon row GEMM: block_m must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")
-    if out is None and epilogue is None:
-        raise ValueError("moeblaze gluon row GEMM: out may be None only with an epilogue that writes act(h)")
     E, N, K = linear_dims(b, transposed)
-    LK = (out if out is not None else epilogue.act_out).shape[0]
+    LK = out.shape[0]
     if LK * N == 0:
         return
     view, kmajor = _weight_view(b, transposed)
@@ -633,22 +589,14 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     b_desc = host_descriptor(view, block)
     max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(N, tile.block_n)
     grid = (gg.num_programs(a.device, max_tiles),)
-    half_box = [1, tile.block_m, tile.block_n // 2]
-    store_h = out is not None
-    act_out = epilogue.act_out if epilogue is not None else None
-    out_desc = host_descriptor(out.unsqueeze(0), half_box) if tma_store and store_h else None
-    act_desc = host_descriptor(act_out.unsqueeze(0), half_box) if tma_store and act_out is not None else None
-    if not store_h:  # h's stand-ins, never written
-        out, out_desc = act_out, act_desc
-    act_args = (act_out, act_desc)
-    act_scalars = ((act_out.stride(0), float(epilogue.alpha), float(epilogue.limit)) if epilogue is not None
-                   else (0, 0.0, 0.0))
+    # Tiles are stored a column half at a time (a paired tile's act(h) is one half).
+    out_desc = host_descriptor(out.unsqueeze(0), [1, tile.block_m, tile.block_n // 2]) if tma_store else None
+    act_scalars = (float(epilogue.alpha), float(epilogue.limit)) if epilogue is not None else (0.0, 0.0)
     common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=gg.next_power_of_2(E + 1), BAND=band,
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
                   TMA_STORE=tma_store, GATED=acts.gated if epilogue is not None else None,
                   ACT=int(epilogue.activation) if epilogue is not None else -1,
-                  STORE_H=store_h, FAST_ACT=bool(epilogue.fast) if epilogue is not None else False,
-                  num_warps=tile.num_warps)
+                  FAST_ACT=bool(epilogue.fast) if epilogue is not None else False, num_warps=tile.num_warps)
     strides = (a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0))
     if warp_specialize:
         gather = a_row_ids is not None
@@ -660,11 +608,11 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
         warps, regs = PRODUCER_GATHER if gather else PRODUCER_TMA
         launch(
             _row_gemm_ws_kernel, grid,
-            a_src, b_desc, bias, a_row_ids, offsets, out, out_desc, *act_args, LK, E, N, K, *strides, *act_scalars,
+            a_src, b_desc, bias, a_row_ids, offsets, out, out_desc, LK, E, N, K, *strides, *act_scalars,
             GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=a.numel() < 2**31, **common)
         return
     launch(
         _row_gemm_kernel, grid,
-        a, b_desc, bias, a_row_ids, offsets, out, out_desc, *act_args, LK, E, N, K, *strides, *act_scalars,
+        a, b_desc, bias, a_row_ids, offsets, out, out_desc, LK, E, N, K, *strides, *act_scalars,
         GATHER_A=a_row_ids is not None, **common,
     )

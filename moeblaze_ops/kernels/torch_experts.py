@@ -86,32 +86,37 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
 
 
 def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed,
-                        activation, interleaved, alpha, limit, keep_h=True):
-    """``(h, act(h))``: ``expert_up`` and the activation of its rows, in h's dtype; h None
-    unless ``keep_h``."""
+                        activation, interleaved, alpha, limit):
+    """act(h) of ``expert_up``'s rows, in h's dtype, for ``expert_down_activated``."""
     h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
-    a = activation_forward(h.to(_acc_dtype(h.dtype)), activation, alpha, limit, interleaved).to(h.dtype)
-    return (h if keep_h else None), a
+    return activation_forward(h.to(_acc_dtype(h.dtype)), activation, alpha, limit, interleaved).to(h.dtype)
 
 
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
-                b_down, activation, transposed, interleaved, alpha, limit, activated=None):
-    """``activated``: act(h), which the caller made already (``expert_up_activated``); h is
-    then read for its row count and dtype alone (a caller without h passes act(h) for it)."""
-    acc = _acc_dtype(h.dtype)
+                b_down, activation, transposed, interleaved, alpha, limit):
+    a = activation_forward(h.to(_acc_dtype(h.dtype)), activation, alpha, limit, interleaved)
+    return _down_projection(a, h.dtype, w_down, expert_offsets, token_index_map, topk_weights, b_down, transposed)
+
+
+def expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
+                          transposed):
+    """``expert_down`` of rows activated already (act(h), from ``expert_up_activated``)."""
+    return _down_projection(a, a.dtype, w_down, expert_offsets, token_index_map, topk_weights, b_down, transposed)
+
+
+def _down_projection(a, dtype, w_down, expert_offsets, token_index_map, topk_weights, b_down, transposed):
+    """The down GEMM of every expert's activated rows ``a`` and the combine, in the
+    accumulation dtype, the result in ``dtype``; sentinel rows stay zero."""
+    acc = _acc_dtype(dtype)
     _, d, _ = linear_dims(w_down, transposed)
-    y = torch.zeros(h.shape[0], d, dtype=acc, device=h.device)
+    y = torch.zeros(a.shape[0], d, dtype=acc, device=a.device)
     for e, s, t in _expert_ranges(expert_offsets):
-        if activated is not None:
-            a = activated[s:t].to(acc)
-        else:
-            a = activation_forward(h[s:t].to(acc), activation, alpha, limit, interleaved)
-        ye = a @ _matrix(w_down, e, transposed, acc)
+        ye = a[s:t].to(acc) @ _matrix(w_down, e, transposed, acc)
         if b_down is not None:
             ye += b_down[e].to(acc)
         y[s:t] = ye
     return combine(y, token_index_map, topk_weights.shape[0], topk_weights,
-                   num_real_rows=int(expert_offsets[-1])).to(h.dtype)
+                   num_real_rows=int(expert_offsets[-1])).to(dtype)
 
 
 def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,

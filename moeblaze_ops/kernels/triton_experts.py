@@ -159,14 +159,13 @@ def _gluon_tile(gluon, kind):
 
 def _launch_on_gluon(gluon, kind, a, a_row_ids, b, bias, offsets, out, transposed, epilogue=None):
     """``gluon.launch_row_gemm`` in the variant the settings pick for GEMM ``kind``: its
-    tile, warp-specialised by rows per expert, tiles stored by TMA or not. ``out`` may be
-    None with an ``epilogue`` (``gluon_row_gemm.GatedEpilogue``)."""
+    tile, warp-specialised by rows per expert, tiles stored by TMA or not. With an
+    ``epilogue`` (``gluon_row_gemm.GatedEpilogue``) ``out`` is act(h)."""
     config = settings.current()
-    rows = (out if out is not None else epilogue.act_out).shape[0]
     E = linear_dims(b, transposed)[0]
     gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, _gluon_tile(gluon, kind),
-                          config.from_rows("gluon_warp_specialize", kind, rows, E), tma_store=config.row_tma_store,
-                          epilogue=epilogue)
+                          config.from_rows("gluon_warp_specialize", kind, out.shape[0], E),
+                          tma_store=config.row_tma_store, epilogue=epilogue)
 
 
 def launch_activation(h, a, act, interleaved, alpha, limit, fast):
@@ -192,60 +191,54 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
 
 
 def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed,
-                        activation, interleaved, alpha, limit, keep_h=True):
-    """``(h, act(h))``: ``expert_up`` and the activation of its rows; h None unless
-    ``keep_h``. In one Gluon GEMM whose epilogue pairs each tile's gate and up columns
-    where that applies (``gluon_row_gemm.applies_gated_epilogue``; without ``keep_h`` h is
-    never made), else the GEMM then the activation pass."""
+                        activation, interleaved, alpha, limit):
+    """act(h) ([L*K, I] for a gated activation) of ``expert_up``'s rows, for
+    ``expert_down_activated``. In one Gluon GEMM whose epilogue pairs each tile's gate and
+    up columns and never stores h, where that applies
+    (``gluon_row_gemm.applies_gated_epilogue``), else the GEMM then the activation pass."""
     _, N, K = linear_dims(w_gate_up, transposed)
     act = activation_code(activation)
     LK = expert_token_indices.shape[0]
     a = gg.empty(LK, N // 2 if int(act) < int(NUM_GATED) else N, dtype=x.dtype, device=x.device)
+    if LK == 0:
+        return a
     fast = gg.fast_sigmoid(a, settings.current().fast_activation)
     gluon = gg.gluon_kernels("up", x, 2 * LK * N * K)
-    fused = (LK > 0 and gluon is not None
-             and gluon.applies_gated_epilogue(x, w_gate_up, b_gate_up, a, transposed, int(act), interleaved,
-                                              _gluon_tile(gluon, "up")))
-    h = gg.empty(LK, N, dtype=x.dtype, device=x.device) if keep_h or not fused else None
-    if fused:
-        _launch_on_gluon(gluon, "up", x, expert_token_indices, w_gate_up, None, expert_offsets, h, transposed,
-                         gluon.GatedEpilogue(a, int(act), float(alpha), float(limit), fast))
-    elif LK > 0:
-        launch_gathered_gemm(x, expert_token_indices, w_gate_up, b_gate_up, expert_offsets, h, transposed, "up")
-        launch_activation(h, a, act, interleaved, alpha, limit, fast)
-    return (h if keep_h else None), a
+    if gluon is not None and gluon.applies_gated_epilogue(x, w_gate_up, b_gate_up, a, transposed, int(act),
+                                                          interleaved, _gluon_tile(gluon, "up")):
+        _launch_on_gluon(gluon, "up", x, expert_token_indices, w_gate_up, None, expert_offsets, a, transposed,
+                         gluon.GatedEpilogue(int(act), float(alpha), float(limit), fast))
+        return a
+    h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
+    launch_activation(h, a, act, interleaved, alpha, limit, fast)
+    return a
 
 
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-                activation, transposed, interleaved, alpha, limit, activated=None):
-    """``activated``: act(h), which the caller made already (``expert_up_activated``): the
-    GEMM reads it and no activation pass runs; h is then read for its row count, dtype
-    and device alone (a caller without h passes act(h) for it)."""
+                activation, transposed, interleaved, alpha, limit):
+    """The down projection of h and the combine: act(h) written once by the activation pass
+    then ``expert_down_activated`` (``settings.activation_pass``), or the GEMM activating
+    h's tiles as it loads them (``_activated_gemm_kernel``)."""
     L = topk_weights.shape[0]
     LK = h.shape[0]
     E, d, I = linear_dims(w_down, transposed)
     act = activation_code(activation)
     if h.stride(1) != 1:
         h = h.contiguous()
-    out = gg.empty(L, d, dtype=h.dtype, device=h.device)
     fast = gg.fast_sigmoid(h, settings.current().fast_activation)
-    use_pass = settings.current().activation_pass or activated is not None
-    if activated is not None:
-        a = activated
-    elif use_pass:
+    if settings.current().activation_pass:
         # act(h) written once, then a plain grouped GEMM whose operands all come from memory.
         a = gg.empty(LK, I, dtype=h.dtype, device=h.device)
         launch_activation(h, a, act, interleaved, alpha, limit, fast)
-    else:
-        tile = gg.tile_config("down", h)
-        h_src, h_tma = gg.h_operand(h, act, interleaved, I, tile.block_m, tile.block_k)
+        return expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
+                                     b_down, transposed)
+    out = gg.empty(L, d, dtype=h.dtype, device=h.device)
+    tile = gg.tile_config("down", h)
+    h_src, h_tma = gg.h_operand(h, act, interleaved, I, tile.block_m, tile.block_k)
 
     def expert_outputs(y, c0, c1):  # columns [c0, c1) of every routed row's output; sentinel rows zero
         w = out_feature_slice(w_down, c0, c1, transposed)
         b = b_down[:, c0:c1] if b_down is not None else None
-        if use_pass:
-            launch_gathered_gemm(a, None, w, b, expert_offsets, y, transposed, "down")
-            return
         strides = linear_strides(w, transposed)
         gg.launch_row_gemm(
             _activated_gemm_kernel, tile, h.dtype, h.device, c1 - c0,
@@ -257,3 +250,19 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         )
 
     return combine_in_slabs(expert_outputs, LK, h.dtype, token_index_map, topk_weights, expert_offsets, out, E)
+
+
+def expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
+                          transposed):
+    """``expert_down`` of rows activated already (act(h), from ``expert_up_activated`` or
+    the activation pass): a plain grouped GEMM and the combine."""
+    L = topk_weights.shape[0]
+    E, d, _ = linear_dims(w_down, transposed)
+    out = gg.empty(L, d, dtype=a.dtype, device=a.device)
+
+    def expert_outputs(y, c0, c1):  # columns [c0, c1) of every routed row's output; sentinel rows zero
+        w = out_feature_slice(w_down, c0, c1, transposed)
+        b = b_down[:, c0:c1] if b_down is not None else None
+        launch_gathered_gemm(a, None, w, b, expert_offsets, y, transposed, "down")
+
+    return combine_in_slabs(expert_outputs, a.shape[0], a.dtype, token_index_map, topk_weights, expert_offsets, out, E)

@@ -429,11 +429,10 @@ def layer_kernels(backend, x, w_gate_up, w_down, eti, offsets, tim, topk_weights
             return backend.expert_down(h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed,
                                        interleaved, alpha, limit)
     with profiled("moeblaze::expert_up"):
-        _, a = backend.expert_up_activated(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, activation,
-                                           interleaved, alpha, limit, keep_h=False)
-    with profiled("moeblaze::expert_down"):  # given act(h), its h argument serves for the row count
-        return backend.expert_down(a, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed,
-                                   interleaved, alpha, limit, activated=a)
+        a = backend.expert_up_activated(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, activation,
+                                        interleaved, alpha, limit)
+    with profiled("moeblaze::expert_down"):
+        return backend.expert_down_activated(a, w_down, eti, offsets, tim, topk_weights, b_down, transposed)
 
 
 @expert_layer.register_fake
