@@ -354,13 +354,22 @@ class _RecomputedLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim = ctx.saved_tensors
-        calls = _backward_calls(ctx)
-        need = ctx.needs_input_grad  # x, w_gate_up, w_down, b_gate_up, b_down, tw, ...
-        has_bgu, has_bd = b_gate_up is not None, b_down is not None
-        grad_h, grad_wd, grad_bd, grad_tw = calls.down_backward_recompute(
-            grad_out, x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, ctx.args,
-            need[2] or (has_bd and need[4]))
-        grad_x, grad_wgu, grad_bgu = _up_backward(calls, grad_h, x, w_gate_up, eti, offsets, tim, has_bgu,
-                                                  ctx.args[1], need[0], need[1], need[3])
-        return (grad_x, grad_wgu, grad_wd if need[2] else None, grad_bgu, grad_bd if has_bd and need[4] else None,
-                grad_tw if need[5] else None, None, None, None, None, None)
+        grads = recomputed_backward(_backward_calls(ctx), grad_out, x, w_gate_up, w_down, b_gate_up, b_down, tw, eti,
+                                    offsets, tim, ctx.args, ctx.needs_input_grad[:6])
+        return (*grads, None, None, None, None, None)
+
+
+def recomputed_backward(calls, grad_out, x, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args, need):
+    """The backward of a layer that kept no h (``_RecomputedLayer``, and the op
+    ``expert_layer``'s autograd formula): h recomputed and dH written over it, then the
+    up projection's gradients, through ``calls``. Returns ``(grad_x, grad_w_gate_up,
+    grad_w_down, grad_b_gate_up, grad_b_down, grad_topk_weights)``, None where ``need``
+    (flags in the same order) says not needed."""
+    need_x, need_wgu, need_wd, need_bgu, need_bd, need_tw = need
+    has_bgu, has_bd = b_gate_up is not None, b_down is not None
+    grad_h, grad_wd, grad_bd, grad_tw = calls.down_backward_recompute(
+        grad_out, x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, args, need_wd or (has_bd and need_bd))
+    grad_x, grad_wgu, grad_bgu = _up_backward(calls, grad_h, x, w_gate_up, eti, offsets, tim, has_bgu, args[1],
+                                              need_x, need_wgu, need_bgu)
+    return (grad_x, grad_wgu, grad_wd if need_wd else None, grad_bgu, grad_bd if has_bd and need_bd else None,
+            grad_tw if need_tw else None)

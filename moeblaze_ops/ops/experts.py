@@ -451,21 +451,16 @@ def _expert_layer_setup_context(ctx, inputs, output):
 
 
 def _expert_layer_backward(ctx, grad_out):
+    # The layer's own recompute backward, through the ops. Imported here: the layer module
+    # imports this one.
+    from ..functional import _OP_CALLS, recomputed_backward
+
     x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down = ctx.saved_tensors
     need = ctx.needs_input_grad  # x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, ...
-    has_bgu, has_bd = b_gate_up is not None, b_down is not None
-    ops = torch.ops.moeblaze
-    grad_h, grad_wd, grad_bd, grad_tw = ops.expert_down_backward_recompute(
-        grad_out, x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, *ctx.args,
-        need[2] or (has_bd and need[8]))
-    need_x, need_wgu = need[0], need[1] or (has_bgu and need[7])
-    grad_x = grad_wgu = grad_bgu = None
-    if need_x or need_wgu:
-        grad_x, grad_wgu, grad_bgu = ops.expert_up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bgu,
-                                                            ctx.args[1], need_x, need_wgu)
-    return (grad_x if need_x else None, grad_wgu if need[1] else None, grad_wd if need[2] else None,
-            None, None, None, grad_tw if need[6] else None, grad_bgu if has_bgu and need[7] else None,
-            grad_bd if has_bd and need[8] else None, None, None, None, None, None)
+    grad_x, grad_wgu, grad_wd, grad_bgu, grad_bd, grad_tw = recomputed_backward(
+        _OP_CALLS, grad_out, x, w_gate_up, w_down, b_gate_up, b_down, topk_weights, eti, offsets, tim, ctx.args,
+        (need[0], need[1], need[2], need[7], need[8], need[6]))
+    return (grad_x, grad_wgu, grad_wd, None, None, None, grad_tw, grad_bgu, grad_bd, None, None, None, None, None)
 
 
 torch.library.register_autograd("moeblaze::expert_layer", _expert_layer_backward,
