@@ -22,7 +22,7 @@ Each lowering falls back to the op's own kernel (an extern call, as for an op wi
 lowering; under ``settings.lean_graph_calls`` through its internal twin in
 ``ops.graph_calls``, which skips the checks, where the index arrays come from a
 ``dispatch`` in the same graph) where the templates do not apply: tensors not on CUDA,
-float64, ``settings.backend == "torch"``, ``settings.activation_pass`` off, and index arrays
+float64, ``settings.backend == "torch"``, and index arrays
 that do not come straight from ``moeblaze::dispatch`` in the same graph (the op checks
 such arrays' values; the templates do not); and where the op would run the GEMM on its
 Gluon kernel (Hopper, ``settings.gluon``, at least ``settings.small_gemm_flop``), which
@@ -264,7 +264,7 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
                 limit=CLAMPED_SWIGLU_LIMIT):
     args = (h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down, activation,
             transposed, interleaved, alpha, limit)
-    if not (settings.current().activation_pass and _templates_apply(h, index_positions=_DOWN_INDEX_ARRAYS)):
+    if not _templates_apply(h, index_positions=_DOWN_INDEX_ARRAYS):
         return compat.fallback(_graph_call("expert_down", _DOWN_INDEX_ARRAYS), *args)
     return _down_projection(*args, index_positions=_DOWN_INDEX_ARRAYS)
 
@@ -292,7 +292,7 @@ def expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, tok
     never made); elsewhere the up projection's template writing h, then the down
     projection as ``expert_down`` lowers it."""
     rows = expert_token_indices.get_size()[0]
-    if not (settings.current().activation_pass and _templates_apply(x, index_positions=_LAYER_INDEX_ARRAYS)) \
+    if not _templates_apply(x, index_positions=_LAYER_INDEX_ARRAYS) \
             or _op_runs_gluon("up", x, rows, w_gate_up.get_size()[2 if transposed else 1], x.get_size()[1]):
         return compat.fallback(_graph_call("expert_layer", _LAYER_INDEX_ARRAYS), x, w_gate_up, w_down,
                                expert_token_indices, expert_offsets, token_index_map, topk_weights, b_gate_up,

@@ -79,7 +79,7 @@ from moeblaze_ops.kernels.triton_activations import activate
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = k0 + tl.arange(0, BLOCK_K)
         rmask = rows < LK
-        g, u = gg.load_h_pair(h_ptr, row0, rmask, {{stride("h_ptr", 0)}}, k0, I, ACT, INTERLEAVED, False, BLOCK_M,
+        g, u = gg.load_h_pair(h_ptr, row0, rmask, {{stride("h_ptr", 0)}}, k0, I, ACT, INTERLEAVED, BLOCK_M,
                               BLOCK_K)
         acc = activate(g, u, ALPHA, LIMIT, ACT, FAST_ACT)
         idx_m = rows.to(INDEX_DTYPE)[:, None]

@@ -118,7 +118,6 @@ class KernelSettings:
         poison: fill every buffer the kernels allocate with NaN first, so an element a
             kernel forgets to write shows (tests).
         tiles: per GEMM kind, a ``GemmTile`` used instead of the table's (tuning).
-        h_tma: read h through TMA tensor descriptors where TMA allows it (the down GEMM).
         weight_tma: the GEMM kinds that read weight tiles through TMA descriptors where
             they can ("up", "dh", "dx" have the option).
         gluon: the GEMM kinds (of ``GLUON_KINDS``) that run their Gluon kernel, an
@@ -169,18 +168,16 @@ class KernelSettings:
             each output tile whose rows are all inside its expert through shared memory
             by TMA copies, which run on while the warps start the next tile, instead of
             storing from registers (``gluon_row_gemm._store_tile``).
-        activation_pass: the down GEMM reads act(h) that one pass wrote first (a transient
-            [L*K, I]) rather than computing it in its prologue.
         up_epilogue_activation: where ``moe_experts`` with a gated activation needs no
             h after the forward (nothing to differentiate, or ``recompute=True``), the up
             projection writes act(h) instead of h (the op ``expert_layer``), for the
-            down GEMM to read instead of running the activation pass: on Hopper in the
+            down GEMM to read, no activation pass run: on Hopper in the
             Gluon up GEMM's epilogue (``gluon_row_gemm.GatedEpilogue``) where it
             applies, elsewhere as the GEMM then the pass. h is not made at all. (The
             default mode's backward needs h, and writing both measured no faster, with
             a higher peak: docs/perf-notes.md.)
-        fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the down
-            GEMM's prologue or the activation pass.
+        fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the
+            activation pass and the up GEMM's gated epilogue.
         dh_fast_activation: the same in the dH epilogue.
         dh_epilogue_columns: the dH epilogue (h in, dH and w * act(h) out) works through
             its tile in slices of this many columns (a power of two), one after the
@@ -221,7 +218,6 @@ class KernelSettings:
     triton_backward: bool = True
     poison: bool = False
     tiles: Mapping[str, GemmTile] = field(default_factory=dict)
-    h_tma: bool = True
     weight_tma: frozenset = frozenset({"up", "dh", "dx"})
     gluon: frozenset = frozenset(GLUON_KINDS)
     small_gemm_flop: int = 10**11
@@ -232,7 +228,6 @@ class KernelSettings:
     wgrad_tma_store: bool = True
     row_tma_store: bool = True
     row_band: int = 4
-    activation_pass: bool = True
     up_epilogue_activation: bool = True
     fast_activation: bool = True
     dh_fast_activation: bool = True

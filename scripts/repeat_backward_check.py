@@ -39,15 +39,14 @@ def main():
     p.add_argument("--K", type=int, default=2)
     p.add_argument("--routing", default="skewed")
     p.add_argument("--layouts", nargs="*", default=["concatenated"], choices=list(LAYOUTS))
-    p.add_argument("--h-tma", nargs="*", type=int, default=[1, 0])
     p.add_argument("--up-tiles", nargs="*", default=["default"], help="wgrad_up tile BP,BQ,BR,warps,stages")
     a = p.parse_args()
-    for layout, tma, tile in itertools.product(a.layouts, a.h_tma, a.up_tiles):
+    for layout, tile in itertools.product(a.layouts, a.up_tiles):
         tiles = {} if tile == "default" else {"wgrad_up": GemmTile(*map(int, tile.split(",")))}
         differ = {n: 0 for n in NAMES}
         worst = {n: 0.0 for n in NAMES}
         # small_gemm_flop=0: the Gluon weight gradients at this small size too, as on large layers.
-        with settings.override(h_tma=bool(tma), tiles=tiles, small_gemm_flop=0):
+        with settings.override(tiles=tiles, small_gemm_flop=0):
             for seed in range(a.seeds):
                 layer = make_layer(a.L, a.d, a.I, a.E, a.K, dtype=torch.bfloat16, bias=True, routing=a.routing,
                                    layout=layout, seed=seed)
@@ -57,7 +56,7 @@ def main():
                 for i, n in enumerate(NAMES):
                     differ[n] += any(not torch.equal(runs[0][i], r[i]) for r in runs[1:])
                     worst[n] = max(worst[n], rel_err(runs[0][i], ref[i]))
-        print(f"{layout} h_tma={tma} up_tile={tile}: seeds differing (of {a.seeds}) {differ}; "
+        print(f"{layout} up_tile={tile}: seeds differing (of {a.seeds}) {differ}; "
               f"worst rel err {{{', '.join(f'{n}: {e:.1e}' for n, e in worst.items())}}}", flush=True)
 
 

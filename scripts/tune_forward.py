@@ -3,8 +3,9 @@
     python scripts/tune_forward.py [--configs olmoe mixtral] [--w-tma 0 1] [--tiles BM,BN,BK,w,s ...]
         [--activations swiglu relu] [--row-band 1 8 16]
 
-``--activations relu`` times the down kernel with an almost free prologue (ReLU of the
-first I columns of h): the gap to swiglu is what the activation's math costs there.
+``--activations relu`` times the down projection with an almost free activation pass
+(ReLU of the first I columns of h): the gap to swiglu is what the activation's math
+costs there.
 
 Prints, per shape and kernel, the time and TFLOP/s of each config next to a dense cuBLAS
 matmul of the same size (the ceiling to aim at).
@@ -37,7 +38,6 @@ def main():
     p.add_argument("--programs-per-sm", nargs="*", type=int, default=[1, 2])
     p.add_argument("--kinds", nargs="*", default=["up", "down"], choices=["up", "down"])
     p.add_argument("--tiles", nargs="*", default=None, help="BM,BN,BK,warps,stages ...")
-    p.add_argument("--h-tma", nargs="*", type=int, default=[1], help="down kernel reads h through TMA (1) or not (0)")
     p.add_argument("--fast-act", nargs="*", type=int, default=[1], help="approximate-tanh sigmoid (1) or exact (0)")
     p.add_argument("--w-tma", nargs="*", type=int, default=[0, 1],
                    help="the GEMM's weight tiles through TMA (1) or not (0)")
@@ -63,12 +63,12 @@ def main():
         jobs = ([("up", None)] if "up" in a.kinds else []) + [("down", act) for act in a.activations
                                                                if "down" in a.kinds]
         for pps in a.programs_per_sm:
-            for tile, h_tma, fast, w_tma, band in [(t, v, f, w, b) for t in tiles for v in a.h_tma
-                                                   for f in a.fast_act for w in a.w_tma for b in a.row_band]:
+            for tile, fast, w_tma, band in [(t, f, w, b) for t in tiles for f in a.fast_act for w in a.w_tma
+                                            for b in a.row_band]:
                 row = []
                 for kind, act in jobs:
-                    changes = dict(tiles={kind: GemmTile(*tile, programs_per_sm=pps)}, h_tma=bool(h_tma),
-                                   fast_activation=bool(fast), row_band=band,
+                    changes = dict(tiles={kind: GemmTile(*tile, programs_per_sm=pps)}, fast_activation=bool(fast),
+                                   row_band=band,
                                    weight_tma=(base_w_tma | {kind}) if w_tma else (base_w_tma - {kind}))
                     try:
                         with settings.override(**changes):
@@ -81,7 +81,7 @@ def main():
                         row.append(f"{label} {ms:7.3f} ms {(up_flops if kind == 'up' else down_flops) / ms / 1e9:4.0f}")
                     except Exception as e:  # out of shared memory etc.
                         row.append(f"{kind} failed ({type(e).__name__})")
-                print(f"  pps={pps} tile={tile} h_tma={h_tma} fast_act={fast} w_tma={w_tma} band={band}: "
+                print(f"  pps={pps} tile={tile} fast_act={fast} w_tma={w_tma} band={band}: "
                       + " | ".join(row), flush=True)
         del x, wgu, wd, h, dense_a, dense_h
         torch.cuda.empty_cache()

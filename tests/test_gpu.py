@@ -255,8 +255,7 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                        bias=True, tw_dtype=torch.float32)
 
 
-@pytest.mark.parametrize("choice", [{"activation_pass": False, "h_tma": True}, {"activation_pass": False, "h_tma": False},
-                                    {"activation_pass": True}, {"fast_activation": True},
+@pytest.mark.parametrize("choice", [{"fast_activation": True},
                                     {"fast_activation": False}, {"gluon": ("wgrad_down", "wgrad_up")},
                                     {"gluon": settings.GLUON_KINDS},
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": ()},

@@ -29,14 +29,12 @@ def test_dispatch_kernel_bitwise(L, K, E, routing, sentinel_frac, seed):
     check_dispatch_bitwise(L, K, E, device="cpu", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
 
 
-@pytest.mark.parametrize("activation_pass", [True, False], ids=["activation_pass", "prologue"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
-def test_forward_kernels(activation, layout, activation_pass, seed):
-    """The down GEMM on the activation pass's output, and with the activation in its prologue."""
-    with settings.override(activation_pass=activation_pass):
-        check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, activation=activation,
-                      layout=layout, bias=layout != "concatenated")
+def test_forward_kernels(activation, layout, seed):
+    """The up GEMM, the activation pass, the down GEMM on its output and the combine."""
+    check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, activation=activation,
+                  layout=layout, bias=layout != "concatenated")
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["up_epilogue_activation", "activation_in_down"])
@@ -94,14 +92,11 @@ def test_backward_routings(L, E, K, routing, sentinel_frac, seed):
                    sentinel_frac=sentinel_frac, bias=True)
 
 
-@pytest.mark.parametrize("h_tma", [True, False])
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
-def test_backward_whole_steps(layout, h_tma, seed):
-    """Experts with several whole 16-row reduction steps plus a ragged last one, with h
-    read through TMA descriptors or plain loads."""
-    with settings.override(h_tma=h_tma):
-        check_backward(45, 16, 8, 2, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout,
-                       bias=True, routing="skewed")
+def test_backward_whole_steps(layout, seed):
+    """Experts with several whole 16-row reduction steps plus a ragged last one."""
+    check_backward(45, 16, 8, 2, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True,
+                   routing="skewed")
 
 
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])

@@ -149,42 +149,25 @@ def load_weight_tile(w_src, e, k0, n0, stride_we, stride_wk, stride_wn, K, N, W_
 
 
 @triton.jit
-def load_h_pair(h_src, row0, rmask, stride_hm, k0, I, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                H_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def load_h_pair(h_ptr, row0, rmask, stride_hm, k0, I, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The raw h tiles behind activation columns [k0, k0 + BLOCK_K) of rows [row0, row0 +
-    BLOCK_M): (gate, up), or (h, h) when activation ``ACT`` is not gated.
-
-    With H_TMA, ``h_src`` is a tensor descriptor of h: an expert's rows are contiguous, so
-    whole tiles come through the copy engine, and the pipeliner can stage them although
-    they feed the activation rather than the dot. Rows past the expert's range and columns
-    past the gate half are read too; they only reach outputs that are masked or activation
-    columns that are zeroed before use.
-    """
+    BLOCK_M): (gate, up), or (h, h) when activation ``ACT`` is not gated; zero past the
+    rows in ``rmask`` and past column I."""
     ks = k0 + tl.arange(0, BLOCK_K)
-    if H_TMA:
-        if ACT < NUM_GATED:
-            if INTERLEAVED:
-                g, u = tl.split(tl.reshape(h_src.load([row0, 2 * k0]), (BLOCK_M, BLOCK_K, 2)))
-            else:
-                g = h_src.load([row0, k0])
-                u = h_src.load([row0, I + k0])
-        else:
-            g = h_src.load([row0, k0])
-            u = g
-    else:
-        h_rows = h_src + (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None] * stride_hm
-        amask = rmask[:, None] & (ks < I)[None, :]
-        if ACT < NUM_GATED:
-            if INTERLEAVED:
-                ks2 = k0 * 2 + tl.arange(0, 2 * BLOCK_K)
-                gu = tl.load(h_rows + ks2[None, :], mask=rmask[:, None] & (ks2 < 2 * I)[None, :], other=0.0)
-                g, u = tl.split(tl.reshape(gu, (BLOCK_M, BLOCK_K, 2)))
-            else:
-                g = tl.load(h_rows + ks[None, :], mask=amask, other=0.0)
-                u = tl.load(h_rows + I + ks[None, :], mask=amask, other=0.0)
+    h_rows = h_ptr + (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None] * stride_hm
+    amask = rmask[:, None] & (ks < I)[None, :]
+    if ACT < NUM_GATED:
+        if INTERLEAVED:
+            ks2 = k0 * 2 + tl.arange(0, 2 * BLOCK_K)
+            gu = tl.load(h_rows + ks2[None, :], mask=rmask[:, None] & (ks2 < 2 * I)[None, :], other=0.0)
+            g, u = tl.split(tl.reshape(gu, (BLOCK_M, BLOCK_K, 2)))
         else:
             g = tl.load(h_rows + ks[None, :], mask=amask, other=0.0)
-            u = g
+            u = tl.load(h_rows + I + ks[None, :], mask=amask, other=0.0)
+    else:
+        g = tl.load(h_rows + ks[None, :], mask=amask, other=0.0)
+        u = g
     return g, u
 
 
@@ -297,20 +280,6 @@ def _descriptor(t: torch.Tensor, block):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(t, block)
-
-
-def h_operand(h: torch.Tensor, act: int, interleaved: bool, I: int, block_m: int, block_k: int):
-    """h as a kernel reads its [block_m, block_k] activation tiles (activation code ``act``):
-    ``(source, through_tma)``, a TMA tensor descriptor where ``settings.h_tma`` and TMA
-    allow it, else the tensor."""
-    # TMA needs 16-byte aligned rows and tile starts (the up half starts at column I), and a
-    # box at most 256 elements wide (the interleaved layout reads 2*BK columns at once).
-    width = 2 * block_k if act < NUM_GATED and interleaved else block_k
-    aligned = (h.stride(1) == 1 and (h.stride(0) * h.element_size()) % 16 == 0 and h.data_ptr() % 16 == 0
-               and (I * h.element_size()) % 16 == 0)
-    if not (settings.current().h_tma and aligned and width <= 256):
-        return h, False
-    return _descriptor(h, [block_m, width]), True
 
 
 def weight_tma_fits(strides, element_size: int, start_byte: Optional[int], tile: GemmTile) -> bool:

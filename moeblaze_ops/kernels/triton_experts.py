@@ -4,12 +4,12 @@
   expert e. The up projection gathers its A rows (token rows of x, through
   ``expert_token_indices``) inside the operand load: no [L*K, d] copy exists. The input
   gradient reuses it on dH rows, which are already in expert order (no gather).
-- The down projection, y[r] = act(h[r]) @ W_e (+ b_e), two ways (``settings.activation_pass``):
-  ``_activation_kernel`` writes a = act(h) once (a transient [L*K, I], half of h) and the
-  gathered GEMM above runs on it without a gather, every operand from memory; or
-  ``_activated_gemm_kernel`` computes the activation on the A tile as it is loaded, and
-  a is never written. Either way the rows are then combined per token
-  (``triton_combine``).
+- The down projection, y[r] = act(h[r]) @ W_e (+ b_e): ``_activation_kernel`` writes
+  a = act(h) once (a transient [L*K, I], half of h), and the gathered GEMM above runs on
+  it without a gather, every operand from memory (a GEMM that activated its A tiles as it
+  loaded them, a never written, measured 1.2-1.6x slower: docs/perf-notes.md). Where no h
+  is needed after the forward, the up projection writes act(h) instead of h
+  (``expert_up_activated``). The rows are then combined per token (``triton_combine``).
 """
 
 from __future__ import annotations
@@ -73,36 +73,6 @@ def _gathered_gemm_kernel(
         gg.store_tile(out_ptr, rows, cols, stride_om, acc, rmask[:, None] & cmask[None, :])
 
 
-@triton.jit
-def _activated_gemm_kernel(
-    h_src, w_ptr, bias_ptr, offsets_ptr, out_ptr,
-    LK, E, N, I, alpha, limit,
-    stride_hm, stride_we, stride_wk, stride_wn, stride_bias, stride_om,
-    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, H_TMA: tl.constexpr,
-    FAST_ACT: tl.constexpr, GROUPS: tl.constexpr, BAND: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    total = gg.num_row_tiles(offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS)
-    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
-        e, row0, rows, rmask, n0, cols, cmask = gg.row_tile(tile, offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS,
-                                                            BAND)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if e < E:
-            for k0 in range(0, I, BLOCK_K):
-                # The A tile is act(h), computed in fp32 in registers as it is loaded.
-                g, u = gg.load_h_pair(h_src, row0, rmask, stride_hm, k0, I, ACT, INTERLEAVED, H_TMA, BLOCK_M,
-                                      BLOCK_K)
-                ks = k0 + tl.arange(0, BLOCK_K)
-                # Plain weight loads: TMA here was slower and miscompiled at this GEMM's tile.
-                b = gg.load_weight_tile(w_ptr, e, k0, n0, stride_we, stride_wk, stride_wn, I, N, False, False,
-                                        BLOCK_K, BLOCK_N)
-                a = tl.where((ks < I)[None, :], activate(g, u, alpha, limit, ACT, FAST_ACT), 0.0)
-                acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
-            if HAS_BIAS:
-                acc = gg.add_bias(acc, bias_ptr, e, stride_bias, cols, cmask)
-        gg.store_tile(out_ptr, rows, cols, stride_om, acc, rmask[:, None] & cmask[None, :])
-
-
 #: The activation pass's tile on CUDA (rows, activation columns), the eager kernel's and the
 #: Inductor template's.
 ACTIVATION_TILE = (64, 128)
@@ -118,7 +88,7 @@ def _activation_kernel(h_ptr, a_ptr, LK, I, alpha, limit, stride_hm, stride_am,
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = k0 + tl.arange(0, BLOCK_K)
     rmask = rows < LK
-    g, u = gg.load_h_pair(h_ptr, row0, rmask, stride_hm, k0, I, ACT, INTERLEAVED, False, BLOCK_M, BLOCK_K)
+    g, u = gg.load_h_pair(h_ptr, row0, rmask, stride_hm, k0, I, ACT, INTERLEAVED, BLOCK_M, BLOCK_K)
     gg.store_tile(a_ptr, rows, cols, stride_am, activate(g, u, alpha, limit, ACT, FAST_ACT),
                   rmask[:, None] & (cols < I)[None, :])
 
@@ -216,40 +186,16 @@ def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, toke
 
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
                 activation, transposed, interleaved, alpha, limit):
-    """The down projection of h and the combine: act(h) written once by the activation pass
-    then ``expert_down_activated`` (``settings.activation_pass``), or the GEMM activating
-    h's tiles as it loads them (``_activated_gemm_kernel``)."""
-    L = topk_weights.shape[0]
-    LK = h.shape[0]
-    E, d, I = linear_dims(w_down, transposed)
+    """The down projection of h and the combine: act(h) written once by the activation
+    pass, then ``expert_down_activated``."""
     act = activation_code(activation)
     if h.stride(1) != 1:
         h = h.contiguous()
-    fast = gg.fast_sigmoid(h, settings.current().fast_activation)
-    if settings.current().activation_pass:
-        # act(h) written once, then a plain grouped GEMM whose operands all come from memory.
-        a = gg.empty(LK, I, dtype=h.dtype, device=h.device)
-        launch_activation(h, a, act, interleaved, alpha, limit, fast)
-        return expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
-                                     b_down, transposed)
-    out = gg.empty(L, d, dtype=h.dtype, device=h.device)
-    tile = gg.tile_config("down", h)
-    h_src, h_tma = gg.h_operand(h, act, interleaved, I, tile.block_m, tile.block_k)
-
-    def expert_outputs(y, c0, c1):  # columns [c0, c1) of every routed row's output; sentinel rows zero
-        w = out_feature_slice(w_down, c0, c1, transposed)
-        b = b_down[:, c0:c1] if b_down is not None else None
-        strides = linear_strides(w, transposed)
-        gg.launch_row_gemm(
-            _activated_gemm_kernel, tile, h.dtype, h.device, c1 - c0,
-            h_src=h_src, w_ptr=w, bias_ptr=b, offsets_ptr=expert_offsets, out_ptr=y,
-            LK=LK, E=E, N=c1 - c0, I=I, alpha=float(alpha), limit=float(limit),
-            stride_hm=h.stride(0), stride_we=strides.expert, stride_wk=strides.reduction, stride_wn=strides.output,
-            stride_bias=b.stride(0) if b is not None else 0, stride_om=y.stride(0),
-            ACT=int(act), INTERLEAVED=interleaved, HAS_BIAS=b is not None, H_TMA=h_tma, FAST_ACT=fast,
-        )
-
-    return combine_in_slabs(expert_outputs, LK, h.dtype, token_index_map, topk_weights, expert_offsets, out, E)
+    _, _, I = linear_dims(w_down, transposed)
+    a = gg.empty(h.shape[0], I, dtype=h.dtype, device=h.device)
+    launch_activation(h, a, act, interleaved, alpha, limit, gg.fast_sigmoid(h, settings.current().fast_activation))
+    return expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
+                                 b_down, transposed)
 
 
 def expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,

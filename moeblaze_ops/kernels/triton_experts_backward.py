@@ -97,7 +97,7 @@ def _dh_epilogue(g, w, row0, rows, real, rmask, n0, I, h_ptr, dh_ptr, wact_ptr, 
     """dH's epilogue on activation columns [n0, n0 + WIDTH) of the tile: the h tiles
     behind them, then ``dh_outputs``. ``g`` is dL/da / w."""
     cols = n0 + tl.arange(0, WIDTH)
-    hg, hu = gg.load_h_pair(h_ptr, row0, real, stride_hm, n0, I, ACT, INTERLEAVED, False, BLOCK_M, WIDTH)
+    hg, hu = gg.load_h_pair(h_ptr, row0, real, stride_hm, n0, I, ACT, INTERLEAVED, BLOCK_M, WIDTH)
     return dh_outputs(g, w, hg, hu, rows, rmask, cols, cols < I, n0, I, dh_ptr, wact_ptr, stride_dhm, stride_wam,
                       alpha, limit, ACT, INTERLEAVED, WRITE_WACT, FAST_ACT, WIDTH)
 
