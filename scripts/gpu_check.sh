@@ -11,6 +11,8 @@
 # scripts/profile_step.py (kernel and host time per step) into $OUT/profile.txt;
 # GPU_TEST_WORKERS=<n> sets the pytest-xdist processes (6; one GPU is shared); GPU_TESTS_TIMEOUT=<s>
 # ends the GPU tests after that many seconds (420);
+# HOST_ROUNDS=1 times the 100M example's layer eager, compiled (weights as arguments, and in a
+# closure as the benchmark's peers) and under CUDA graphs, alternating (scripts/host_overhead.py --rounds);
 # EXAMPLE=1 adds the 100M example (eager, compiled, reduce-overhead; moeblaze and grouped_mm);
 # EXAMPLE_AB=1 times the example's model with the two backends alternating in one process
 # (scripts/profile_model.py --rounds: medians over rounds, eager and compiled);
@@ -99,6 +101,10 @@ if [ "${SONICMOE:-0}" = 1 ]; then
   python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train_sonicmoe" --peer-site /tmp/peer-site \
     --skip hf_eager hf_grouped_mm moeblaze_recompute moeblaze_recompute_compiled --configs olmoe mixtral \
     2>>"$LOG" | tee -a "$LOG"
+fi
+if [ "${HOST_ROUNDS:-0}" = 1 ]; then
+  echo "== the 100M example's layer by harness, alternating rounds" | tee -a "$LOG"
+  python3 scripts/host_overhead.py --config qwen3_100m --rounds 5 --steps 200 2>>"$LOG" | grep median | tee -a "$LOG"
 fi
 if [ "${EXAMPLE:-0}" = 1 ]; then
   # The 100M example (8 MoE layers), moeblaze against grouped_mm: eager, compiled, and

@@ -4,6 +4,7 @@ Python functions by own time under cProfile.
     python scripts/host_overhead.py [--config qwen3_100m] [--steps 200] [--rows 30]
     python scripts/host_overhead.py --no-kernels --device cpu --config tiny
     python scripts/host_overhead.py --compile   # the layer under torch.compile (fullgraph)
+    python scripts/host_overhead.py --rounds 5  # eager, compiled two ways, CUDA graphs, alternating
     python scripts/host_overhead.py --op-calls  # each op through torch.ops against its kernel alone
     python scripts/host_overhead.py --launches  # one Triton launch through the JIT and around it
     python scripts/host_overhead.py --attribute # the step's host time per kernel launch, JIT and launcher
@@ -278,6 +279,43 @@ def attribute(step, n):
     print(f"  all launches: {total:.1f} us, {launchers:.1f} in launchers")
 
 
+def harness_rounds(x, ids, w, wgu, wd, g, rounds, steps, sync):
+    """Microseconds per forward + backward (gradients cleared each step, as after
+    ``zero_grad``) of the layer by each harness, in ``rounds`` alternating rounds of
+    ``steps`` steps, then the medians: eager; compiled with the weights as arguments (the
+    ``--compile`` run above); compiled with them in a closure, as the benchmark's peers
+    are; and on CUDA, the benchmark's CUDA-graph peer (``mode="reduce-overhead"``)."""
+    from moeblaze_ops.bench import peers
+
+    fns = peers(x, ids, w, wgu, wd, cuda_graphs=x.is_cuda)
+    compiled = torch.compile(moeblaze_ops.moe_experts, fullgraph=True)
+    harnesses = {"eager": fns["moeblaze"], "compiled, weights as arguments": lambda: compiled(x, ids, w, wgu, wd),
+                 "compiled, weights in a closure": fns["moeblaze_compiled"]}
+    if x.is_cuda:
+        harnesses["CUDA graphs"] = fns["moeblaze_cudagraphs"]
+
+    def step(fn):
+        for t in (x, w, wgu, wd):
+            t.grad = None
+        fn().backward(g)
+
+    times = {name: [] for name in harnesses}
+    for _ in range(10):
+        for fn in harnesses.values():
+            step(fn)
+    for r in range(rounds):
+        for name, fn in harnesses.items():
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(fn)
+            sync()
+            times[name].append((time.perf_counter() - t0) / steps * 1e6)
+            print(f"round {r}: {name}: {times[name][-1]:.1f} us per forward + backward", flush=True)
+    for name, ts in times.items():
+        print(f"median of {rounds}: {name}: {sorted(ts)[len(ts) // 2]:.1f} us")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="qwen3_100m", choices=[*CONFIGS, "tiny"])
@@ -299,6 +337,9 @@ def main():
                    help="change a kernel setting for the run (repeatable)")
     p.add_argument("--launches", action="store_true",
                    help="host time of one Triton launch, through the JIT and around it (CUDA)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="this many rounds of the layer eager, compiled with its weights as arguments, compiled "
+                        "with them in a closure (the benchmark's peers), and with CUDA graphs (CUDA), alternating")
     a = p.parse_args()
     changes = dict(a.settings)
     if a.stub_launches:
@@ -326,6 +367,8 @@ def run(a):
         t.requires_grad_(True)
     g = torch.randn_like(x)
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    if a.rounds:
+        return harness_rounds(x, ids, w, wgu, wd, g, a.rounds, a.steps, sync)
 
     layer = torch.compile(moeblaze_ops.moe_experts, fullgraph=True) if a.compile else moeblaze_ops.moe_experts
 
