@@ -1,4 +1,4 @@
-"""The activations in Triton, for the GEMM prologues and epilogues (fp32 in, fp32 out).
+"""The activations in Triton, for the activation pass and the GEMM epilogues (fp32 in, fp32 out).
 
 The same math as ``moeblaze_ops.activations`` (the PyTorch side). Kernels take the
 activation as a constexpr ``ACT``, one of ``moeblaze_ops.activations.ActivationCode``;
@@ -26,9 +26,9 @@ def _tanh_approx(x):
 
 @triton.jit
 def _sigmoid(x, FAST: tl.constexpr):
-    # FAST (CUDA, 16-bit outputs): one MUFU tanh instead of an exp and a division. The down
-    # GEMM's prologue recomputes the activation for every output tile, so its
-    # special-function work competes with the tile's MMAs.
+    # FAST (CUDA, 16-bit outputs): one MUFU tanh instead of an exp and a division. In a
+    # GEMM's epilogue (the up GEMM's act(h), dH's recompute) the special-function work
+    # competes with the next tile's MMAs.
     if FAST:
         return 0.5 + 0.5 * _tanh_approx(0.5 * x)
     return 1.0 / (1.0 + tl.exp(-x))
