@@ -373,6 +373,8 @@ def run(a):
     layer = torch.compile(moeblaze_ops.moe_experts, fullgraph=True) if a.compile else moeblaze_ops.moe_experts
 
     def step():
+        for t in (x, w, wgu, wd):  # as after zero_grad(set_to_none=True): no accumulation kernels
+            t.grad = None
         layer(x, ids, w, wgu, wd).backward(g)
 
     def steps(n):
