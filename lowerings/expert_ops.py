@@ -92,16 +92,21 @@ def _op_runs_gluon(kind, a, rows, out_cols, reduction) -> bool:
     rows, ``out_cols`` output columns, ``reduction`` deep) on its Gluon kernel: the
     decision of ``grouped_gemm.gluon_module`` on each launch's operations (a column slab
     where down and dX make their rows in slabs; by the size hints), for a 16-bit ``a`` on a
-    Hopper GPU. Those kernels are faster than the ``tl`` templates, so the graph calls the
-    op there."""
+    Hopper GPU, with column counts the Gluon kernel takes (``gluon_row_gemm.applies``:
+    multiples of 16; its stride and alignment rules hold for the contiguous operands the
+    graph makes). Those kernels are faster than the ``tl`` templates, so the graph calls
+    the op there; elsewhere the op's ``tl`` kernel would run, and the template, as fast,
+    lets consumers fuse."""
     device = a.get_device()
     if a.get_dtype() not in (torch.float16, torch.bfloat16) or device is None or device.type != "cuda":
         return False
-    out_cols = compat.hint(out_cols)
+    out_cols, reduction = compat.hint(out_cols), compat.hint(reduction)
     if kind != "up":
         slabs = column_slabs(out_cols)
         out_cols = slabs[0][1] - slabs[0][0] if slabs else 0
-    if gg.gluon_module(kind, 2 * compat.hint(rows) * out_cols * compat.hint(reduction)) is None:
+    if out_cols % 16 or reduction % 16:
+        return False
+    if gg.gluon_module(kind, 2 * compat.hint(rows) * out_cols * reduction) is None:
         return False
     from moeblaze_ops.kernels.gluon_common import is_hopper  # importable: gluon_module found Gluon
 

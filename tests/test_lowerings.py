@@ -111,6 +111,35 @@ def test_combine_template_renders(weighted):
     assert ("weights_ptr" in source) == weighted
 
 
+class _CudaNode:
+    """The two questions ``_op_runs_gluon`` asks an IR node, answered as for a bf16 CUDA tensor."""
+
+    def get_device(self):
+        return torch.device("cuda", 0)
+
+    def get_dtype(self):
+        return torch.bfloat16
+
+
+@pytest.mark.parametrize("kind,out_cols,reduction,expected", [
+    ("up", 1024, 512, True), ("up", 1000, 512, False), ("up", 1024, 520, False),
+    ("down", 2880, 1408, True),  # slabs of 512 columns
+    ("down", 2048, 1400, False)])
+def test_op_called_only_where_its_gluon_kernel_takes_the_shape(kind, out_cols, reduction, expected, monkeypatch):
+    """The lowerings call the op instead of a template where the op would run its GEMM on
+    Gluon, and only for column counts the Gluon kernel takes (multiples of 16): elsewhere
+    the op would run its ``tl`` kernel, and the template, as fast, lets consumers fuse. The
+    GPU checks stand in (Hopper, the Gluon module chosen)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from moeblaze_ops.kernels import gluon_common
+    from moeblaze_ops.lowerings import expert_ops
+
+    monkeypatch.setattr(expert_ops.gg, "gluon_module", lambda kind, flop: object())
+    monkeypatch.setattr(gluon_common, "is_hopper", lambda index: True)
+    monkeypatch.setattr(expert_ops.compat, "hint", int)  # concrete sizes: no graph being lowered
+    assert expert_ops._op_runs_gluon(kind, _CudaNode(), 8192, out_cols, reduction) is expected
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lean", [True, False], ids=["lean_graph_calls", "public_ops"])
 @pytest.mark.parametrize("up_epilogue_activation", [True, False])
