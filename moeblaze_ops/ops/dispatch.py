@@ -6,13 +6,19 @@ import torch
 from torch import Tensor
 
 from ..checks import check_dispatch
-from . import document
+from . import document_packet
 from ..kernels import forward_backend
 
 
-@document
-@torch.library.custom_op("moeblaze::dispatch", mutates_args=())
-def dispatch(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+# Defined through the low-level ``torch.library`` API rather than ``custom_op``: it has no
+# autograd formula (integer outputs) and a call then costs the dispatcher alone, without
+# the custom-op wrappers (``scripts/host_overhead.py --op-registration``), which its
+# callers, small layers included, would pay on every step.
+_lib = torch.library.Library("moeblaze", "FRAGMENT")
+_lib.define("dispatch(Tensor topk_ids, SymInt num_experts) -> (Tensor, Tensor, Tensor)")
+
+
+def _dispatch(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """Groups the routed rows by expert without copying any token.
 
     Args:
@@ -37,7 +43,10 @@ def dispatch(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor
     return forward_backend(topk_ids).dispatch(topk_ids, num_experts)
 
 
-@dispatch.register_fake
+_lib.impl("dispatch", _dispatch, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("moeblaze::dispatch", lib=_lib)
 def dispatch_like(topk_ids, num_experts):
     """Empty tensors shaped as ``dispatch``'s outputs, after its argument checks (the fake
     functions)."""
@@ -48,3 +57,7 @@ def dispatch_like(topk_ids, num_experts):
         topk_ids.new_empty(num_experts + 1, dtype=torch.int32),
         topk_ids.new_empty(rows, dtype=torch.int32),
     )
+
+
+#: ``torch.ops.moeblaze.dispatch``, documented.
+dispatch = document_packet(torch.ops.moeblaze.dispatch, _dispatch.__doc__)
