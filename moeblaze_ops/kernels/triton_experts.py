@@ -6,8 +6,8 @@
   gradient reuses it on dH rows, which are already in expert order (no gather).
 - The down projection, y[r] = act(h[r]) @ W_e (+ b_e): ``_activation_kernel`` writes
   a = act(h) once (a transient [L*K, I], half of h), and the gathered GEMM above runs on
-  it without a gather, every operand from memory (a GEMM that activated its A tiles as it
-  loaded them, a never written, measured 1.2-1.6x slower: docs/perf-notes.md). Where no h
+  it without a gather, every operand from memory (faster than activating the A tiles in
+  the GEMM as they load: docs/perf-notes.md). Where no h
   is needed after the forward, the up projection writes act(h) instead of h
   (``expert_up_activated``). The rows are then combined per token (``triton_combine``).
 """
