@@ -13,6 +13,8 @@
 # ends the GPU tests after that many seconds (420);
 # HOST_ROUNDS=1 times the 100M example's layer eager, compiled (weights as arguments, and in a
 # closure as the benchmark's peers) and under CUDA graphs, alternating (scripts/host_overhead.py --rounds);
+# DISPATCH_PROFILE=1 adds dispatch's device time kernel by kernel at the benchmark's dispatch
+# sizes, beside sort + histc + cumsum (scripts/profile_dispatch.py);
 # EXAMPLE=1 adds the 100M example (eager, compiled, reduce-overhead; moeblaze and grouped_mm);
 # EXAMPLE_AB=1 times the example's model with the two backends alternating in one process
 # (scripts/profile_model.py --rounds: medians over rounds, eager and compiled);
@@ -105,6 +107,10 @@ fi
 if [ "${HOST_ROUNDS:-0}" = 1 ]; then
   echo "== the 100M example's layer by harness, alternating rounds" | tee -a "$LOG"
   python3 scripts/host_overhead.py --config qwen3_100m --rounds 5 --steps 200 2>>"$LOG" | grep median | tee -a "$LOG"
+fi
+if [ "${DISPATCH_PROFILE:-0}" = 1 ]; then
+  echo "== dispatch, kernel by kernel" | tee -a "$LOG"
+  python3 scripts/profile_dispatch.py 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${EXAMPLE:-0}" = 1 ]; then
   # The 100M example (8 MoE layers), moeblaze against grouped_mm: eager, compiled, and
