@@ -195,8 +195,6 @@ class KernelSettings:
         dispatch_sorted_min_bins: dispatch ranks rows by sorted chunks from this many
             bins (E rounded up to a power of two); None: always by one-hot tiles.
         dispatch_sort_chunk: rows per sorted chunk.
-        dispatch_reuse_ranks: with sorted chunks, the histogram stores each row's rank and
-            the scatter reads it, instead of sorting the chunk a second time.
         backward_templates: the parts of the backward (of ``BACKWARD_TEMPLATE_KINDS``)
             that compiled graphs run as Inductor templates instead of the ops' kernels:
             "dx", the input gradient of the up projection (a ``row_gemm`` on dH and an
@@ -236,7 +234,6 @@ class KernelSettings:
     column_slab: Optional[int] = 512
     dispatch_sorted_min_bins: Optional[int] = 128
     dispatch_sort_chunk: int = 1024
-    dispatch_reuse_ranks: bool = True
     backward_templates: frozenset = frozenset({"dx"})
     launch_plans: bool = True
     lean_graph_calls: bool = True

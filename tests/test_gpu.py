@@ -60,15 +60,13 @@ def test_dispatch_bitwise(L, K, E, routing, sentinel_frac, seed):
     check_dispatch_bitwise(L, K, E, device="cuda", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
 
 
-@pytest.mark.parametrize("family", ["one_hot", "sorted", "ranked"])
+@pytest.mark.parametrize("family", ["one_hot", "sorted"])
 @pytest.mark.parametrize("L,K,E,routing,sentinel_frac", [(65536, 8, 128, "uniform", 0.0), (4096, 8, 256, "skewed", 0.1),
                                                          (50000, 4, 16, "first", 0.3), (1048576, 8, 256, "uniform", 0.0)])
 def test_dispatch_kernel_families_bitwise(L, K, E, routing, sentinel_frac, family, seed):
     """Both dispatch kernel families at every E, whatever the default threshold picks: the
-    one-hot kernels and the sorted-chunk kernels (their scatter sorting again, or reading
-    the histogram's ranks) equal the portable dispatch bit for bit."""
-    with settings.override(dispatch_sorted_min_bins=None if family == "one_hot" else 1,
-                           dispatch_reuse_ranks=family == "ranked"):
+    one-hot kernels and the sorted-chunk kernels equal the portable dispatch bit for bit."""
+    with settings.override(dispatch_sorted_min_bins=None if family == "one_hot" else 1):
         check_dispatch_bitwise(L, K, E, device="cuda", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
 
 

@@ -35,11 +35,8 @@ for ids in ("*i32", "*i64"):
                                                       "ok_ptr", "eti_ptr", "tim_ptr", "ranks_ptr")})
     compile_for_hopper(td._chunk_histogram, tables, dict(BINS=16, SUB=64, K=3, CHECK_IDS=True, TOKENS=32))
     compile_for_hopper(td._chunk_scatter, tables, dict(BINS=16, SUB=64, CHECK_IDS=True))
-    for store_ranks in (False, True):
-        compile_for_hopper(td._chunk_histogram_sorted, tables,
-                           dict(CHUNK=1024, BINS=128, K=8, CHECK_IDS=True, TOKENS=128, STORE_RANKS=store_ranks),
-                           num_warps=8)
-    compile_for_hopper(td._chunk_scatter_sorted, tables, dict(CHUNK=1024, BINS=128, CHECK_IDS=True), num_warps=8)
+    compile_for_hopper(td._chunk_histogram_sorted, tables, dict(CHUNK=1024, BINS=128, K=8, CHECK_IDS=True,
+                                                                 TOKENS=128), num_warps=8)
     compile_for_hopper(td._chunk_scatter_ranked, tables, dict(CHUNK=1024, BINS=128, CHECK_IDS=True), num_warps=8)
 rows = {n: "*bf16" for n in ("go_ptr", "w_src", "h_ptr", "bias_ptr", "dh_ptr", "wact_ptr", "rows_ptr", "out_ptr")}
 rows.update({n: "*i32" for n in ("eti_ptr", "tim_ptr", "offsets_ptr", "row_ids_ptr")}, tw_ptr="*fp32",

@@ -116,9 +116,8 @@ def test_backward_kernels_skip_frozen(trainable, recompute, seed):
 #: The dispatch kernel families: one-hot tiles (chunks of 64 rows at these sizes), sorted
 #: chunks of 16 rows (many chunk edges) and of 128 (padding past the last row).
 DISPATCH_FAMILIES = {"onehot": dict(dispatch_sorted_min_bins=None),
-                     "sorted16": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=16, dispatch_reuse_ranks=False),
-                     "sorted128": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=128, dispatch_reuse_ranks=False),
-                     "ranked16": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=16, dispatch_reuse_ranks=True)}
+                     "sorted16": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=16),
+                     "sorted128": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=128)}
 
 
 def _check_id_flags(ids, E):
@@ -265,19 +264,17 @@ def test_column_slabs(layout, seed):
                        routing="skewed", sentinel_frac=0.2)
 
 
-@pytest.mark.parametrize("reuse_ranks", [False, True], ids=["sort_twice", "reuse_ranks"])
 @pytest.mark.parametrize("chunk", [16, 128])
 @pytest.mark.parametrize(
     "L,K,E,routing,sentinel_frac",
     [(33, 2, 8, "uniform", 0.0), (1, 1, 1, "uniform", 0.0), (200, 8, 64, "skewed", 0.1), (50, 3, 6, "first", 0.4),
      (40, 2, 6, "no_last", 0.0), (300, 4, 16, "uniform", 0.0)],
 )
-def test_dispatch_sorted_kernels_bitwise(L, K, E, routing, sentinel_frac, chunk, reuse_ranks, seed):
+def test_dispatch_sorted_kernels_bitwise(L, K, E, routing, sentinel_frac, chunk, seed):
     """The sorted-chunk dispatch kernels (chunks of 16 rows: many chunks, runs across chunk
-    edges; of 128: padding past the last row), their scatter sorting the chunk again or
-    reading the ranks the histogram stored: the same three arrays as the portable
-    dispatch, bit for bit."""
-    with settings.override(dispatch_sorted_min_bins=1, dispatch_sort_chunk=chunk, dispatch_reuse_ranks=reuse_ranks):
+    edges; of 128: padding past the last row), their scatter reading the ranks the
+    histogram stored: the same three arrays as the portable dispatch, bit for bit."""
+    with settings.override(dispatch_sorted_min_bins=1, dispatch_sort_chunk=chunk):
         check_dispatch_bitwise(L, K, E, device="cpu", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
 
 

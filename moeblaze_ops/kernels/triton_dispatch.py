@@ -25,9 +25,9 @@ How a program ranks its rows picks one of two kernel families for steps 1 and 3
   rows whose (column, row) keys are sorted in registers; a row's rank is its distance to
   the start of its run of equal columns, and the last row of each run writes the run's
   length into the table. O(log^2 chunk) work per row, no barrier in the scatter; not a
-  global sort, and the result is the same ranking in flat order. The scatter sorts the
-  chunk again, or (``settings.dispatch_reuse_ranks``) reads the ranks the histogram
-  stored in ``token_index_map``.
+  global sort, and the result is the same ranking in flat order. The histogram stores
+  each row's rank in ``token_index_map``, and the scatter reads it there (one sort per
+  chunk, not two).
 
 ``dispatch_checked`` folds the data checks of the ids into these launches: the histogram
 also checks the tokens whose first row ``i*K`` lies in its chunk (each token once, also
@@ -201,8 +201,7 @@ def _sorted_runs(ids_ptr, chunk, LK, E, CHUNK: tl.constexpr, BINS: tl.constexpr)
 
 @triton.jit
 def _chunk_histogram_sorted(ids_ptr, counts_ptr, ranks_ptr, LK, E, WIDTH, CHUNK: tl.constexpr, BINS: tl.constexpr,
-                            K: tl.constexpr, CHECK_IDS: tl.constexpr, TOKENS: tl.constexpr,
-                            STORE_RANKS: tl.constexpr):
+                            K: tl.constexpr, CHECK_IDS: tl.constexpr, TOKENS: tl.constexpr):
     chunk = tl.program_id(0)
     row = counts_ptr + chunk * WIDTH
     tl.store(row + tl.arange(0, BINS), tl.zeros((BINS,), dtype=tl.int32))
@@ -212,8 +211,7 @@ def _chunk_histogram_sorted(ids_ptr, counts_ptr, ranks_ptr, LK, E, WIDTH, CHUNK:
     # One writer per column. Negative ids and padding (column BINS + 1) write nothing: the
     # table's column BINS + 1 is the negative-id flag's when checking.
     tl.store(row + col, rank + 1, mask=ends & (col <= BINS))
-    if STORE_RANKS:  # each row's rank in its run, for _chunk_scatter_ranked
-        tl.store(ranks_ptr + rows, rank, mask=col <= BINS)
+    tl.store(ranks_ptr + rows, rank, mask=col <= BINS)  # each row's rank in its run, for the scatter
     if CHECK_IDS:
         _owned_token_flags(ids_ptr, row + BINS + 1, chunk, CHUNK, LK, E, K, TOKENS)
 
@@ -231,20 +229,10 @@ def _place_rows(first, sentinel_first, col, rows, rank, eti_ptr, tim_ptr, K, BIN
 
 
 @triton.jit
-def _chunk_scatter_sorted(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, ok_ptr, eti_ptr, tim_ptr, LK, E, K, WIDTH,
-                          CHUNK: tl.constexpr, BINS: tl.constexpr, CHECK_IDS: tl.constexpr):
-    chunk = tl.program_id(0)
-    first, sentinel_first = _chunk_firsts(starts_ptr, totals_ptr, offsets_ptr, ok_ptr, E, chunk, WIDTH, BINS,
-                                          CHECK_IDS)
-    col, rows, rank, _ = _sorted_runs(ids_ptr, chunk, LK, E, CHUNK, BINS)
-    _place_rows(first, sentinel_first, col, rows, rank, eti_ptr, tim_ptr, K, BINS)
-
-
-@triton.jit
 def _chunk_scatter_ranked(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, ok_ptr, eti_ptr, tim_ptr, LK, E, K, WIDTH,
                           CHUNK: tl.constexpr, BINS: tl.constexpr, CHECK_IDS: tl.constexpr):
-    """``_chunk_scatter_sorted`` without its sort: each row's rank in its run is already in
-    ``tim_ptr`` (stored there by the histogram), and is overwritten by the row's position."""
+    """The sorted-chunk scatter: each row's rank in its run is in ``tim_ptr`` (stored there
+    by ``_chunk_histogram_sorted``), and is overwritten by the row's position."""
     chunk = tl.program_id(0)
     first, sentinel_first = _chunk_firsts(starts_ptr, totals_ptr, offsets_ptr, ok_ptr, E, chunk, WIDTH, BINS,
                                           CHECK_IDS)
@@ -321,20 +309,18 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool):
     # K == 0 has no rows and no tokens to check; K is a constexpr (the unrolled pairs).
     check = dict(K=max(K, 1), CHECK_IDS=check_ids, TOKENS=min(128, gg.next_power_of_2(chunk // max(K, 1) + 1)))
     grid = (num_chunks,)
-    ranked = sorted_ and config.dispatch_reuse_ranks
     if sorted_:
-        # With ``ranked`` the histogram keeps each row's rank in token_index_map, which the
-        # scatter then overwrites with the row's position: one sort per chunk, not two.
+        # The histogram keeps each row's rank in token_index_map, which the scatter then
+        # overwrites with the row's position: one sort per chunk, not two.
         launch(_chunk_histogram_sorted, grid, ids, counts, tim, LK, E, width, CHUNK=chunk, BINS=BINS, **check,
-               STORE_RANKS=ranked, num_warps=8)
+               num_warps=8)
     else:
         launch(_chunk_histogram, grid, ids, counts, LK, E, chunk, width, BINS=BINS, SUB=SUB, **check)
     cols = 32
     launch(_column_scan, (gg.cdiv(width, cols),), counts, totals, num_chunks, width, COLS=cols, ROWS=64)
-    scatter = (_chunk_scatter_ranked if ranked else _chunk_scatter_sorted) if sorted_ else None
-    if scatter is not None:
-        launch(scatter, grid, ids, counts, totals, offsets, ok, eti, tim, LK, E, K, width, CHUNK=chunk, BINS=BINS,
-               CHECK_IDS=check_ids, num_warps=8)
+    if sorted_:
+        launch(_chunk_scatter_ranked, grid, ids, counts, totals, offsets, ok, eti, tim, LK, E, K, width, CHUNK=chunk,
+               BINS=BINS, CHECK_IDS=check_ids, num_warps=8)
     else:
         launch(_chunk_scatter, grid, ids, counts, totals, offsets, ok, eti, tim, LK, E, K, chunk, width, BINS=BINS,
                SUB=SUB, CHECK_IDS=check_ids)
