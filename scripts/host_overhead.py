@@ -22,6 +22,7 @@ nodes, op dispatch), measurable on any machine.
 """
 
 import argparse
+import functools
 import cProfile
 import dataclasses
 import pstats
@@ -79,31 +80,23 @@ def op_calls(x, ids, w, wgu, wd, n):
     grad_out, grad_h = torch.randn_like(x), torch.randn_like(h)
     down_args = (grad_out, h.clone(), wd, eti, offsets, tim, w, None, "swiglu", False, False, 1.702, 7.0)
     up_args = (grad_h, x, wgu, eti, offsets, tim, False, False)
-    calls = {
-        "dispatch": (lambda: torch.ops.moeblaze.dispatch(ids, wgu.shape[0]),
-                     lambda: backend.dispatch(ids, wgu.shape[0])),
-        "expert_up": (lambda: torch.ops.moeblaze.expert_up(x, wgu, eti, offsets, tim),
+    E = wgu.shape[0]
+    # name: (the public op and its internal twin, which compiled graphs call under
+    # settings.lean_graph_calls (ops.graph_calls), both on these arguments; the backend's own call)
+    ops = {
+        "dispatch": (("dispatch", "_dispatch_kernels"), (ids, E), lambda: backend.dispatch(ids, E)),
+        "expert_up": (("expert_up", "_up_kernels"), (x, wgu, eti, offsets, tim),
                       lambda: backend.expert_up(x, wgu, eti, offsets, tim, None, False)),
-        "expert_down": (lambda: torch.ops.moeblaze.expert_down(*down_args[1:]),
-                        lambda: backend.expert_down(*down_args[1:])),
-        "expert_up_backward": (lambda: torch.ops.moeblaze.expert_up_backward(*up_args),
+        "expert_down": (("expert_down", "_down_kernels"), down_args[1:], lambda: backend.expert_down(*down_args[1:])),
+        "expert_up_backward": (("expert_up_backward", "_up_backward_kernels"), up_args,
                                lambda: backend.expert_up_backward(*up_args, True, True)),
-        "expert_down_backward": (lambda: torch.ops.moeblaze.expert_down_backward(*down_args),
+        "expert_down_backward": (("expert_down_backward",), down_args,
                                  lambda: backend.expert_down_backward(*down_args)),
-        "expert_down_backward_ (in place)": (lambda: torch.ops.moeblaze.expert_down_backward_(*down_args),
+        "expert_down_backward_ (in place)": (("expert_down_backward_", "_down_backward_kernels_"), down_args,
                                              lambda: backend.expert_down_backward(*down_args, in_place=True)),
-        # The internal ops compiled graphs call under settings.lean_graph_calls (ops.graph_calls).
-        "_dispatch_kernels": (lambda: torch.ops.moeblaze._dispatch_kernels(ids, wgu.shape[0]),
-                              lambda: backend.dispatch(ids, wgu.shape[0])),
-        "_up_kernels": (lambda: torch.ops.moeblaze._up_kernels(x, wgu, eti, offsets, tim),
-                        lambda: backend.expert_up(x, wgu, eti, offsets, tim, None, False)),
-        "_down_kernels": (lambda: torch.ops.moeblaze._down_kernels(*down_args[1:]),
-                          lambda: backend.expert_down(*down_args[1:])),
-        "_up_backward_kernels": (lambda: torch.ops.moeblaze._up_backward_kernels(*up_args),
-                                 lambda: backend.expert_up_backward(*up_args, True, True)),
-        "_down_backward_kernels_": (lambda: torch.ops.moeblaze._down_backward_kernels_(*down_args),
-                                    lambda: backend.expert_down_backward(*down_args, in_place=True)),
     }
+    calls = {op: (functools.partial(getattr(torch.ops.moeblaze, op), *args), kernels_alone)
+             for names, args, kernels_alone in ops.values() for op in names}
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     torch.set_grad_enabled(False)
     for name, pair in calls.items():
