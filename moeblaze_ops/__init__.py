@@ -14,7 +14,8 @@ kernels; CPU and float64 tensors run vectorised PyTorch.
 
 - ``moe_experts``: the differentiable experts layer composed of those ops, the front door.
 - ``dispatch``, ``expert_up``, ``expert_down``, ``expert_up_backward``,
-  ``expert_down_backward``, ``expert_layer``: the ops themselves (``torch.library.custom_op`` objects),
+  ``expert_down_backward``, ``expert_layer``: the ops themselves (``torch.library.custom_op``
+  objects; ``dispatch``, which has no autograd formula, is its ``torch.ops.moeblaze`` op),
   callable from Python.
 - ``ACTIVATIONS``, ``GATED_ACTIVATIONS``, ``is_gated``: the activations the kernels fuse.
 - ``settings``: the kernel settings (backend choice, tiles, ...), changed for a block with

@@ -13,13 +13,8 @@ from torch.profiler import ProfilerActivity, profile
 from moeblaze_ops import settings
 from moeblaze_ops.bench.cli import parse_setting
 from moeblaze_ops.bench.configs import DISPATCH_CASES
+from moeblaze_ops.bench.measure import sort_histc_cumsum
 from moeblaze_ops.kernels import triton_dispatch
-
-
-def _baseline(ids, E):
-    sorted_ids, perm = torch.sort(ids.reshape(-1))
-    counts = torch.histc(sorted_ids.int(), bins=E, min=0, max=E - 1)
-    return perm, torch.cumsum(counts, 0, dtype=torch.int32)
 
 
 def main():
@@ -32,7 +27,7 @@ def main():
         for L, K, E in DISPATCH_CASES:
             ids = torch.randn(L, E, device="cuda").topk(K, dim=-1).indices
             for name, fn in (("moeblaze (checked kernels)", lambda: triton_dispatch.dispatch_checked(ids, E)),
-                             ("sort + histc + cumsum", lambda: _baseline(ids, E))):
+                             ("sort + histc + cumsum", lambda: sort_histc_cumsum(ids, E))):
                 for _ in range(3):
                     fn()
                 torch.cuda.synchronize()

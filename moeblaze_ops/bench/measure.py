@@ -211,6 +211,14 @@ def graph_time_ms(fn, reps_ms=200):
     return triton.testing.do_bench_cudagraph(fn, rep=reps_ms, return_mode="median")
 
 
+def sort_histc_cumsum(ids, E):
+    """The dispatch HF's ``grouped_mm`` runs: a sort of the flat ids, a histogram of them,
+    and the counts' cumulative sum (the benchmark's dispatch baseline)."""
+    sorted_ids, perm = torch.sort(ids.reshape(-1))
+    counts = torch.histc(sorted_ids.int(), bins=E, min=0, max=E - 1)
+    return perm, torch.cumsum(counts, 0, dtype=torch.int32)
+
+
 def bench_dispatch(ctx):
     """Rows of the dispatch micro-benchmark (CUDA): the sort + histc + cumsum that HF's
     ``grouped_mm`` runs, against moeblaze's dispatch kernels alone and its op (with id
@@ -221,14 +229,8 @@ def bench_dispatch(ctx):
     rows = []
     for L, K, E in progress(DISPATCH_CASES, "dispatch"):
         ids = torch.randn(L, E, device=ctx.device).topk(K, dim=-1).indices
-
-        def sort_histc_cumsum():
-            flat = ids.reshape(-1)
-            sorted_ids, perm = torch.sort(flat)
-            counts = torch.histc(sorted_ids.int(), bins=E, min=0, max=E - 1)
-            return perm, torch.cumsum(counts, 0, dtype=torch.int32)
-
-        fns = dict(sort_histc_cumsum=sort_histc_cumsum, moeblaze_kernels=lambda: triton_dispatch.dispatch(ids, E),
+        fns = dict(sort_histc_cumsum=lambda: sort_histc_cumsum(ids, E),
+                   moeblaze_kernels=lambda: triton_dispatch.dispatch(ids, E),
                    moeblaze_op=lambda: torch.ops.moeblaze.dispatch(ids, E))
         row = dict(L=L, K=K, E=E, **{f"{name}_ms": time_ms(fn, ctx.device) for name, fn in fns.items()})
         if ctx.cuda_graphs:

@@ -374,7 +374,7 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
     # w * act(h), for the weight gradient: written by the dH epilogue (a transient, half of h).
     wact = gg.empty(LK, I, dtype=h.dtype, device=dev) if need_weight_grad else None
     gluon = dh_gluon_module(grad_out, h, w_down, act=act, transposed=transposed, interleaved=interleaved,
-                     has_bias=b_down is not None)
+                            has_bias=b_down is not None)
     n_parts = max(1, gg.cdiv(I, dh_part_columns(gluon, h, I)))
     parts = torch.empty(LK, n_parts, dtype=torch.float32, device=dev)
     bdot = torch.empty(LK, dtype=torch.float32, device=dev)

@@ -59,7 +59,8 @@ def expert_up(
 
 
 @expert_up.register_fake
-def expert_up_like(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up=None, transposed=False):
+def expert_up_like(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up=None,
+                   transposed=False):
     _, N, _ = check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
                               b_gate_up, transposed)
     return x.new_empty(expert_token_indices.shape[0], N)
@@ -175,7 +176,8 @@ def expert_down(
 
 @expert_down.register_fake
 def expert_down_like(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down=None,
-      activation="swiglu", transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA, limit=CLAMPED_SWIGLU_LIMIT):
+                     activation="swiglu", transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA,
+                     limit=CLAMPED_SWIGLU_LIMIT):
     _, d, _ = check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map,
                                 topk_weights, b_down, activation, transposed)
     return h.new_empty(topk_weights.shape[0], d)
@@ -405,7 +407,7 @@ def expert_layer(
 
     ``moe_experts`` calls it for a gated activation where nothing is differentiated, and
     in the forward of ``recompute=True``. With ``settings.up_epilogue_activation`` off it
-    makes h after all (the up projection, then the down projection activating h).
+    makes h after all (the up projection, then ``expert_down``'s activation pass on h).
     Its autograd formula recomputes h, as ``moe_experts(..., recompute=True)`` does:
     ``expert_down_backward_recompute`` then ``expert_up_backward``.
     """
@@ -436,9 +438,9 @@ def layer_kernels(backend, x, w_gate_up, w_down, eti, offsets, tim, topk_weights
 
 
 @expert_layer.register_fake
-def expert_layer_like(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_gate_up=None,
-      b_down=None, activation="swiglu", transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA,
-      limit=CLAMPED_SWIGLU_LIMIT):
+def expert_layer_like(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
+                      b_gate_up=None, b_down=None, activation="swiglu", transposed=False, interleaved=False,
+                      alpha=CLAMPED_SWIGLU_ALPHA, limit=CLAMPED_SWIGLU_LIMIT):
     L, _, d = _check_up_then_down("expert_layer", x, w_gate_up, w_down, expert_token_indices, expert_offsets,
                                   token_index_map, topk_weights, b_gate_up, b_down, activation, transposed)
     return x.new_empty(L, d)
