@@ -389,10 +389,15 @@ def _traits(device: torch.device) -> tuple[str, int]:
     return _device_traits(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def shared_memory_per_block(device: torch.device) -> int:
+    """The bytes of shared memory a block of CUDA ``device`` may opt into."""
+    return _traits(device)[1]
+
+
 def tile_fits(tile: GemmTile, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether ``tile``'s pipelined operand tiles of ``dtype`` fit the shared memory a block
     of CUDA ``device`` may use (the prune of the tile table)."""
-    return tile.smem_bytes(dtype.itemsize) <= _traits(device)[1]
+    return tile.smem_bytes(dtype.itemsize) <= shared_memory_per_block(device)
 
 
 def candidate_tiles(kinds, dtype: torch.dtype, device: torch.device) -> list:

@@ -209,3 +209,26 @@ def test_train_steps_start_without_gradients():
 
     measure.time_ms(step, "cpu", grad_to_none=(t,))
     assert len(seen) >= 2 and all(seen)
+
+
+@pytest.mark.parametrize("T,K,E", [(8192, 8, 256), (100, 4, 16), (7, 2, 8)])
+def test_tile_padding_balanced_routing(T, K, E):
+    """``scripts/tile_padding.py``'s balanced routing gives every expert the same number of
+    rows (where E divides T*K), K distinct experts per token, ids in range."""
+    import importlib.util
+    import pathlib
+
+    import torch
+
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "tile_padding.py"
+    spec = importlib.util.spec_from_file_location("tile_padding", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ids = module.balanced_ids(T, K, E, device="cpu")
+    assert ids.shape == (T, K) and int(ids.min()) >= 0 and int(ids.max()) < E
+    assert all(len(set(row)) == K for row in ids.tolist())
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    if (T * K) % E == 0:
+        assert counts.eq(T * K // E).all()
+    else:
+        assert int(counts.max() - counts.min()) <= 1

@@ -3,11 +3,16 @@ compiler and ptxas build them for an sm_90 target, so an API change in the insta
 Triton shows here, on CPU CI, before a GPU run. What they compute is checked on the GPU
 (tests/test_gpu.py)."""
 
+import dataclasses
 import re
 
 import pytest
 
 gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
+
+
+#: The shared memory a block may opt into on an H100 / H200 (sm_90).
+HOPPER_SHARED = 227 * 1024
 
 
 def _compile_for_hopper(fn, signature, constexprs, num_warps, aligned):
@@ -27,7 +32,9 @@ def _compile_for_hopper(fn, signature, constexprs, num_warps, aligned):
 @pytest.mark.parametrize("band", [1, 4])
 @pytest.mark.parametrize("variant", ["one_partition", "one_partition_store_mn", "one_partition_store_nm",
                                      "warp_specialized", "rows_tma", "rows_tma_store_mn", "rows_tma_store_nm",
-                                     "rows_tma_ws", "rows_tma_ws_store_mn", "rows_tma_ws_store_nm"])
+                                     "rows_tma_ws", "rows_tma_ws_store_mn", "rows_tma_ws_store_nm",
+                                     "rows_tma_store_mn_whole", "rows_tma_ws_store_mn_whole",
+                                     "rows_tma_ws_store_nm_whole"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_path):
     from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type, _spill_bytes
@@ -37,18 +44,22 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
     rows_tma, warp_specialize = variant.startswith("rows_tma"), variant == "warp_specialized" or "_ws" in variant
     tma_store = "store" in variant
     tile = gluon_wgrad.ROWS_TMA_TILE if rows_tma else gluon_wgrad.TILE
+    # "whole": three stages leave room for a whole tile's output buffer (one store a tile).
+    pieces = 1 if variant.endswith("_whole") else 2
+    if pieces == 1:
+        tile = dataclasses.replace(tile, num_stages=3)
     ints = ["E", "P", "Q", "stride_rm", "stride_gm", "stride_oe", "stride_op", "stride_oq"]
     signature = {"rows_ptr": f"*{dtype}", "gathered_ptr": f"*{dtype}", "row_ids_ptr": "*i32", "offsets_ptr": "*i32",
                  "out_ptr": f"*{dtype}", **{name: "i32" for name in ints}}
     constexprs = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
                       BAND=band, num_warps=tile.num_warps)
     if not warp_specialize or rows_tma:
-        # The output descriptor's box: half an [M, N] accumulator tile, in its order ("mn")
-        # or transposed ("nm": M contiguous in the gradient).
+        # The output descriptor's box: half an [M, N] accumulator tile or all of it, in its
+        # order ("mn") or transposed ("nm": M contiguous in the gradient).
         m, n = (tile.block_n, tile.block_m) if rows_tma else (tile.block_m, tile.block_n)
         transposed = "_nm" in variant
-        signature["out_desc"] = _descriptor_type(dtype, [1, n // 2, m] if transposed else [1, m, n // 2])
-        constexprs.update(TMA_STORE=tma_store, OUT_TRANSPOSED=transposed)
+        signature["out_desc"] = _descriptor_type(dtype, [1, n // pieces, m] if transposed else [1, m, n // pieces])
+        constexprs.update(TMA_STORE=tma_store, OUT_TRANSPOSED=transposed, STORE_PIECES=pieces)
         if not tma_store:
             constexprs["out_desc"] = None
     if rows_tma:
@@ -84,11 +95,13 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
     ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
     wide = tile.block_m if rows_tma else tile.block_n
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{wide}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
-    if tma_store:  # each half tile by one 3-D TMA copy from shared memory, waited for before its buffer is reused
+    if tma_store:  # each piece by 3-D TMA copies from shared memory, waited for before its buffer is reused
         assert re.search(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx)
-        assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
+        waits = re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
+        # One wait before each piece's buffer is written, and the program's last.
+        assert len(waits) == pieces + 1
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
-    out_buffer = tile.block_m // 2 * tile.block_n * 2 if tma_store else 0
+    out_buffer = tile.block_m * tile.block_n * 2 // pieces if tma_store else 0
     assert ring + out_buffer <= kernel.metadata.shared <= MAX_SHARED
     if warp_specialize or rows_tma:
         assert _spill_bytes(ptx, tmp_path) == 0
@@ -129,6 +142,7 @@ def test_weight_gradient_store_choice(rows_tma, q_contiguous, programs, monkeypa
     kernels are stand-ins that record their launch (no GPU)."""
     import torch
 
+    from moeblaze_ops import settings
     from moeblaze_ops.kernels import gluon_wgrad, grouped_gemm
 
     launches = []
@@ -140,6 +154,7 @@ def test_weight_gradient_store_choice(rows_tma, q_contiguous, programs, monkeypa
     monkeypatch.setattr(gluon_wgrad, "_wgrad_kernel", FakeKernel())
     monkeypatch.setattr(gluon_wgrad, "_wgrad_rows_tma_kernel", FakeKernel())
     monkeypatch.setattr(grouped_gemm, "num_programs", lambda device, tiles, per_sm=1: min(programs, tiles))
+    monkeypatch.setattr(settings, "shared_memory_per_block", lambda device: HOPPER_SHARED)
     E, P, Q, rows_per_expert = 3, 512, 1024, 256  # 12 to 24 tiles
     storage = torch.empty(E, P, Q, dtype=torch.bfloat16) if q_contiguous else torch.empty(E, Q, P, dtype=torch.bfloat16)
     grad_w_pq = storage if q_contiguous else storage.transpose(1, 2)
@@ -164,6 +179,7 @@ def test_weight_gradient_kernel_choice(rows_tma, warp_specialize, expected, monk
     launch (no GPU)."""
     import torch
 
+    from moeblaze_ops import settings
     from moeblaze_ops.kernels import gluon_wgrad, grouped_gemm
 
     launches = []
@@ -179,6 +195,7 @@ def test_weight_gradient_kernel_choice(rows_tma, warp_specialize, expected, monk
     for name in names:
         monkeypatch.setattr(gluon_wgrad, name, FakeKernel(name))
     monkeypatch.setattr(grouped_gemm, "num_programs", lambda device, tiles, per_sm=1: 4)
+    monkeypatch.setattr(settings, "shared_memory_per_block", lambda device: HOPPER_SHARED)
     E, P, Q, rows_per_expert = 3, 512, 1024, 256
     rows = torch.empty(E * rows_per_expert, P, dtype=torch.bfloat16)
     gathered = torch.empty(16, Q, dtype=torch.bfloat16)
@@ -190,3 +207,37 @@ def test_weight_gradient_kernel_choice(rows_tma, warp_specialize, expected, monk
     assert name == expected
     assert meta.get("TMA_STORE", False) == (expected != "_wgrad_ws_kernel")
     assert ("PRODUCER_WARPS" in meta) == warp_specialize
+
+
+@pytest.mark.parametrize("stages,pieces", [(4, 2), (3, 1)])
+def test_weight_gradient_tile_stored_whole_where_it_fits(stages, pieces, monkeypatch):
+    """``launch_wgrad`` stages the whole output tile for its TMA store where the tile's
+    buffer fits beside the ring (three 48 KB stages and 64 KB: one store a tile), else half
+    of it (four stages): the launch's ``STORE_PIECES`` and the descriptor's box agree.
+    Stand-in kernels record their launch (no GPU)."""
+    import torch
+
+    from moeblaze_ops import settings
+    from moeblaze_ops.kernels import gluon_wgrad, grouped_gemm
+
+    launches = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append((args, meta))
+
+    monkeypatch.setattr(gluon_wgrad, "_wgrad_rows_tma_ws_kernel", FakeKernel())
+    monkeypatch.setattr(grouped_gemm, "num_programs", lambda device, tiles, per_sm=1: 4)
+    monkeypatch.setattr(settings, "shared_memory_per_block", lambda device: HOPPER_SHARED)
+    E, P, Q, rows_per_expert = 3, 512, 1024, 256
+    rows = torch.empty(E * rows_per_expert, P, dtype=torch.bfloat16)
+    gathered = torch.empty(16, Q, dtype=torch.bfloat16)
+    ids = torch.zeros(rows.shape[0], dtype=torch.int32)
+    offsets = torch.arange(E + 1, dtype=torch.int32) * rows_per_expert
+    tile = dataclasses.replace(gluon_wgrad.ROWS_TMA_TILE, num_stages=stages)
+    gluon_wgrad.launch_wgrad(rows, gathered, ids, offsets, torch.empty(E, P, Q, dtype=torch.bfloat16), tile,
+                             warp_specialize=True, rows_tma=True, tma_store=True)
+    [(args, meta)] = launches
+    assert meta["TMA_STORE"] and meta["STORE_PIECES"] == pieces
+    out_desc = args[6]  # the gradient is Q-contiguous: the [Q, P] accumulator's tiles stored transposed
+    assert meta["OUT_TRANSPOSED"] and list(out_desc.block_shape) == [1, tile.block_m // pieces, tile.block_n]

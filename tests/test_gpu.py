@@ -367,12 +367,24 @@ def test_index_arrays_checked_on_the_device(defect, seed):
 
 WGRAD_VARIANTS = ["gluon_ws", "gluon", "gluon_band3", "gluon_rows_tma", "gluon_rows_tma_band3",
                   "gluon_rows_tma_2_per_sm", "gluon_rows_tma_store", "gluon_rows_tma_store_band3", "gluon_store",
-                  "gluon_rows_tma_ws", "gluon_rows_tma_ws_store", "tl"]
+                  "gluon_rows_tma_ws", "gluon_rows_tma_ws_store", "gluon_rows_tma_store_whole",
+                  "gluon_rows_tma_ws_store_whole", "tl"]
+
+
+def _wgrad_tile(variant):
+    """The tile of weight-gradient kernel ``variant`` (None: the kernel's default). "whole":
+    three stages, so each output tile is stored whole (``gluon_common.store_pieces``)."""
+    if variant.endswith("2_per_sm"):
+        return GemmTile(128, 128, 64, 8, 3, 2)
+    if variant.endswith("whole"):
+        return GemmTile(256, 128, 64, 8, 3)
+    return None
 
 
 def _wgrad_settings(variant):
     """The settings that run weight-gradient kernel ``variant`` (of ``WGRAD_VARIANTS``) for "wgrad_up"."""
-    tiles = {"wgrad_up": GemmTile(128, 128, 64, 8, 3, 2)} if variant.endswith("2_per_sm") else {}
+    tile = _wgrad_tile(variant)
+    tiles = {"wgrad_up": tile} if tile is not None else {}
     return settings.override(tiles=tiles, gluon={"wgrad_up"} if variant != "tl" else set(),
                              gluon_warp_specialize={"wgrad_up"} if "ws" in variant.split("_") else set(),
                              wgrad_rows_tma={"wgrad_up"} if "rows_tma" in variant else set(),
@@ -386,10 +398,11 @@ def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
     """Every weight-gradient kernel, the four Gluon ones (where they apply: these shapes;
     warp-specialised, with the row-ordered operand by TMA, both, or neither; tiles in bands of 3
     tile rows, a short last band at P=1408; output tiles by TMA copies in both orientations
-    of the gradient, where a program has more than one tile) and the portable tl one: out[e] = A_e^T B[ids_e] against a float64 reference, with
+    of the gradient, where a program has more than one tile, in halves or whole) and the
+    portable tl one: out[e] = A_e^T B[ids_e] against a float64 reference, with
     ragged and empty experts, tiles that run past P and Q, a transposed output view, a
     poisoned output (a tile the order skipped stays NaN), and two runs bitwise equal."""
-    from moeblaze_ops.kernels import gluon_wgrad
+    from moeblaze_ops.kernels import gluon_common, gluon_wgrad
     from moeblaze_ops.kernels.triton_experts_backward import launch_wgrad
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -408,10 +421,12 @@ def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
         view = out.transpose(1, 2) if transposed_out else out
         with _wgrad_settings(gluon):
             launch_wgrad(rows, gathered, ids, offsets, view, kind="wgrad_up")
-        if "store" in gluon:  # the variant writes by TMA here, not through its fallback
+        if "store" in gluon:  # the variant writes by TMA here (whole tiles where named), not through its fallback
             rows_tma = "rows_tma" in gluon
-            tile = gluon_wgrad.ROWS_TMA_TILE if rows_tma else gluon_wgrad.TILE
-            assert gluon_wgrad._output_descriptor(view, tile, rows_tma)[0] is not None
+            tile = _wgrad_tile(gluon) or (gluon_wgrad.ROWS_TMA_TILE if rows_tma else gluon_wgrad.TILE)
+            pieces = gluon_common.store_pieces(tile, view.element_size(), view.device)
+            assert pieces == (1 if gluon.endswith("whole") else 2)
+            assert gluon_wgrad._output_descriptor(view, tile, rows_tma, pieces)[0] is not None
         return view
 
     out = run()

@@ -12,6 +12,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .. import settings
+
 # Builtins renamed after triton 3.6: the masked cp.async (``async_copy_global_to_shared``,
 # then ``async_load``), the CTA barrier (``thread_barrier``, then ``barrier``) and the TMA
 # load and store (``async_copy_global_to_shared`` / ``async_copy_shared_to_global``, then
@@ -93,7 +95,8 @@ def column_halves(acc):
 
 @gluon.jit
 def output_buffer(out_desc, dtype: gl.constexpr, TMA_STORE: gl.constexpr):
-    """The shared buffer of ``store_half_by_tma`` (half an output tile: ``out_desc``'s block), or None."""
+    """The shared buffer of ``store_by_tma`` (one piece of an output tile: ``out_desc``'s
+    block), or None."""
     if TMA_STORE:
         buf = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
     else:
@@ -116,23 +119,37 @@ def partition_output(out_desc, dtype: gl.constexpr, TMA_STORE: gl.constexpr, sta
 
 
 @gluon.jit
-def store_half_by_tma(out_desc, out_buf, half, e, m0, n0, TRANSPOSED: gl.constexpr):
-    """Stores ``half`` ([M, N / 2] of an accumulator tile) at (m0, n0) of block ``e`` of
-    ``out_desc`` (a 3-D descriptor: [E, M, N], or [E, N, M] where ``TRANSPOSED``) through the
-    shared buffer ``out_buf`` by a TMA copy, which then runs on while the warps go on; the
-    copy engine clips it at the descriptor's edges."""
+def store_by_tma(out_desc, out_buf, piece, e, m0, n0, TRANSPOSED: gl.constexpr):
+    """Stores ``piece`` ([M, N'] of an accumulator tile: all of it, or a column half) at
+    (m0, n0) of block ``e`` of ``out_desc`` (a 3-D descriptor: [E, M, N], or [E, N, M] where
+    ``TRANSPOSED``) through the shared buffer ``out_buf`` by a TMA copy, which then runs on
+    while the warps go on; the copy engine clips it at the descriptor's edges."""
     tma.store_wait(0)  # the buffer's last copy has read it (the issuing thread's wait) ...
     cta_barrier()  # ... before any thread writes it again
     if TRANSPOSED:
-        out_buf.reshape([half.shape[1], half.shape[0]]).permute((1, 0)).store(half.to(out_desc.dtype))
+        out_buf.reshape([piece.shape[1], piece.shape[0]]).permute((1, 0)).store(piece.to(out_desc.dtype))
     else:
-        out_buf.reshape([half.shape[0], half.shape[1]]).store(half.to(out_desc.dtype))
+        out_buf.reshape([piece.shape[0], piece.shape[1]]).store(piece.to(out_desc.dtype))
     fence_async_shared()  # generic-proxy writes before the copy engine (async proxy) reads them
     cta_barrier()
     if TRANSPOSED:
         tma_store(out_desc, [e, n0, m0], out_buf)
     else:
         tma_store(out_desc, [e, m0, n0], out_buf)
+
+
+#: Shared memory a kernel holds beside its rings and output buffer (mbarriers, alignment).
+_SPARE_BYTES = 1024
+
+
+def store_pieces(tile, element_size: int, device: torch.device) -> int:
+    """In how many column pieces a TMA-store epilogue writes each [block_m, block_n] tile
+    through its one shared buffer: 1 where the whole tile fits beside the operand ring, so
+    a tile's only wait is for the copy of the tile before, started a mainloop earlier;
+    else 2, and the second half waits for the copy engine to read the first."""
+    whole = tile.block_m * tile.block_n * element_size
+    budget = settings.shared_memory_per_block(device)
+    return 1 if tile.smem_bytes(element_size) + whole + _SPARE_BYTES <= budget else 2
 
 
 @functools.lru_cache(maxsize=None)

@@ -50,7 +50,7 @@ from ..settings import GemmTile
 from . import grouped_gemm as gg
 from . import triton_activations as acts
 from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
-                           on_hopper, output_buffer, partition_output, store_half_by_tma, tma_load, tma_slot_shape,
+                           on_hopper, output_buffer, partition_output, store_by_tma, tma_load, tma_slot_shape,
                            wgmma_acc_layout)
 from .launch import launch
 
@@ -218,8 +218,8 @@ def _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om
     if TMA_STORE:
         if row0 + acc.shape[0] <= row_end:
             first, second = column_halves(acc)
-            store_half_by_tma(out_desc, out_buf, first, 0, row0, n0, False)
-            store_half_by_tma(out_desc, out_buf, second, 0, row0, n0 + acc.shape[1] // 2, False)
+            store_by_tma(out_desc, out_buf, first, 0, row0, n0, False)
+            store_by_tma(out_desc, out_buf, second, 0, row0, n0 + acc.shape[1] // 2, False)
         else:
             _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om)
     else:
@@ -243,7 +243,7 @@ def _store_activated_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N,
     a = GATED(gate, up, ACT, alpha, limit, FAST_ACT).to(out_ptr.dtype.element_ty)
     if TMA_STORE:
         if row0 + acc.shape[0] <= row_end:
-            store_half_by_tma(out_desc, out_buf, a, 0, row0, n0 // 2, False)
+            store_by_tma(out_desc, out_buf, a, 0, row0, n0 // 2, False)
         else:
             _store_rows(out_ptr, a, row0, row_end, n0 // 2, N // 2, stride_om)
     else:

@@ -41,7 +41,8 @@ from .. import settings
 from ..settings import GemmTile
 from . import grouped_gemm as gg
 from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
-                           on_hopper, output_buffer, partition_output, store_half_by_tma, tma_load, wgmma_acc_layout)
+                           on_hopper, output_buffer, partition_output, store_by_tma, store_pieces, tma_load,
+                           wgmma_acc_layout)
 from .gluon_row_gemm import ws_tile_steps
 from .launch import launch
 
@@ -125,14 +126,17 @@ def _store_expert_tile(out_ptr, acc, e, m0, n0, M, N, stride_oe, stride_om, stri
 
 @gluon.jit
 def _store_tile(out_ptr, out_desc, out_buf, acc, e, m0, n0, M, N, stride_oe, stride_om, stride_on,
-                TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr):
-    """Stores expert ``e``'s [M, N] accumulator tile at (m0, n0): by TMA in two halves of
-    N (``gluon_common.store_half_by_tma``) where ``TMA_STORE``, else from registers
-    through the strides."""
+                TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr):
+    """Stores expert ``e``'s [M, N] accumulator tile at (m0, n0): by TMA where
+    ``TMA_STORE`` (``gluon_common.store_by_tma``), whole or in ``STORE_PIECES`` = 2 column
+    halves, else from registers through the strides."""
     if TMA_STORE:
-        first, second = column_halves(acc)
-        store_half_by_tma(out_desc, out_buf, first, e, m0, n0, OUT_TRANSPOSED)
-        store_half_by_tma(out_desc, out_buf, second, e, m0, n0 + acc.shape[1] // 2, OUT_TRANSPOSED)
+        if STORE_PIECES == 1:
+            store_by_tma(out_desc, out_buf, acc, e, m0, n0, OUT_TRANSPOSED)
+        else:
+            first, second = column_halves(acc)
+            store_by_tma(out_desc, out_buf, first, e, m0, n0, OUT_TRANSPOSED)
+            store_by_tma(out_desc, out_buf, second, e, m0, n0 + acc.shape[1] // 2, OUT_TRANSPOSED)
     else:
         _store_expert_tile(out_ptr, acc, e, m0, n0, M, N, stride_oe, stride_om, stride_on)
 
@@ -152,7 +156,8 @@ def _wgrad_kernel(
     E, P, Q,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, num_warps: gl.constexpr,
+    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     # Ring of NUM_STAGES slots: step i in the MMA, step i - 1 possibly still in it (one
     # asynchronous wgmma stays in flight), steps i + 1 .. i + AHEAD landing.
@@ -201,7 +206,7 @@ def _wgrad_kernel(
             ids = _load_ids(row_ids_ptr, lo + (nxt + 1) * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         _store_tile(out_ptr, out_desc, out_buf, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq, TMA_STORE,
-                    OUT_TRANSPOSED)
+                    OUT_TRANSPOSED, STORE_PIECES)
     _drain(TMA_STORE)
 
 
@@ -231,7 +236,8 @@ def _wgrad_rows_tma_kernel(
     E, P, Q,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, num_warps: gl.constexpr,
+    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     # The ring as in _wgrad_kernel (step i in the MMA, i - 1 possibly still in it, i + 1 ..
     # i + AHEAD landing); each slot also has an mbarrier for its TMA bytes. ``step`` counts
@@ -278,7 +284,7 @@ def _wgrad_rows_tma_kernel(
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         # acc is this tile's [Q, P] block: stored through out's strides in that order.
         _store_tile(out_ptr, out_desc, out_buf, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op, TMA_STORE,
-                    OUT_TRANSPOSED)
+                    OUT_TRANSPOSED, STORE_PIECES)
     _drain(TMA_STORE)
 
 
@@ -401,7 +407,7 @@ def _wgrad_rows_tma_ws_producer(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, 
 def _wgrad_rows_tma_ws_consumer(g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P, Q,
                                 stride_oe, stride_op, stride_oq, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
                                 BLOCK_R: gl.constexpr, BAND: gl.constexpr, TMA_STORE: gl.constexpr,
-                                OUT_TRANSPOSED: gl.constexpr, num_warps: gl.constexpr):
+                                OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr, num_warps: gl.constexpr):
     """The MMA warpgroups of ``_wgrad_rows_tma_ws_kernel``: each tile's steps
     (``gluon_row_gemm.ws_tile_steps``, the gathered rows' slot as the transposed left
     operand), then the [Q, P] tile stored (``_store_tile``)."""
@@ -414,7 +420,7 @@ def _wgrad_rows_tma_ws_consumer(g_ring, r_ring, ready, empty, offsets_ptr, out_p
         acc, step = ws_tile_steps(acc, step, gl.cdiv(hi - lo, BLOCK_R), g_ring, r_ring, ready, ready, empty, True,
                                   False, BLOCK_P, BLOCK_R, ONE_READY=True, A_TRANSPOSED=True)
         _store_tile(out_ptr, out_desc, out_buf, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op, TMA_STORE,
-                    OUT_TRANSPOSED)
+                    OUT_TRANSPOSED, STORE_PIECES)
     _drain(TMA_STORE)
 
 
@@ -424,7 +430,8 @@ def _wgrad_rows_tma_ws_kernel(
     E, P, Q,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``_wgrad_rows_tma_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the
@@ -448,7 +455,7 @@ def _wgrad_rows_tma_ws_kernel(
     gl.warp_specialize([
         (_wgrad_rows_tma_ws_consumer, (g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P, Q,
                                        stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, BAND, TMA_STORE,
-                                       OUT_TRANSPOSED, num_warps)),
+                                       OUT_TRANSPOSED, STORE_PIECES, num_warps)),
         (_wgrad_rows_tma_ws_producer, (rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring, r_ring,
                                        ready, empty, E, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, BAND,
                                        PRODUCER_WARPS)),
@@ -466,19 +473,20 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
             and rows.data_ptr() % 16 == 0 and gathered.data_ptr() % 16 == 0)
 
 
-def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile, rows_tma: bool):
-    """``(descriptor, transposed)`` for ``gluon_common.store_half_by_tma``: the weight gradient as the
-    kernel's [E, M, N] accumulator tiles lie in it ([E, Q, P] for the rows-TMA kernel,
+def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile, rows_tma: bool, pieces: int = 2):
+    """``(descriptor, transposed)`` for ``gluon_common.store_by_tma``: the weight gradient as
+    the kernel's [E, M, N] accumulator tiles lie in it ([E, Q, P] for the rows-TMA kernel,
     [E, P, Q] for the others), or as [E, N, M] (``transposed``) where M is the contiguous
-    dimension, with a box of half a tile; ``(None, False)`` where TMA cannot write it (the
-    kernel then stores from registers, in its one compiled form for that)."""
+    dimension, with a box of a tile's ``pieces``-th part (``gluon_common.store_pieces``);
+    ``(None, False)`` where TMA cannot write it (the kernel then stores from registers, in
+    its one compiled form for that)."""
     acc_view = grad_w_pq.transpose(1, 2) if rows_tma else grad_w_pq
     m, n = (tile.block_n, tile.block_m) if rows_tma else (tile.block_m, tile.block_n)
     transposed = acc_view.stride(2) != 1
     view = acc_view.transpose(1, 2) if transposed else acc_view
     if view.stride(2) != 1 or view.data_ptr() % 16 or any(s * view.element_size() % 16 for s in view.stride()[:2]):
         return None, False
-    block = [1, n // 2, m] if transposed else [1, m, n // 2]
+    block = [1, n // pieces, m] if transposed else [1, m, n // pieces]
     return host_descriptor(view, block), transposed
 
 
@@ -494,8 +502,9 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     its absence ``_wgrad_kernel`` (P block = 16 * warps).
     ``band`` is the tile order's band of P tiles (``_wgrad_tile``), ``settings.wgrad_band``
     by default. ``tma_store``: the kernel (not ``_wgrad_ws_kernel``) writes its tiles by TMA
-    copies that run on during the next tile (``gluon_common.store_half_by_tma``), where TMA
-    can write the gradient and each program has a next tile."""
+    copies that run on during the next tile (``gluon_common.store_by_tma``), where TMA
+    can write the gradient and each program has a next tile; whole where the tile fits
+    beside the ring, else in halves (``gluon_common.store_pieces``)."""
     if grad_w_pq.numel() == 0:
         return
     band = settings.current().wgrad_band if band is None else band
@@ -517,8 +526,9 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     # ``_wgrad_ws_kernel`` stores from registers; a program with one tile has no next one
     # to run its store beside.
     tma_store = tma_store and (rows_tma or not warp_specialize) and tiles > grid[0]
-    out_desc, out_transposed = _output_descriptor(grad_w_pq, tile, rows_tma) if tma_store else (None, False)
-    pipeline = dict(TMA_STORE=out_desc is not None, OUT_TRANSPOSED=out_transposed)
+    pieces = store_pieces(tile, grad_w_pq.element_size(), grad_w_pq.device) if tma_store else 2
+    out_desc, out_transposed = _output_descriptor(grad_w_pq, tile, rows_tma, pieces) if tma_store else (None, False)
+    pipeline = dict(TMA_STORE=out_desc is not None, OUT_TRANSPOSED=out_transposed, STORE_PIECES=pieces)
     if rows_tma:
         block = [tile.block_k, tile.block_m]
         rows_desc = host_descriptor(rows, block)
