@@ -169,6 +169,25 @@ def test_weight_gradient_store_choice(rows_tma, q_contiguous, programs, monkeypa
     assert launches[1]["OUT_TRANSPOSED"] == (expected and q_contiguous == rows_tma)
 
 
+def _stand_in_wgrad_operands(monkeypatch):
+    """CPU stand-ins for a weight gradient's launch (3 experts of 256 rows, P=512, Q=1024,
+    a Q-contiguous [E, P, Q] gradient) as ``launch_wgrad`` sees them on an H200: 4
+    programs, a Hopper's shared memory."""
+    import torch
+
+    from moeblaze_ops import settings
+    from moeblaze_ops.kernels import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "num_programs", lambda device, tiles, per_sm=1: 4)
+    monkeypatch.setattr(settings, "shared_memory_per_block", lambda device: HOPPER_SHARED)
+    E, P, Q, rows_per_expert = 3, 512, 1024, 256
+    rows = torch.empty(E * rows_per_expert, P, dtype=torch.bfloat16)
+    gathered = torch.empty(16, Q, dtype=torch.bfloat16)
+    ids = torch.zeros(rows.shape[0], dtype=torch.int32)
+    offsets = torch.arange(E + 1, dtype=torch.int32) * rows_per_expert
+    return rows, gathered, ids, offsets, torch.empty(E, P, Q, dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("rows_tma,warp_specialize,expected", [
     (False, False, "_wgrad_kernel"), (False, True, "_wgrad_ws_kernel"), (True, False, "_wgrad_rows_tma_kernel"),
     (True, True, "_wgrad_rows_tma_ws_kernel")])
@@ -177,10 +196,7 @@ def test_weight_gradient_kernel_choice(rows_tma, warp_specialize, expected, monk
     (TMA or not) and warp specialisation; each but ``_wgrad_ws_kernel`` stores its tiles
     by TMA when asked (more tiles than programs here). Stand-in kernels record their
     launch (no GPU)."""
-    import torch
-
-    from moeblaze_ops import settings
-    from moeblaze_ops.kernels import gluon_wgrad, grouped_gemm
+    from moeblaze_ops.kernels import gluon_wgrad
 
     launches = []
 
@@ -194,15 +210,9 @@ def test_weight_gradient_kernel_choice(rows_tma, warp_specialize, expected, monk
     names = ("_wgrad_kernel", "_wgrad_ws_kernel", "_wgrad_rows_tma_kernel", "_wgrad_rows_tma_ws_kernel")
     for name in names:
         monkeypatch.setattr(gluon_wgrad, name, FakeKernel(name))
-    monkeypatch.setattr(grouped_gemm, "num_programs", lambda device, tiles, per_sm=1: 4)
-    monkeypatch.setattr(settings, "shared_memory_per_block", lambda device: HOPPER_SHARED)
-    E, P, Q, rows_per_expert = 3, 512, 1024, 256
-    rows = torch.empty(E * rows_per_expert, P, dtype=torch.bfloat16)
-    gathered = torch.empty(16, Q, dtype=torch.bfloat16)
-    ids = torch.zeros(rows.shape[0], dtype=torch.int32)
-    offsets = torch.arange(E + 1, dtype=torch.int32) * rows_per_expert
-    gluon_wgrad.launch_wgrad(rows, gathered, ids, offsets, torch.empty(E, P, Q, dtype=torch.bfloat16),
-                             warp_specialize=warp_specialize, rows_tma=rows_tma, tma_store=True)
+    rows, gathered, ids, offsets, grad_w_pq = _stand_in_wgrad_operands(monkeypatch)
+    gluon_wgrad.launch_wgrad(rows, gathered, ids, offsets, grad_w_pq, warp_specialize=warp_specialize,
+                             rows_tma=rows_tma, tma_store=True)
     [(name, meta)] = launches
     assert name == expected
     assert meta.get("TMA_STORE", False) == (expected != "_wgrad_ws_kernel")
@@ -215,10 +225,7 @@ def test_weight_gradient_tile_stored_whole_where_it_fits(stages, pieces, monkeyp
     buffer fits beside the ring (three 48 KB stages and 64 KB: one store a tile), else half
     of it (four stages): the launch's ``STORE_PIECES`` and the descriptor's box agree.
     Stand-in kernels record their launch (no GPU)."""
-    import torch
-
-    from moeblaze_ops import settings
-    from moeblaze_ops.kernels import gluon_wgrad, grouped_gemm
+    from moeblaze_ops.kernels import gluon_wgrad
 
     launches = []
 
@@ -227,16 +234,10 @@ def test_weight_gradient_tile_stored_whole_where_it_fits(stages, pieces, monkeyp
             return lambda *args, **meta: launches.append((args, meta))
 
     monkeypatch.setattr(gluon_wgrad, "_wgrad_rows_tma_ws_kernel", FakeKernel())
-    monkeypatch.setattr(grouped_gemm, "num_programs", lambda device, tiles, per_sm=1: 4)
-    monkeypatch.setattr(settings, "shared_memory_per_block", lambda device: HOPPER_SHARED)
-    E, P, Q, rows_per_expert = 3, 512, 1024, 256
-    rows = torch.empty(E * rows_per_expert, P, dtype=torch.bfloat16)
-    gathered = torch.empty(16, Q, dtype=torch.bfloat16)
-    ids = torch.zeros(rows.shape[0], dtype=torch.int32)
-    offsets = torch.arange(E + 1, dtype=torch.int32) * rows_per_expert
+    rows, gathered, ids, offsets, grad_w_pq = _stand_in_wgrad_operands(monkeypatch)
     tile = dataclasses.replace(gluon_wgrad.ROWS_TMA_TILE, num_stages=stages)
-    gluon_wgrad.launch_wgrad(rows, gathered, ids, offsets, torch.empty(E, P, Q, dtype=torch.bfloat16), tile,
-                             warp_specialize=True, rows_tma=True, tma_store=True)
+    gluon_wgrad.launch_wgrad(rows, gathered, ids, offsets, grad_w_pq, tile, warp_specialize=True, rows_tma=True,
+                             tma_store=True)
     [(args, meta)] = launches
     assert meta["TMA_STORE"] and meta["STORE_PIECES"] == pieces
     out_desc = args[6]  # the gradient is Q-contiguous: the [Q, P] accumulator's tiles stored transposed
