@@ -371,7 +371,7 @@ WGRAD_VARIANTS = ["gluon_ws", "gluon", "gluon_band3", "gluon_rows_tma", "gluon_r
                   "gluon_rows_tma_ws_store_whole", "tl"]
 
 
-def _wgrad_tile(variant):
+def _variant_tile(variant):
     """The tile of weight-gradient kernel ``variant`` (None: the kernel's default). "whole":
     three stages, so each output tile is stored whole (``gluon_common.store_pieces``)."""
     if variant.endswith("2_per_sm"):
@@ -383,7 +383,7 @@ def _wgrad_tile(variant):
 
 def _wgrad_settings(variant):
     """The settings that run weight-gradient kernel ``variant`` (of ``WGRAD_VARIANTS``) for "wgrad_up"."""
-    tile = _wgrad_tile(variant)
+    tile = _variant_tile(variant)
     tiles = {"wgrad_up": tile} if tile is not None else {}
     return settings.override(tiles=tiles, gluon={"wgrad_up"} if variant != "tl" else set(),
                              gluon_warp_specialize={"wgrad_up"} if "ws" in variant.split("_") else set(),
@@ -423,7 +423,7 @@ def test_weight_gradient_kernels(gluon, P, Q, transposed_out, seed):
             launch_wgrad(rows, gathered, ids, offsets, view, kind="wgrad_up")
         if "store" in gluon:  # the variant writes by TMA here (whole tiles where named), not through its fallback
             rows_tma = "rows_tma" in gluon
-            tile = _wgrad_tile(gluon) or (gluon_wgrad.ROWS_TMA_TILE if rows_tma else gluon_wgrad.TILE)
+            tile = _variant_tile(gluon) or (gluon_wgrad.ROWS_TMA_TILE if rows_tma else gluon_wgrad.TILE)
             pieces = gluon_common.store_pieces(tile, view.element_size(), view.device)
             assert pieces == (1 if gluon.endswith("whole") else 2)
             assert gluon_wgrad._output_descriptor(view, tile, rows_tma, pieces)[0] is not None
