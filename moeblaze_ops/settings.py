@@ -233,7 +233,7 @@ class KernelSettings:
     dh_wide_min_columns: Optional[int] = 12288
     column_slab: Optional[int] = 512
     dispatch_sorted_min_bins: Optional[int] = 128
-    dispatch_sort_chunk: int = 1024
+    dispatch_sort_chunk: int = 512
     backward_templates: frozenset = frozenset({"dx"})
     launch_plans: bool = True
     lean_graph_calls: bool = True

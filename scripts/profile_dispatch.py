@@ -2,7 +2,7 @@
 sizes (CUDA): the checked kernels the op runs (``triton_dispatch.dispatch_checked``)
 beside the sort + histc + cumsum baseline, under ``torch.profiler``.
 
-    python3 scripts/profile_dispatch.py [--calls 20] [--set dispatch_sort_chunk=512]
+    python3 scripts/profile_dispatch.py [--calls 20] [--set dispatch_sort_chunk=1024]
 """
 
 import argparse

@@ -72,12 +72,12 @@ def test_settings_are_in_force_and_recorded(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(cli, "bench_forward", lambda ctx, names: seen.append(settings.current()) or [])
     result, md = run(tmp_path, "--configs", "--torch-backward", "--set", "column_slab=None",
-                     "--set", "dispatch_sort_chunk=512")
-    assert seen[0].column_slab is None and seen[0].dispatch_sort_chunk == 512 and not seen[0].triton_backward
+                     "--set", "dispatch_sort_chunk=256")
+    assert seen[0].column_slab is None and seen[0].dispatch_sort_chunk == 256 and not seen[0].triton_backward
     assert settings.current().column_slab is not None  # only for the run
-    assert result["settings"] == {"triton_backward": False, "column_slab": None, "dispatch_sort_chunk": 512}
+    assert result["settings"] == {"triton_backward": False, "column_slab": None, "dispatch_sort_chunk": 256}
     assert result["triton_backward"] is False and result["forward"] == []
-    assert md.splitlines()[0].endswith("settings triton_backward=False, column_slab=None, dispatch_sort_chunk=512")
+    assert md.splitlines()[0].endswith("settings triton_backward=False, column_slab=None, dispatch_sort_chunk=256")
     assert table_rows(md, "smoke") == {}
     assert not (tmp_path / "forward.png").exists()  # no forward rows: nothing to plot
 

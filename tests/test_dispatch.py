@@ -1,4 +1,7 @@
-"""moeblaze.dispatch against a numpy stable-argsort construction, and its invariants."""
+"""moeblaze.dispatch against a numpy stable-argsort construction, and its invariants; the
+Triton dispatch's column scan (step 2) in tiles of several programs and steps."""
+
+import os
 
 import numpy as np
 import pytest
@@ -6,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moeblaze_ops import settings as moeblaze_settings
 from moeblaze_ops.testing import make_topk_ids
 
 
@@ -88,3 +92,78 @@ def test_dispatch_property(L, E, data):
     rows = [data.draw(st.permutations(range(E + 2)))[:K] for _ in range(L)]
     # Ids E and E+1 are sentinels; a row may hold several of them.
     check_dispatch(torch.tensor(rows, dtype=torch.int64), E)
+
+
+def triton_device():
+    """Where the Triton kernels run: CPU tensors under the interpreter (set by conftest on
+    machines without CUDA), else the GPU."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    return "cuda"
+
+
+@settings(max_examples=300, deadline=None)
+@given(num_chunks=st.integers(1, 2**20), width=st.integers(2, 2**14 + 3))
+def test_scan_tile(num_chunks, width):
+    """The column scan's tile covers every column, fits ``SCAN_TILE``, is a power of two
+    tall and as tall as the table when the tile allows; few columns a program, so the
+    scan runs as many programs as 4 columns each make, up to 64 at least."""
+    from moeblaze_ops.kernels.grouped_gemm import cdiv
+    from moeblaze_ops.kernels.triton_dispatch import SCAN_TILE, _scan_tile
+
+    cols, rows, num_warps = _scan_tile(num_chunks, width)
+    programs = cdiv(width, cols)
+    assert cols in (4, 8) and num_warps in (4, 8)
+    assert programs * cols >= width
+    assert programs >= min(64, cdiv(width, 4))
+    assert rows & (rows - 1) == 0 and rows * cols <= SCAN_TILE
+    assert rows >= min(num_chunks, SCAN_TILE // cols)
+
+
+@pytest.mark.parametrize(
+    "num_chunks,width",
+    [(1, 2), (64, 35), (1024, 19), (2500, 259), (600, 2049)],
+    ids=["one_row", "one_step", "one_tall_step", "ragged_steps_4_cols", "ragged_steps_8_cols"],
+)
+def test_column_scan(num_chunks, width, seed):
+    """``_scan_columns`` against torch: each column's exclusive prefix sum in place and its
+    total. The last two tables take several programs, several steps each, and end in a
+    part block of rows and of columns."""
+    from moeblaze_ops.kernels.triton_dispatch import _scan_columns
+
+    dev = triton_device()
+    counts = torch.randint(0, 1000, (num_chunks, width), dtype=torch.int32,
+                           generator=torch.Generator().manual_seed(seed))
+    want = counts.cumsum(0, dtype=torch.int32) - counts
+    want_totals = counts.sum(0, dtype=torch.int32)
+    got = counts.to(dev)
+    totals = torch.full((width,), -1, dtype=torch.int32, device=dev)
+    _scan_columns(got, totals)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(totals.cpu(), want_totals)
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["dispatch", "dispatch_checked"])
+@pytest.mark.parametrize(
+    "L,K,E,family",
+    [(40, 8, 256, dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=16)),
+     (400, 3, 6, dict(dispatch_sorted_min_bins=None))],
+    ids=["sorted16", "onehot"],
+)
+def test_triton_dispatch_scan_in_steps(L, K, E, family, checked, seed, monkeypatch):
+    """The Triton dispatch with its column scan in several programs of several steps, the
+    last block of rows and of columns part-filled, against the portable dispatch bit for
+    bit: a small ``SCAN_TILE`` (8 rows of 4 columns) does to tables of 20 and 19 chunks
+    (16-row sorted chunks of 256 experts: 257 or 259 columns; 64-row one-hot chunks of 6
+    experts: 9 or 11) what the real one does to thousands."""
+    from moeblaze_ops.kernels import torch_dispatch, triton_dispatch
+
+    monkeypatch.setattr(triton_dispatch, "SCAN_TILE", 32)
+    ids = make_topk_ids(L, K, E, "skewed", sentinel_frac=0.1, generator=torch.Generator().manual_seed(seed))
+    run = triton_dispatch.dispatch_checked if checked else triton_dispatch.dispatch
+    with moeblaze_settings.override(**family):
+        got = run(ids.to(triton_device()), E)
+    for g, w in zip(got, torch_dispatch.dispatch(ids, E)):
+        assert torch.equal(g.cpu(), w)

@@ -8,7 +8,8 @@ chunk's counts live in one row of a ``[chunks, BINS + 1]`` table: one column per
    tile, and its sentinel rows.
 2. ``_column_scan``: for each column, an exclusive prefix sum over the chunks turns the
    counts into where each chunk's rows start inside that expert (in place), and leaves
-   the column total.
+   the column total. Each program scans a few columns in tall tiles of rows
+   (``_scan_tile``): many programs, few sequential steps each.
 3. ``_chunk_scatter``: each program ranks its rows inside their expert in flat order
    (a running count per expert: the chunk's start plus a cumulative sum of the one-hot
    tile) and writes ``token_index_map[j]`` and ``expert_token_indices[pos]``: every
@@ -49,6 +50,9 @@ from . import grouped_gemm as gg
 from .launch import launch
 
 SUB = 64  # rows a one-hot step ranks at once
+#: Most elements of one ``_column_scan`` tile: 8 warps hold it, with each element's 64-bit
+#: address, in registers without spilling.
+SCAN_TILE = 4096
 
 SENTINEL = tl.constexpr(-2)
 
@@ -276,6 +280,31 @@ def assert_index_arrays(op, expert_token_indices, expert_offsets, token_index_ma
     torch._assert_async(ok.amin(), index_values_message(op))
 
 
+def _scan_tile(num_chunks: int, width: int) -> tuple[int, int, int]:
+    """``(COLS, ROWS, num_warps)`` of ``_column_scan`` on a ``[num_chunks, width]`` table.
+
+    A column is scanned by one program, top to bottom, and no program waits on another:
+    only splitting the columns makes programs. Few columns per program make many of them:
+    4 (a row's load is still 16 contiguous bytes), 8 (32 bytes a row) only when
+    that still leaves a couple of programs per SM of a large GPU. The rows come in the
+    tallest power-of-two tile of at most ``SCAN_TILE`` elements, so a program walks its
+    columns in few dependent steps; a full tile takes 8 warps, for more loads in flight
+    and fewer registers a thread.
+    """
+    cols = 8 if gg.cdiv(width, 8) >= 256 else 4
+    rows = min(SCAN_TILE // cols, max(64, gg.next_power_of_2(num_chunks)))
+    return cols, rows, 8 if rows * cols >= SCAN_TILE else 4
+
+
+def _scan_columns(counts: torch.Tensor, totals: torch.Tensor):
+    """Step 2 on a ``[num_chunks, width]`` int32 table: each column's exclusive prefix sum
+    in place, and the column totals into ``totals``."""
+    num_chunks, width = counts.shape
+    cols, rows, num_warps = _scan_tile(num_chunks, width)
+    launch(_column_scan, (gg.cdiv(width, cols),), counts, totals, num_chunks, width, COLS=cols, ROWS=rows,
+           num_warps=num_warps)
+
+
 def _chunk_size(LK: int) -> int:
     # Enough programs to fill the GPU, few enough chunks that the column scan stays short.
     return max(SUB, min(8192, gg.next_power_of_2(gg.cdiv(LK, 1024))))
@@ -316,8 +345,7 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool):
                num_warps=8)
     else:
         launch(_chunk_histogram, grid, ids, counts, LK, E, chunk, width, BINS=BINS, SUB=SUB, **check)
-    cols = 32
-    launch(_column_scan, (gg.cdiv(width, cols),), counts, totals, num_chunks, width, COLS=cols, ROWS=64)
+    _scan_columns(counts, totals)
     if sorted_:
         launch(_chunk_scatter_ranked, grid, ids, counts, totals, offsets, ok, eti, tim, LK, E, K, width, CHUNK=chunk,
                BINS=BINS, CHECK_IDS=check_ids, num_warps=8)
