@@ -193,8 +193,9 @@ class KernelSettings:
             outputs before the combine, dX rows before their sum) is made; None: all d
             columns at once.
         dispatch_sorted_min_bins: dispatch ranks rows by sorted chunks from this many
-            bins (E rounded up to a power of two); None: always by one-hot tiles.
-        dispatch_sort_chunk: rows per sorted chunk.
+            bins (E rounded up to a power of two); None: always by one-hot tiles. The
+            default is chosen by measurement (docs/perf-notes.md).
+        dispatch_sort_chunk: rows per sorted chunk (measured, as above).
         backward_templates: the parts of the backward (of ``BACKWARD_TEMPLATE_KINDS``)
             that compiled graphs run as Inductor templates instead of the ops' kernels:
             "dx", the input gradient of the up projection (a ``row_gemm`` on dH and an
@@ -232,7 +233,7 @@ class KernelSettings:
     dh_epilogue_columns: Optional[int] = 64
     dh_wide_min_columns: Optional[int] = 12288
     column_slab: Optional[int] = 512
-    dispatch_sorted_min_bins: Optional[int] = 128
+    dispatch_sorted_min_bins: Optional[int] = 16
     dispatch_sort_chunk: int = 512
     backward_templates: frozenset = frozenset({"dx"})
     launch_plans: bool = True

@@ -204,8 +204,8 @@ if [ "${SWITCHES:-0}" = 1 ]; then
   python3 scripts/memory_peak.py --config conf3 2>>"$LOG" | tee -a "$LOG"
   echo "== switches: dh_fast_activation" | tee -a "$LOG"
   python3 scripts/tune_backward.py --kinds dh --dh-fast 0 1 --w-tma 1 --tiles 128,128,64,8,4 2>>"$LOG" | tee -a "$LOG"
-  echo "== switches: dispatch without sorted chunks, with sorted chunks of 512" | tee -a "$LOG"
-  for setting in dispatch_sorted_min_bins=None dispatch_sort_chunk=512; do
+  echo "== switches: dispatch without sorted chunks, with sorted chunks of 1024" | tee -a "$LOG"
+  for setting in dispatch_sorted_min_bins=None dispatch_sort_chunk=1024; do
     python3 -m moeblaze_ops.bench --configs --set "$setting" --out /tmp/switch_dispatch 2>>"$LOG" | tee -a "$LOG"
   done
   echo "== switches: column_slab=None, no slabs (forward, train)" | tee -a "$LOG"
