@@ -15,8 +15,7 @@
   down projection's pattern on dH (``row_gemm`` per slab, then an unweighted
   ``combine``); the weight gradients stay the op's kernels.
 - ``expert_down_backward``: the op's kernels, in place over h where h is donated to it.
-- ``dispatch``: the op's kernels, as an extern call (through its internal twin under
-  ``settings.lean_graph_calls``, as the backward ops).
+- ``dispatch``: the op's kernels, as an extern call.
 
 Each lowering falls back to the op's own kernel (an extern call, as for an op without a
 lowering; under ``settings.lean_graph_calls`` through its internal twin in
@@ -248,7 +247,7 @@ def combined_rows(kind, a, b, offsets, token_index_map, num_tokens, transposed, 
 def dispatch(topk_ids, num_experts):
     """The op's kernels (with their device-side checks of the ids), as an extern call; its
     arguments' shapes were checked when the graph was traced."""
-    return compat.fallback(_graph_call("dispatch"), topk_ids, num_experts)
+    return compat.fallback(_ops.dispatch.default, topk_ids, num_experts)
 
 
 @compat.register_lowering(_ops.expert_up.default, type_promotion_kind=None)
@@ -333,7 +332,7 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
 
 
 #: The internal op (``ops.graph_calls``) of each op the lowerings call as an extern kernel.
-_INTERNAL = {"dispatch": "_dispatch_kernels", "expert_up_backward": "_up_backward_kernels",
+_INTERNAL = {"expert_up_backward": "_up_backward_kernels",
              "expert_down_backward": "_down_backward_kernels", "expert_down_backward_": "_down_backward_kernels_",
              **{public: twin for twin, public in graph_calls.FORWARD_TWINS.items()}}
 

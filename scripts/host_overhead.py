@@ -84,7 +84,7 @@ def op_calls(x, ids, w, wgu, wd, n):
     # name: (the public op and its internal twin, which compiled graphs call under
     # settings.lean_graph_calls (ops.graph_calls), both on these arguments; the backend's own call)
     ops = {
-        "dispatch": (("dispatch", "_dispatch_kernels"), (ids, E), lambda: backend.dispatch(ids, E)),
+        "dispatch": (("dispatch",), (ids, E), lambda: backend.dispatch(ids, E)),
         "expert_up": (("expert_up", "_up_kernels"), (x, wgu, eti, offsets, tim),
                       lambda: backend.expert_up(x, wgu, eti, offsets, tim, None, False)),
         "expert_down": (("expert_down", "_down_kernels"), down_args[1:], lambda: backend.expert_down(*down_args[1:])),

@@ -157,8 +157,8 @@ def test_cpu_falls_back_to_the_ops(up_epilogue_activation, lean, seed):
     torch._dynamo.reset()
     with settings.override(up_epilogue_activation=up_epilogue_activation, lean_graph_calls=lean):
         out, (code,) = run_and_get_code(torch.compile(residual_moe, fullgraph=True), *args)
-    called = {"_layer_kernels", "_dispatch_kernels"} if lean else {"expert_layer", "dispatch"}
-    for op in ("expert_layer", "_layer_kernels", "dispatch", "_dispatch_kernels", "expert_up", "expert_down",
+    called = {"_layer_kernels", "dispatch"} if lean else {"expert_layer", "dispatch"}
+    for op in ("expert_layer", "_layer_kernels", "dispatch", "expert_up", "expert_down",
                "_up_kernels", "_down_kernels"):
         assert (f"torch.ops.moeblaze.{op}.default(" in code) == (op in called), op
     with settings.override(up_epilogue_activation=up_epilogue_activation):
@@ -212,7 +212,7 @@ def test_compiled_backward_writes_dh_over_h(lean, seed):
     AOTAutograd donated to it (h and dH never both exist, as in eager), with eager's
     gradients; a second backward through that graph is refused rather than reading the
     overwritten h. Under ``settings.lean_graph_calls`` the graph calls the internal ops
-    (``ops.graph_calls``) instead of the public ones, dispatch's too, with the same
+    (``ops.graph_calls``) instead of the public ones (dispatch has none), with the same
     gradients."""
     from torch._inductor.utils import run_and_get_code
 
@@ -225,12 +225,10 @@ def test_compiled_backward_writes_dh_over_h(lean, seed):
                     ("expert_down_backward_", "expert_up_backward"))
         assert any(f"torch.ops.moeblaze.{down}.default(" in code for code in codes)
         assert any(f"torch.ops.moeblaze.{up}.default(" in code for code in codes)
-        dispatch = "_dispatch_kernels" if lean else "dispatch"
-        assert any(f"torch.ops.moeblaze.{dispatch}.default(" in code for code in codes)
-        if lean:  # no call of the public dispatch or backward ops left
+        assert any("torch.ops.moeblaze.dispatch.default(" in code for code in codes)
+        if lean:  # no call of the public backward ops left
             assert not any(f"torch.ops.moeblaze.{op}.default(" in code for code in codes
-                           for op in ("dispatch", "expert_down_backward_", "expert_down_backward",
-                                      "expert_up_backward"))
+                           for op in ("expert_down_backward_", "expert_down_backward", "expert_up_backward"))
         for g, ref in zip(grads, _grads(_loss, layer)[1]):
             assert rel_err(g, ref) < 1e-6
         with pytest.raises(RuntimeError, match="retain_graph"):

@@ -150,7 +150,7 @@ def test_opcheck_backward_ops_skipping_gradients(flags, seed):
         torch.library.opcheck(getattr(ops, op).default, args[op] + flags[1:], test_utils=TEST_UTILS)
 
 
-@pytest.mark.parametrize("op,public", [("_dispatch_kernels", "dispatch"), ("_up_kernels", "expert_up"),
+@pytest.mark.parametrize("op,public", [("_up_kernels", "expert_up"),
                                        ("_down_kernels", "expert_down"), ("_layer_kernels", "expert_layer"),
                                        ("_up_backward_kernels", "expert_up_backward"),
                                        ("_down_backward_kernels", "expert_down_backward"),

@@ -1,6 +1,7 @@
 """Internal ops through which compiled graphs call the kernels that the lowerings keep as
-extern calls (``dispatch``, the forward ops where their GEMMs run on Gluon, the backward
-ops), where ``settings.lean_graph_calls`` asks for them.
+extern calls (the forward ops where their GEMMs run on Gluon, the backward ops), where
+``settings.lean_graph_calls`` asks for them. (``dispatch`` needs none: it is defined
+through the low-level API itself, and its argument checks cost a couple of microseconds.)
 
 A call of a ``torch.library.custom_op`` runs Python wrappers around the op's function:
 autograd, ``torch._disable_dynamo``, the backend redispatch and, for an op that mutates
@@ -12,9 +13,7 @@ compiled layer calls two backward ops a step.
 These ops call the backend's kernels without the public ops' argument checks: those ran
 on the fake tensors when the graph was traced, and the index arrays are the forward's,
 which checked them; the forward ops' twins are called only with index arrays that a
-``dispatch`` in the same graph made. (The data checks of ``topk_ids``, negative or
-repeated ids, stay: they are part of the dispatch kernels.) The forward twins take their
-public op's schema. They are not public. They have no autograd (a compiled backward runs
+``dispatch`` in the same graph made. The forward twins take their public op's schema. They are not public. They have no autograd (a compiled backward runs
 without grad), and the in-place form bumps no version counter (its h is a buffer the
 compiled backward owns).
 """
@@ -25,7 +24,6 @@ import torch
 
 from ..activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from ..kernels import backward_backend, forward_backend
-from .dispatch import dispatch_like
 from .experts import (_check_down_backward, _check_up_backward, _down_grads_like, _up_grads_like, expert_down_like,
                       expert_layer_like, expert_up_like, layer_kernels)
 
@@ -36,7 +34,6 @@ _UP = ("Tensor grad_h, Tensor x, Tensor w_gate_up, Tensor expert_token_indices, 
 _DOWN = ("Tensor grad_out, Tensor{mutated} h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, "
          "Tensor token_index_map, Tensor topk_weights, Tensor? b_down, str activation, bool transposed, "
          "bool interleaved, float alpha, float limit, bool need_weight_grad=True")
-_lib.define("_dispatch_kernels(Tensor topk_ids, SymInt num_experts) -> (Tensor, Tensor, Tensor)")
 #: Each forward twin and its public op.
 FORWARD_TWINS = {"_up_kernels": "expert_up", "_down_kernels": "expert_down", "_layer_kernels": "expert_layer"}
 for _twin, _public in FORWARD_TWINS.items():
@@ -45,10 +42,6 @@ for _twin, _public in FORWARD_TWINS.items():
 _lib.define(f"_up_backward_kernels({_UP}) -> (Tensor, Tensor, Tensor)")
 _lib.define(f"_down_backward_kernels({_DOWN.format(mutated='')}) -> (Tensor, Tensor, Tensor, Tensor)")
 _lib.define(f"_down_backward_kernels_({_DOWN.format(mutated='(a!)')}) -> (Tensor, Tensor, Tensor)")
-
-
-def _dispatch_kernels(topk_ids, num_experts):
-    return forward_backend(topk_ids).dispatch(topk_ids, num_experts)
 
 
 def _up_kernels(x, w_gate_up, eti, offsets, tim, b_gate_up=None, transposed=False):
@@ -88,12 +81,11 @@ def _down_backward_kernels_(grad_out, h, w_down, eti, offsets, tim, topk_weights
                                                     need_weight_grad=need_weight_grad)[1:]
 
 
-for _fn in (_dispatch_kernels, _up_kernels, _down_kernels, _layer_kernels, _up_backward_kernels,
+for _fn in (_up_kernels, _down_kernels, _layer_kernels, _up_backward_kernels,
             _down_backward_kernels, _down_backward_kernels_):
     _lib.impl(_fn.__name__, _fn, "CompositeExplicitAutograd")
 
 
-torch.library.register_fake("moeblaze::_dispatch_kernels", dispatch_like, lib=_lib)
 torch.library.register_fake("moeblaze::_up_kernels", expert_up_like, lib=_lib)
 torch.library.register_fake("moeblaze::_down_kernels", expert_down_like, lib=_lib)
 torch.library.register_fake("moeblaze::_layer_kernels", expert_layer_like, lib=_lib)
