@@ -78,10 +78,12 @@ def _register_hf_expert_parallel(_module=None):
 
 
 def _register_lowerings(_module=None):
-    """Registers the Inductor lowerings (``moeblaze_ops.lowerings``)."""
+    """Registers the Inductor lowerings (``moeblaze_ops.lowerings``), and puts the settings
+    and the package's code into the key of the compile caches (``settings``)."""
     from . import lowerings
 
     lowerings.register()
+    settings._tag_compile_caches()
 
 
 when_imported(_HF_EXPERTS_MODULE, _register_hf_backends)

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import os
 import threading
 from dataclasses import dataclass, field
@@ -345,33 +346,49 @@ def override(settings: Optional[KernelSettings] = None, **changes) -> Iterator[K
 _CACHE_TAG = " moeblaze:"
 
 
+@functools.lru_cache(maxsize=None)
+def _code_digest() -> str:
+    """A digest of the package's Python sources, the lowerings' among them (a checkout
+    installs them apart from the package's folder)."""
+    roots = {os.path.dirname(os.path.abspath(__file__))}
+    spec = importlib.util.find_spec(f"{__package__}.lowerings")  # found, not imported
+    if spec is not None and spec.submodule_search_locations:
+        roots.update(os.path.abspath(p) for p in spec.submodule_search_locations)
+    digest = hashlib.sha1()
+    for root in sorted(roots):
+        for folder, subfolders, files in os.walk(root):
+            subfolders.sort()
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    with open(os.path.join(folder, name), "rb") as f:
+                        digest.update(f.read())
+    return digest.hexdigest()[:12]
+
+
 def _fingerprint(config: KernelSettings) -> str:
-    """A short digest of the fields of ``config`` that differ from the defaults ("" where none do)."""
-    defaults = KernelSettings()
-    changed = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)
-               if getattr(config, f.name) != getattr(defaults, f.name)]
-    if not changed:
-        return ""
-    text = repr([(name, sorted(value) if isinstance(value, frozenset) else value) for name, value in changed])
-    return hashlib.sha1(text.encode()).hexdigest()[:12]
+    """A short digest of every field of ``config`` and of the package's code."""
+    fields = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    text = repr([(name, sorted(value) if isinstance(value, frozenset) else value) for name, value in fields])
+    return hashlib.sha1((_code_digest() + text).encode()).hexdigest()[:12]
 
 
 def _tag_compile_caches() -> None:
-    """Puts the settings in force into the key of torch.compile's caches.
+    """Puts the settings in force and the package's code into the key of torch.compile's caches.
 
     Inductor's FX graph cache and AOTAutograd's cache key a graph by its FX code and
     Inductor's own configuration, not by these settings, which the lowerings read (tile
-    order, column slabs, grad_x templates): a graph compiled under other settings would be
-    reused, in this process or from the disk cache. ``torch.compiler.config.cache_key_tag``
-    is part of both keys, so its end carries a digest of the settings that differ from the
-    defaults (the user's own tag, before it, is kept)."""
+    order, column slabs, grad_x templates, which op a graph calls), nor by the lowerings'
+    code: a graph compiled under other settings, or by another version of the package,
+    would be reused, in this process or from the disk cache. ``torch.compiler.config.cache_key_tag``
+    is part of both keys, so its end carries a digest of both (the user's own tag, before
+    it, is kept). Set when Inductor is imported and whenever ``override`` changes the
+    settings."""
     import torch.compiler.config as compiler_config
 
     if not hasattr(compiler_config, "cache_key_tag"):
         return
     user_tag = compiler_config.cache_key_tag.split(_CACHE_TAG)[0]
-    digest = _fingerprint(current())
-    compiler_config.cache_key_tag = user_tag + (_CACHE_TAG + digest if digest else "")
+    compiler_config.cache_key_tag = user_tag + _CACHE_TAG + _fingerprint(current())
 
 
 def _dtype_class(dtype: torch.dtype) -> str:

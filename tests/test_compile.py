@@ -221,13 +221,43 @@ def test_compile_caches_key_on_the_settings(seed):
 
     mine = f"mine-{uuid.uuid4().hex}"  # keys no earlier run has cached
     with inductor_config.patch(fx_graph_cache=True), torch.compiler.config.patch(cache_key_tag=mine):
+        settings._tag_compile_caches()  # as on Inductor's import, after the user's tag was set
+        defaults_tag = torch.compiler.config.cache_key_tag
+        assert defaults_tag.startswith(mine + " moeblaze:") and len(defaults_tag) > len(mine + " moeblaze:")
         compile_once()  # the defaults' graph, cached
         before = hits()
         with settings.override(column_slab=5, row_band=7):
             assert torch.compiler.config.cache_key_tag.startswith(mine + " moeblaze:")
+            assert torch.compiler.config.cache_key_tag != defaults_tag
             compile_once()
             assert hits() == before, "a graph compiled under other settings was reused"
         with settings.override(column_slab=5, row_band=7):
             compile_once()
             assert hits() == before + 1, "the graph compiled under these settings was not reused"
-        assert torch.compiler.config.cache_key_tag == mine
+        assert torch.compiler.config.cache_key_tag == defaults_tag
+
+
+def test_compile_caches_key_on_the_package_code(seed, monkeypatch):
+    """A graph compiled by one version of the package's code (the lowerings decide which
+    op or template a graph calls) is not reused by another, and is reused by the same."""
+    import uuid
+
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    from moeblaze_ops import settings
+
+    layer = make_layer(16, 8, 8, 4, 2, seed=seed)
+
+    def compile_under(code):
+        monkeypatch.setattr(settings, "_code_digest", lambda: code)
+        settings._tag_compile_caches()
+        torch._dynamo.reset()
+        torch.compile(moe_experts, fullgraph=True)(**layer)
+        return counters["inductor"]["fxgraph_cache_hit"]
+
+    with inductor_config.patch(fx_graph_cache=True), \
+            torch.compiler.config.patch(cache_key_tag=f"mine-{uuid.uuid4().hex}"):
+        before = compile_under("one version")
+        assert compile_under("another version") == before, "a graph compiled by other code was reused"
+        assert compile_under("one version") == before + 1, "the graph compiled by the same code was not reused"
