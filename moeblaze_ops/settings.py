@@ -366,10 +366,16 @@ def _code_digest() -> str:
 
 
 def _fingerprint(config: KernelSettings) -> str:
-    """A short digest of every field of ``config`` and of the package's code."""
-    fields = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
-    text = repr([(name, sorted(value) if isinstance(value, frozenset) else value) for name, value in fields])
-    return hashlib.sha1((_code_digest() + text).encode()).hexdigest()[:12]
+    """A short digest of every field of ``config`` and of the package's code, made once
+    per settings object (kept on it, outside its fields)."""
+    code = _code_digest()
+    kept = config.__dict__.get("_fingerprint")
+    if kept is None or kept[0] != code:
+        fields = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+        text = repr([(name, sorted(value) if isinstance(value, frozenset) else value) for name, value in fields])
+        kept = (code, hashlib.sha1((code + text).encode()).hexdigest()[:12])
+        object.__setattr__(config, "_fingerprint", kept)
+    return kept[1]
 
 
 def _tag_compile_caches() -> None:
