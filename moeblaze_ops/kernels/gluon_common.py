@@ -57,6 +57,16 @@ def tma_slot_shape(block, boxes):
 
 
 @gluon.jit
+def slot_barriers(NUM_STAGES: gl.constexpr, ARRIVALS: gl.constexpr):
+    """One mbarrier per slot of a ring of ``NUM_STAGES``, each completing a phase after
+    ``ARRIVALS`` arrivals (and whatever bytes an arrival says to expect)."""
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(bars.index(s), count=ARRIVALS)
+    return bars
+
+
+@gluon.jit
 def copy_tma_ring(dtype: gl.constexpr, tma_desc, NUM_STAGES: gl.constexpr, COPY_ROWS: gl.constexpr,
                   COPY_COLS: gl.constexpr, TMA_BOXES: gl.constexpr = 1):
     """A ring of ``NUM_STAGES`` shared-memory slots for a pipeline with two operands: one
@@ -67,10 +77,7 @@ def copy_tma_ring(dtype: gl.constexpr, tma_desc, NUM_STAGES: gl.constexpr, COPY_
                                           gl.NVMMASharedLayout.get_default_for([COPY_ROWS, COPY_COLS], dtype))
     tma_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + tma_slot_shape(tma_desc.block_type.shape, TMA_BOXES),
                                          tma_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    return copy_ring, tma_ring, bars
+    return copy_ring, tma_ring, slot_barriers(NUM_STAGES, 1)
 
 
 @gluon.jit

@@ -35,7 +35,7 @@ from ..layouts import linear_dims
 from ..settings import GemmTile
 from . import grouped_gemm as gg
 from . import triton_activations as acts
-from .gluon_common import cta_barrier, host_descriptor, on_hopper, wgmma_acc_layout
+from .gluon_common import cta_barrier, host_descriptor, on_hopper, slot_barriers, wgmma_acc_layout
 from .gluon_row_gemm import _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
 from .gluon_row_gemm import applies as row_gemm_applies
 from .launch import launch
@@ -183,12 +183,9 @@ def _dh_pingpong_kernel(
     stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, BLOCK_N // 2],
                                       gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
     weights = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        # Every gathering thread arrives once its copies land, the TMA warp once with the bytes it expects.
-        mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32 + 1)
-        mbarrier.init(empty.index(s), count=1)
+    # Every gathering thread arrives once its copies land, the TMA warp once with the bytes it expects.
+    ready = slot_barriers(NUM_STAGES, PRODUCER_WARPS * 32 + 1)
+    empty = slot_barriers(NUM_STAGES, 1)
     # handoff[i]: warpgroup i's turn at the tensor cores; the first is warpgroup 0's.
     handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(handoff.index(0), count=1)

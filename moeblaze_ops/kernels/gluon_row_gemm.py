@@ -50,8 +50,8 @@ from ..settings import GemmTile
 from . import grouped_gemm as gg
 from . import triton_activations as acts
 from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
-                           on_hopper, output_buffer, partition_output, store_by_tma, tma_load, tma_slot_shape,
-                           wgmma_acc_layout)
+                           on_hopper, output_buffer, partition_output, slot_barriers, store_by_tma, tma_load,
+                           tma_slot_shape, wgmma_acc_layout)
 from .launch import launch
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 of K per
@@ -504,15 +504,11 @@ def _row_gemm_ws_kernel(
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_layout)
     b_ring = gl.allocate_shared_memory(
         dtype, [NUM_STAGES] + tma_slot_shape(b_desc.block_type.shape, 2 if ACT >= 0 else 1), b_desc.layout)
-    a_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    b_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    # Gathered, every copy thread arrives on a_ready once its cp.async copies land.
+    a_ready = slot_barriers(NUM_STAGES, PRODUCER_WARPS * 32 if GATHER_A else 1)
+    b_ready = slot_barriers(NUM_STAGES, 1)
+    empty = slot_barriers(NUM_STAGES, 1)
     out_desc, out_buf = partition_output(out_desc, dtype, TMA_STORE, b_desc, b_ring)
-    for s in gl.static_range(NUM_STAGES):
-        # Gathered, every copy thread arrives on a_ready once its cp.async copies land.
-        mbarrier.init(a_ready.index(s), count=PRODUCER_WARPS * 32 if GATHER_A else 1)
-        mbarrier.init(b_ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
         (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf,
                         LK, E, N, K, stride_bias, stride_om, alpha, limit, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS,

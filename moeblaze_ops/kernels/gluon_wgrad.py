@@ -41,8 +41,8 @@ from .. import settings
 from ..settings import GemmTile
 from . import grouped_gemm as gg
 from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
-                           on_hopper, output_buffer, partition_output, store_by_tma, store_pieces, tma_load,
-                           wgmma_acc_layout)
+                           on_hopper, output_buffer, partition_output, slot_barriers, store_by_tma, store_pieces,
+                           tma_load, wgmma_acc_layout)
 from .gluon_row_gemm import ws_tile_steps
 from .launch import launch
 
@@ -360,11 +360,8 @@ def _wgrad_ws_kernel(
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_P], dtype))
     b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32)
-        mbarrier.init(empty.index(s), count=1)
+    ready = slot_barriers(NUM_STAGES, PRODUCER_WARPS * 32)
+    empty = slot_barriers(NUM_STAGES, 1)
     gl.warp_specialize([
         (_wgrad_ws_consumer, (a_ring, b_ring, ready, empty, offsets_ptr, out_ptr, E, P, Q, stride_oe, stride_op,
                               stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, BAND, num_warps)),
@@ -443,15 +440,12 @@ def _wgrad_rows_tma_ws_kernel(
     g_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
     r_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + rows_desc.block_type.shape, rows_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    # Every copy thread arrives once its cp.async copies land, and one more arrival comes
+    # with the row-ordered tile: the TMA's expected bytes, or a plain arrive after the
+    # masked copy of an expert's partial last step.
+    ready = slot_barriers(NUM_STAGES, PRODUCER_WARPS * 32 + 1)
+    empty = slot_barriers(NUM_STAGES, 1)
     out_desc, out_buf = partition_output(out_desc, dtype, TMA_STORE, rows_desc, r_ring)
-    for s in gl.static_range(NUM_STAGES):
-        # Every copy thread arrives once its cp.async copies land, and one more arrival
-        # comes with the row-ordered tile: the TMA's expected bytes, or a plain arrive
-        # after the masked copy of an expert's partial last step.
-        mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32 + 1)
-        mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
         (_wgrad_rows_tma_ws_consumer, (g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P, Q,
                                        stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, BAND, TMA_STORE,
