@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
     # Set before any kernel module is imported: @triton.jit reads it then.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import triton.language as tl  # noqa: E402
+
 import moeblaze_ops  # noqa: E402,F401  (registers the ops)
 from moeblaze_ops.testing import (  # noqa: E402,F401  (re-exported: tests import them from conftest)
     SEED_ENV,
@@ -25,6 +27,26 @@ from moeblaze_ops.testing import (  # noqa: E402,F401  (re-exported: tests impor
     rel_err,
     seed_for,
 )
+
+
+#: What Triton's interpreter patches while it runs a kernel: the language's module and the
+#: tensor classes. A device function it calls outside a kernel's own patch scope (a jit
+#: function of another module than the kernel's) patches ``triton.language.core`` again
+#: and never undoes it (triton 3.9), so in a process that has interpreted kernels, a
+#: kernel compiled afterwards (the Gluon compile tests) would meet the interpreter's
+#: builtins. Their attributes, as imported, before any kernel ran.
+_LANGUAGE_OBJECTS = (tl.core, tl.tensor, tl.core.tensor_descriptor_base)
+_LANGUAGE_STATE = [dict(vars(obj)) for obj in _LANGUAGE_OBJECTS]
+
+
+def restore_triton_language():
+    """Undoes whatever the interpreter left patched in ``_LANGUAGE_OBJECTS``."""
+    for obj, state in zip(_LANGUAGE_OBJECTS, _LANGUAGE_STATE):
+        for name, value in list(vars(obj).items()):
+            if name not in state:
+                delattr(obj, name)
+            elif state[name] is not value:
+                setattr(obj, name, state[name])
 
 
 def pytest_configure(config):
