@@ -145,6 +145,19 @@ def store_by_tma(out_desc, out_buf, piece, e, m0, n0, TRANSPOSED: gl.constexpr):
         tma_store(out_desc, [e, m0, n0], out_buf)
 
 
+@gluon.jit
+def store_tile_by_tma(out_desc, out_buf, acc, e, m0, n0, TRANSPOSED: gl.constexpr, PIECES: gl.constexpr):
+    """Stores the accumulator tile ``acc`` at (m0, n0) of block ``e`` of ``out_desc`` by
+    ``store_by_tma``: whole (``PIECES`` 1) or in two column halves (``PIECES`` 2, the
+    buffer a half), the second waiting for the copy engine to have read the first."""
+    if PIECES == 1:
+        store_by_tma(out_desc, out_buf, acc, e, m0, n0, TRANSPOSED)
+    else:
+        first, second = column_halves(acc)
+        store_by_tma(out_desc, out_buf, first, e, m0, n0, TRANSPOSED)
+        store_by_tma(out_desc, out_buf, second, e, m0, n0 + acc.shape[1] // 2, TRANSPOSED)
+
+
 #: Shared memory a kernel holds beside its rings and output buffer (mbarriers, alignment).
 _SPARE_BYTES = 1024
 

@@ -50,8 +50,8 @@ from ..settings import GemmTile
 from . import grouped_gemm as gg
 from . import triton_activations as acts
 from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
-                           on_hopper, output_buffer, partition_output, slot_barriers, store_by_tma, tma_load,
-                           tma_slot_shape, wgmma_acc_layout)
+                           on_hopper, output_buffer, partition_output, slot_barriers, store_by_tma,
+                           store_tile_by_tma, tma_load, tma_slot_shape, wgmma_acc_layout)
 from .launch import launch
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 of K per
@@ -217,9 +217,7 @@ def _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om
     the rows of the next expert's first tile."""
     if TMA_STORE:
         if row0 + acc.shape[0] <= row_end:
-            first, second = column_halves(acc)
-            store_by_tma(out_desc, out_buf, first, 0, row0, n0, False)
-            store_by_tma(out_desc, out_buf, second, 0, row0, n0 + acc.shape[1] // 2, False)
+            store_tile_by_tma(out_desc, out_buf, acc, 0, row0, n0, False, 2)
         else:
             _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om)
     else:

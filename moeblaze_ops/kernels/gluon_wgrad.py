@@ -40,9 +40,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .. import settings
 from ..settings import GemmTile
 from . import grouped_gemm as gg
-from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
-                           on_hopper, output_buffer, partition_output, slot_barriers, store_by_tma, store_pieces,
-                           tma_load, wgmma_acc_layout)
+from .gluon_common import (async_load, banded, copy_layout, copy_tma_ring, cta_barrier, host_descriptor, on_hopper,
+                           output_buffer, partition_output, slot_barriers, store_pieces, store_tile_by_tma, tma_load,
+                           wgmma_acc_layout)
 from .gluon_row_gemm import ws_tile_steps
 from .launch import launch
 
@@ -131,12 +131,7 @@ def _store_tile(out_ptr, out_desc, out_buf, acc, e, m0, n0, M, N, stride_oe, str
     ``TMA_STORE`` (``gluon_common.store_by_tma``), whole or in ``STORE_PIECES`` = 2 column
     halves, else from registers through the strides."""
     if TMA_STORE:
-        if STORE_PIECES == 1:
-            store_by_tma(out_desc, out_buf, acc, e, m0, n0, OUT_TRANSPOSED)
-        else:
-            first, second = column_halves(acc)
-            store_by_tma(out_desc, out_buf, first, e, m0, n0, OUT_TRANSPOSED)
-            store_by_tma(out_desc, out_buf, second, e, m0, n0 + acc.shape[1] // 2, OUT_TRANSPOSED)
+        store_tile_by_tma(out_desc, out_buf, acc, e, m0, n0, OUT_TRANSPOSED, STORE_PIECES)
     else:
         _store_expert_tile(out_ptr, acc, e, m0, n0, M, N, stride_oe, stride_om, stride_on)
 
