@@ -58,7 +58,7 @@ __all__ = [
 #: ``KernelSettings.dh_wide_min_columns``), dX rows, and the two weight gradients.
 GEMM_KINDS = ("up", "down", "dh", "dh_wide", "dx", "wgrad_down", "wgrad_up")
 #: The kinds that have a Gluon kernel for Hopper besides their ``tl`` one.
-GLUON_KINDS = ("up", "down", "dh", "dx", "wgrad_down", "wgrad_up")
+GLUON_KINDS = ("up", "down", "dh", "dh_wide", "dx", "wgrad_down", "wgrad_up")
 #: The parts of the backward that compiled graphs can run as Inductor templates.
 BACKWARD_TEMPLATE_KINDS = ("dx",)
 
@@ -124,8 +124,9 @@ class KernelSettings:
         gluon: the GEMM kinds (of ``GLUON_KINDS``) that run their Gluon kernel, an
             asynchronous cp.async/TMA and wgmma pipeline for Hopper (``kernels.gluon_wgrad``,
             ``kernels.gluon_row_gemm``; ``kernels.gluon_dh`` for "dh", two MMA warpgroups
-            taking turns, without a down bias or an interleaved h, and below
-            ``dh_wide_min_columns``, whose wide ``tl`` tile is faster), where it applies:
+            taking turns on 128 x 128 tiles, and for "dh_wide", the layers from
+            ``dh_wide_min_columns``, both warpgroups on one 128 x 256 tile; dH without a
+            down bias or an interleaved h), where it applies:
             16-bit CUDA tensors on capability 9 with column counts and row strides that are
             multiples of 16. The other kinds, and every other case, run the portable
             ``tl`` kernels; compiled graphs then call the op's kernels where a Gluon one

@@ -167,10 +167,11 @@ def _compile_in_subprocess(script, args, tmp_path):
     return json.loads(out.read_text())
 
 
-#: Compiles the ping-pong dH in a subprocess: it calls ``tl`` functions (the activation's
-#: backward, the combine weights), which under ``TRITON_INTERPRET=1`` (set for this test
-#: session) are interpreter functions that Gluon's compiler does not take.
-_PINGPONG_SCRIPT = r"""
+#: Compiles a Gluon dH kernel (the ping-pong one, or the wide one) in a subprocess: it
+#: calls ``tl`` functions (the activation's backward, the combine weights), which under
+#: ``TRITON_INTERPRET=1`` (set for this test session) are interpreter functions that
+#: Gluon's compiler does not take.
+_DH_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[2])
 from test_gluon_compile import _compile_for_hopper
@@ -178,10 +179,10 @@ from test_gluon_row_gemm_compile import _descriptor_type
 from moeblaze_ops.activations import activation_code
 from moeblaze_ops.kernels import gluon_dh
 
-dtype, k_contiguous, act, out = json.loads(sys.argv[1])
-tile = gluon_dh.TILE
+wide, dtype, k_contiguous, act, out = json.loads(sys.argv[1])
+tile = gluon_dh.WIDE_TILE if wide else gluon_dh.TILE
 block = [1, tile.block_n, tile.block_k] if k_contiguous else [1, tile.block_k, tile.block_n]
-warps, regs = gluon_dh.PRODUCER
+warps, regs = gluon_dh.WIDE_PRODUCER if wide else gluon_dh.PRODUCER
 ints = ["LK", "E", "D", "I", "n_parts", "stride_gm", "stride_hm", "stride_dhm", "stride_wam", "stride_tw0",
         "stride_tw1"]
 signature = {"go_ptr": f"*{dtype}", "w_desc": _descriptor_type(dtype, block), "h_ptr": f"*{dtype}",
@@ -190,13 +191,15 @@ signature = {"go_ptr": f"*{dtype}", "w_desc": _descriptor_type(dtype, block), "h
              **{name: "i32" for name in ints}}
 constexprs = dict(K=8, ACT=int(activation_code(act)), WRITE_WACT=True, FAST_ACT=True, W_KMAJOR=k_contiguous,
                   GROUPS=128, BAND=4, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                  NUM_STAGES=tile.num_stages, CHUNK=gluon_dh.CHUNK, PRODUCER_WARPS=warps, PRODUCER_REGS=regs,
-                  B_PRODUCER_REGS=gluon_dh.B_PRODUCER_REGS, MMA_REGS=gluon_dh.MMA_REGS,
-                  A_OFFSETS_32=True, num_warps=tile.num_warps)
+                  NUM_STAGES=tile.num_stages, PART_COLUMNS=gluon_dh.PART_COLUMNS, CHUNK=gluon_dh.CHUNK,
+                  PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=True, num_warps=tile.num_warps)
+if not wide:
+    constexprs.update(B_PRODUCER_REGS=gluon_dh.B_PRODUCER_REGS, MMA_REGS=gluon_dh.MMA_REGS)
 aligned = ["go_ptr", "h_ptr", "eti_ptr", "tim_ptr", "offsets_ptr", "dh_ptr", "wact_ptr", "part_ptr", "D", "I",
            "stride_gm", "stride_hm", "stride_dhm", "stride_wam"]
+kernel_fn = gluon_dh._dh_wide_kernel if wide else gluon_dh._dh_pingpong_kernel
 try:
-    kernel = _compile_for_hopper(gluon_dh._dh_pingpong_kernel, signature, constexprs, tile.num_warps, aligned)
+    kernel = _compile_for_hopper(kernel_fn, signature, constexprs, tile.num_warps, aligned)
 except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
     print("no ptxas:", error)
     sys.exit(3)
@@ -204,36 +207,61 @@ with open(out, "w") as f:
     json.dump({"ptx": kernel.asm["ptx"], "shared": kernel.metadata.shared}, f)
 """
 
+_DH_CASES = [("bf16", True, "swiglu"), ("bf16", False, "swiglu"), ("fp16", True, "gelu"), ("fp16", False, "geglu")]
 
-@pytest.mark.parametrize("dtype,k_contiguous,act", [("bf16", True, "swiglu"), ("bf16", False, "swiglu"),
-                                                    ("fp16", True, "gelu"), ("fp16", False, "geglu")])
-def test_pingpong_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
-    """The ping-pong dH (``kernels.gluon_dh``): the gathered output-gradient rows by 16-byte
-    cp.async in the copy warpgroup, W_down by 3-D TMA from a copy warp of its own (its
-    registers cut to ``B_PRODUCER_REGS``), each MMA warpgroup's wgmma 128
-    columns wide, the registers redistributed between the partitions, the ring, the fp32
-    stages and the weights within the block's shared memory, and (almost) no spills: the
-    epilogue over a whole 128 x 128 tile per warpgroup spilled kilobytes before it was
-    staged through shared memory in chunks."""
-    from moeblaze_ops.kernels import gluon_dh
 
-    compiled = _compile_in_subprocess(_PINGPONG_SCRIPT, [dtype, k_contiguous, act], tmp_path)
-    ptx = compiled["ptx"]
-    tile, (_, regs) = gluon_dh.TILE, gluon_dh.PRODUCER
+def _assert_dh_pipeline(ptx, dtype, tile):
+    """What both Gluon dH kernels are written for: the output-gradient rows gathered by
+    16-byte cp.async (each copy thread arriving on the slot's barrier), W_down by 3-D TMA,
+    asynchronous wgmma over the tile's columns."""
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
     assert re.search(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)
     assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
+    ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
+
+
+@pytest.mark.parametrize("dtype,k_contiguous,act", _DH_CASES)
+def test_pingpong_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
+    """The ping-pong dH (``kernels.gluon_dh``): W_down's TMA from a copy warp of its own (its
+    registers cut to ``B_PRODUCER_REGS``), each MMA warpgroup's wgmma 128 columns wide, the
+    registers redistributed between the partitions, the ring, the fp32 stages and the
+    weights within the block's shared memory, and (almost) no spills: the epilogue over a
+    whole 128 x 128 tile per warpgroup spilled kilobytes before it was staged through
+    shared memory in chunks."""
+    from moeblaze_ops.kernels import gluon_dh
+
+    compiled = _compile_in_subprocess(_DH_SCRIPT, [False, dtype, k_contiguous, act], tmp_path)
+    ptx = compiled["ptx"]
+    tile, (_, regs) = gluon_dh.TILE, gluon_dh.PRODUCER
+    _assert_dh_pipeline(ptx, dtype, tile)
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{gluon_dh.MMA_REGS}", ptx)
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{regs}", ptx)
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{gluon_dh.B_PRODUCER_REGS}\b", ptx)
-    ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
-    stages = 2 * tile.block_m * tile.block_n // 2 * 4
+    stages = 2 * tile.block_m * gluon_dh.PART_COLUMNS * 4
     assert ring + stages <= compiled["shared"] <= MAX_SHARED
     # The MMA warpgroups, at 216 registers beside the copy warps, spill some words a tile
     # around the epilogue; the whole-tile epilogue spilled kilobytes a thread.
     assert _spill_bytes(ptx, tmp_path) <= 1024
+
+
+@pytest.mark.parametrize("dtype,k_contiguous,act", _DH_CASES)
+def test_wide_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
+    """The wide dH (``kernels.gluon_dh._dh_wide_kernel``): one copy warpgroup for both
+    operands, the two MMA warpgroups' wgmma 256 columns wide, the ring and the fp32 stage
+    within the block's shared memory, and (almost) no spills."""
+    from moeblaze_ops.kernels import gluon_dh
+
+    compiled = _compile_in_subprocess(_DH_SCRIPT, [True, dtype, k_contiguous, act], tmp_path)
+    ptx = compiled["ptx"]
+    tile, (_, regs) = gluon_dh.WIDE_TILE, gluon_dh.WIDE_PRODUCER
+    _assert_dh_pipeline(ptx, dtype, tile)
+    assert re.search(rf"setmaxnreg\.\w+\.sync\.aligned\.u32\s+{regs}\b", ptx)  # the copy warps' registers
+    ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
+    assert ring + tile.block_m * gluon_dh.PART_COLUMNS * 4 <= compiled["shared"] <= MAX_SHARED
+    # fp16 with an exact GeGLU and N-contiguous weights spills two words around the epilogue.
+    assert _spill_bytes(ptx, tmp_path) <= 64
 
 
 #: Compiles a row GEMM with the activation in its epilogue in a subprocess, for the reason

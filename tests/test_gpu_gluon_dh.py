@@ -1,8 +1,9 @@
-"""The ping-pong Gluon dH kernel (``kernels.gluon_dh``) on the GPU: every gradient of the layer
-against the float64 reference with the kernel in the backward, over the activations, both
-weight layouts, both 16-bit dtypes, ragged, empty and sentinel rows, odd sizes and E=256
-K=8, dH written over h, with a count of its launches so that a test cannot pass on the
-portable kernel alone (``check_backward`` also runs every backward twice and wants the
+"""The Gluon dH kernels (``kernels.gluon_dh``: the ping-pong one, and the wide one that runs
+dH's "dh_wide" kind) on the GPU: every gradient of the layer against the float64 reference
+with the kernel in the backward, over the activations, both weight layouts, both 16-bit
+dtypes, ragged, empty and sentinel rows, odd sizes and E=256 K=8, dH written over h, with
+a record of its launches so that a test cannot pass on the portable kernel or the other
+Gluon one alone (``check_backward`` also runs every backward twice and wants the
 gradients bitwise equal)."""
 
 import pytest
@@ -19,23 +20,28 @@ def _hopper():
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a capability 9 GPU")]
 
 
-@pytest.fixture(autouse=True)
-def gluon_dh():
-    # small_gemm_flop=0: the Gluon kernel runs at these tests' sizes too.
-    with settings.override(poison=True, triton_backward=True, small_gemm_flop=0,
-                           gluon=settings.current().gluon | {"dh"}):
-        yield
+@pytest.fixture(autouse=True, params=["pingpong", "wide"])
+def kernel(request):
+    """Which Gluon dH kernel the test runs: the wide one as the "dh_wide" kind at every
+    width (``dh_wide_min_columns=0``). small_gemm_flop=0: the Gluon kernels run at these
+    tests' sizes too."""
+    wide = request.param == "wide"
+    gluon = settings.current().gluon | {"dh", "dh_wide"}
+    with settings.override(poison=True, triton_backward=True, small_gemm_flop=0, gluon=gluon,
+                           dh_wide_min_columns=0 if wide else None):
+        yield request.param
 
 
 @pytest.fixture
-def launches(monkeypatch):
-    """How many times the Gluon dH kernel was launched."""
+def launches(monkeypatch, kernel):
+    """How many times the chosen Gluon dH kernel was launched (a launch of the other one fails)."""
     from moeblaze_ops.kernels import gluon_dh
 
     count = [0]
     launch = gluon_dh.launch_dh
 
     def counted(*args, **kwargs):
+        assert kwargs["wide"] == (kernel == "wide")
         count[0] += 1
         return launch(*args, **kwargs)
 
@@ -66,6 +72,7 @@ def test_gluon_dh_backward(activation, layout, dtype, fast, seed, launches):
     (777, 512, 208, 8, 2, "uniform", 0.0),  # a partial last tile: one half inside I, one past it
     (777, 512, 176, 8, 2, "uniform", 0.0),  # a partial last tile: both halves partly inside I
     (4096, 1024, 512, 4, 2, "uniform", 0.0),  # many tiles per program: both warpgroups take turns
+    (4096, 512, 320, 4, 2, "uniform", 0.0),  # the wide kernel: a last tile of one part inside I
 ])
 def test_gluon_dh_routings_and_sizes(L, d, I, E, K, routing, sentinel_frac, seed, launches):
     check_backward(L, d, I, E, K, dtype=torch.bfloat16, device="cuda", seed=seed, routing=routing,

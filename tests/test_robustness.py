@@ -358,11 +358,11 @@ def test_dh_tile_by_layer_width(monkeypatch):
 
 
 def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
-    """Where ``settings.gluon`` names "dh" (the default) and the Gluon kernel applies, below
-    ``settings.dh_wide_min_columns``, ``launch_dh`` hands it the operands, the "dh" tile
-    override (else its own tile) and the row band, and the router partials are sized by its
-    columns per partial; where it does not apply or is not named, or the layer is that wide,
-    by the tl kernel's tile. The Gluon module is a stand-in that records its launch (no GPU)."""
+    """Where ``settings.gluon`` names dH's kind ("dh", or "dh_wide" from
+    ``settings.dh_wide_min_columns``) and the Gluon kernel applies, ``launch_dh`` hands it
+    the operands, which kernel (``wide``), the kind's tile override (else None: its own
+    tile) and the row band, and the router partials are sized by its columns per partial;
+    where it does not apply or the kind is not named, by the tl kernel's tile. The Gluon module is a stand-in that records its launch (no GPU)."""
     from types import SimpleNamespace
 
     from moeblaze_ops.kernels import grouped_gemm as gg
@@ -385,11 +385,14 @@ def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
     assert tl_columns != 64
     with settings.override(gluon=settings.current().gluon - {"dh"}):
         assert part_columns() == tl_columns
-    with settings.override(dh_wide_min_columns=I):
+    with settings.override(dh_wide_min_columns=I, gluon=settings.current().gluon - {"dh_wide"}):
         assert part_columns() == tb.dh_tile(h, I).block_n
         with settings.override(tiles={"dh": settings.GemmTile(128, 128, 64, 4, 4)}):  # a "dh" override: every width
             assert part_columns() == 64
+    with settings.override(dh_wide_min_columns=I, gluon=settings.current().gluon | {"dh_wide"}):
+        assert part_columns() == 64  # the wide Gluon kernel
     tuned = settings.GemmTile(128, 128, 64, 4, 5)
+    tuned_wide = settings.GemmTile(128, 256, 64, 8, 3)
     assert "dh" in settings.current().gluon
     with settings.override(row_band=3, dh_wide_min_columns=I + 1):
         assert part_columns() == 64
@@ -400,9 +403,13 @@ def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
         tb.launch_dh(*args, act=0, transposed=False, interleaved=False, alpha=1.0, limit=7.0)
         with settings.override(tiles={"dh": tuned}):
             tb.launch_dh(*args, act=0, transposed=False, interleaved=False, alpha=1.0, limit=7.0)
+        with settings.override(dh_wide_min_columns=I, tiles={"dh_wide": tuned_wide}):  # the wide kernel
+            tb.launch_dh(*args, act=0, transposed=False, interleaved=False, alpha=1.0, limit=7.0)
         fake.applies = lambda *a: False
         assert part_columns() == tl_columns
-    assert [kwargs["tile"] for _, kwargs in launches] == [fake.TILE, tuned]
+    # No override: the module's own tile (None).
+    assert [(kwargs["wide"], kwargs["tile"]) for _, kwargs in launches] == [(False, None), (False, tuned),
+                                                                             (True, tuned_wide)]
     assert all(kwargs["band"] == 3 and args[9] is parts for args, kwargs in launches)
 
 

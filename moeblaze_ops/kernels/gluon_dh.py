@@ -26,6 +26,8 @@ not gated, and the layer has no down bias; everything else takes the portable ke
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -36,7 +38,7 @@ from ..settings import GemmTile
 from . import grouped_gemm as gg
 from . import triton_activations as acts
 from .gluon_common import cta_barrier, host_descriptor, on_hopper, slot_barriers, wgmma_acc_layout
-from .gluon_row_gemm import _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
+from .gluon_row_gemm import PRODUCER_GATHER, _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
 from .gluon_row_gemm import applies as row_gemm_applies
 from .launch import launch
 from .triton_combine import row_combine_weights
@@ -57,6 +59,13 @@ TILE = GemmTile(128, 128, 64, 4, 4)
 PRODUCER = (4, 56)
 B_PRODUCER_REGS = 24
 MMA_REGS = 216
+#: The wide kernel's tile: 128 x 256 outputs on two MMA warpgroups (one 256-wide wgmma
+#: each), 64 of K per step, 4 slots of 48 KB; with its 32 KB stage, 225 of the 227 KB.
+WIDE_TILE = GemmTile(128, 256, 64, 8, 4)
+#: Its copy warpgroup, both operands from one partition: 12 warps in all, as in the row
+#: GEMM (with a copy partition for each, 16 warps launch with 128 registers a thread,
+#: fewer than the 256-wide wgmma takes).
+WIDE_PRODUCER = PRODUCER_GATHER
 
 
 @gluon.constexpr_function
@@ -83,22 +92,72 @@ def _h_chunk(h_ptr, grp, rows, row_end, n0, E, I, stride_hm, ACT: gl.constexpr, 
 
 
 @gluon.jit
+def _dh_tile_epilogue(acc, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr, wact_ptr,
+                      part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
+                      K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr,
+                      WARPS: gl.constexpr):
+    """The epilogue of one [BLOCK_M, BLOCK_N] tile ``acc`` (dL/da / w) at rows ``row0 ..``
+    of group ``grp`` and activation columns ``n0 ..``, by the ``WARPS`` warps that hold it:
+    ``dh_outputs`` over parts of ``PART_COLUMNS`` columns, each staged in ``stage``
+    ([BLOCK_M, PART_COLUMNS] fp32) and taken ``CHUNK`` rows at a time, the next chunk's h
+    loads in flight while one is computed; one router partial per row and part. The
+    sentinel group's rows get zeros."""
+    PARTS: gl.constexpr = BLOCK_N // PART_COLUMNS
+    CHUNKS: gl.constexpr = BLOCK_M // CHUNK
+    layout: gl.constexpr = _chunk_layout(PART_COLUMNS, WARPS)
+    row_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    rows = row0 + gl.arange(0, CHUNK, layout=row_layout)
+    hg, hu = _h_chunk(h_ptr, grp, rows, row_end, n0, E, I, stride_hm, ACT, PART_COLUMNS, layout)
+    tile_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    real = (tile_rows < row_end) & (grp < E)
+    tok = gl.load(eti_ptr + tile_rows, mask=real, other=0).to(gl.int64)
+    cta_barrier()  # the warps are done reading the last tile's weights
+    weights.store(row_combine_weights(tw_ptr, tim_ptr, tok, tile_rows, real, stride_tw0, stride_tw1, K))
+    # The accumulator leaves the registers a part at a time and comes back CHUNK rows at a
+    # time: a whole tile in registers leaves too few of them for the epilogue's
+    # temporaries.
+    for part in gl.static_range(PARTS):
+        cta_barrier()  # the warps are done reading the stage
+        stage.store(_column_slice(acc, part, PARTS, BLOCK_M, BLOCK_N))
+        cta_barrier()
+        cols0 = n0 + part * PART_COLUMNS
+        for c in gl.static_range(CHUNKS):
+            if c + 1 < CHUNKS:
+                next_rows = rows + CHUNK
+                next_cols0 = cols0
+            else:  # the next part's first chunk
+                next_rows = row0 + gl.arange(0, CHUNK, layout=row_layout)
+                next_cols0 = cols0 + PART_COLUMNS
+            if c + 1 < CHUNKS or part + 1 < PARTS:
+                next_hg, next_hu = _h_chunk(h_ptr, grp, next_rows, row_end, next_cols0, E, I, stride_hm, ACT,
+                                            PART_COLUMNS, layout)
+            g = stage.slice(c * CHUNK, CHUNK, dim=0).load(layout)
+            w = weights.slice(c * CHUNK, CHUNK).load(row_layout)
+            cols = cols0 + gl.arange(0, PART_COLUMNS, layout=gl.SliceLayout(0, layout))
+            partial = dh_outputs(g, w[:, None], hg, hu, rows, rows < row_end, cols, cols < I, cols0, I, dh_ptr,
+                                 wact_ptr, stride_dhm, stride_wam, alpha, limit, ACT, False, WRITE_WACT, FAST_ACT,
+                                 PART_COLUMNS)
+            gl.store(part_ptr + rows.to(gl.int64) * n_parts + cols0 // PART_COLUMNS, partial,
+                     mask=(rows < row_end) & (cols0 < I))
+            if c + 1 < CHUNKS or part + 1 < PARTS:
+                rows = next_rows
+                hg = next_hg
+                hu = next_hu
+
+
+@gluon.jit
 def _dh_mma_warpgroup(a_ring, b_ring, ready, empty, handoff, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
                       offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_hm,
                       stride_dhm, stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr,
                       WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
                       GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      BLOCK_K: gl.constexpr, CHUNK: gl.constexpr, TURN: gl.constexpr, WARPS: gl.constexpr):
+                      BLOCK_K: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, TURN: gl.constexpr,
+                      WARPS: gl.constexpr):
     """One MMA warpgroup: the program's tiles of its ``TURN`` (every other one), each
-    multiplied on the shared ring, then taken through the epilogue a column half at a time
-    (staged in ``stage``, fp32) and ``CHUNK`` rows at a time, the next chunk's h loads in
-    flight while one is computed; the other turn's tiles only move its count of ring steps
-    on. The router partials are per half (64 columns)."""
+    multiplied on the shared ring, then taken through ``_dh_tile_epilogue``; the other
+    turn's tiles only move its count of ring steps on."""
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, WARPS)
-    HALF: gl.constexpr = BLOCK_N // 2
-    CHUNKS: gl.constexpr = BLOCK_M // CHUNK
-    layout: gl.constexpr = _chunk_layout(HALF, WARPS)
-    row_layout: gl.constexpr = gl.SliceLayout(1, layout)
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, I, D, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, WARPS)
     step = 0
     turn = 0
@@ -117,43 +176,10 @@ def _dh_mma_warpgroup(a_ring, b_ring, ready, empty, handoff, stage, weights, h_p
                                           BLOCK_N, BLOCK_K, True)
             mbarrier.arrive(handoff.index(1 - TURN))
             # Everything below waits on memory; the other warpgroup's MMAs run meanwhile.
-            rows = row0 + gl.arange(0, CHUNK, layout=row_layout)
-            hg, hu = _h_chunk(h_ptr, grp, rows, row_end, n0, E, I, stride_hm, ACT, HALF, layout)
-            tile_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-            real = (tile_rows < row_end) & (grp < E)
-            tok = gl.load(eti_ptr + tile_rows, mask=real, other=0).to(gl.int64)
-            cta_barrier()  # the warpgroup is done reading the last tile's weights
-            weights.store(row_combine_weights(tw_ptr, tim_ptr, tok, tile_rows, real, stride_tw0, stride_tw1, K))
-            # The accumulator leaves the registers a half at a time and comes back CHUNK
-            # rows at a time: a whole tile per warpgroup leaves too few registers for the
-            # epilogue's temporaries over 64 of its elements per thread.
-            for half in gl.static_range(2):
-                cta_barrier()  # the warpgroup is done reading the stage
-                stage.store(_column_slice(acc, half, 2, BLOCK_M, BLOCK_N))
-                cta_barrier()
-                for c in gl.static_range(CHUNKS):
-                    cols0 = n0 + half * HALF
-                    if c + 1 < CHUNKS:
-                        next_rows = rows + CHUNK
-                        next_cols0 = cols0
-                    else:  # the next half's first chunk
-                        next_rows = row0 + gl.arange(0, CHUNK, layout=row_layout)
-                        next_cols0 = cols0 + HALF
-                    if c + 1 < CHUNKS or half == 0:
-                        next_hg, next_hu = _h_chunk(h_ptr, grp, next_rows, row_end, next_cols0, E, I, stride_hm, ACT,
-                                                    HALF, layout)
-                    g = stage.slice(c * CHUNK, CHUNK, dim=0).load(layout)
-                    w = weights.slice(c * CHUNK, CHUNK).load(row_layout)
-                    cols = cols0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-                    part = dh_outputs(g, w[:, None], hg, hu, rows, rows < row_end, cols, cols < I, cols0, I, dh_ptr,
-                                      wact_ptr, stride_dhm, stride_wam, alpha, limit, ACT, False, WRITE_WACT, FAST_ACT,
-                                      HALF)
-                    gl.store(part_ptr + rows.to(gl.int64) * n_parts + cols0 // HALF, part,
-                             mask=(rows < row_end) & (cols0 < I))
-                    if c + 1 < CHUNKS or half == 0:
-                        rows = next_rows
-                        hg = next_hg
-                        hu = next_hu
+            _dh_tile_epilogue(acc, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr,
+                              wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam,
+                              stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, BLOCK_M, BLOCK_N, PART_COLUMNS, CHUNK,
+                              WARPS)
         elif grp < E:
             step += k_steps
         turn = 1 - turn
@@ -166,8 +192,8 @@ def _dh_pingpong_kernel(
     stride_gm, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
     K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
     GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CHUNK: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    B_PRODUCER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
+    NUM_STAGES: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, B_PRODUCER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Two MMA warpgroups of ``num_warps`` warps (this function's own and a worker) on
     alternate tiles, and ``PRODUCER_WARPS`` copy warps: the output-gradient rows gathered
@@ -180,7 +206,7 @@ def _dh_pingpong_kernel(
     b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
     # 16-byte groups swizzled by row: the accumulator's stores (2 elements a thread, 8 rows
     # a warp) and the chunks' loads (8 a thread along a row) both spread over the banks.
-    stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, BLOCK_N // 2],
+    stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, PART_COLUMNS],
                                       gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
     weights = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     # Every gathering thread arrives once its copies land, the TMA warp once with the bytes it expects.
@@ -195,12 +221,12 @@ def _dh_pingpong_kernel(
         (_dh_mma_warpgroup, (a_ring, b_ring, ready, empty, handoff, stage.index(0), weights.index(0),
                              h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I,
                              alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
-                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, 0,
+                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, 0,
                              num_warps)),
         (_dh_mma_warpgroup, (a_ring, b_ring, ready, empty, handoff, stage.index(1), weights.index(1),
                              h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I,
                              alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
-                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, 1,
+                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, 1,
                              num_warps)),
         (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, ready, ready, empty, LK, E, I, D,
                         stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS, True, False,
@@ -208,6 +234,68 @@ def _dh_pingpong_kernel(
         (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, ready, ready, empty, LK, E, I, D,
                         stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, 1, False, True)),
     ], [num_warps, PRODUCER_WARPS, 1], [MMA_REGS, PRODUCER_REGS, B_PRODUCER_REGS])
+
+
+@gluon.jit
+def _dh_wide_consumer(a_ring, b_ring, a_ready, b_ready, empty, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
+                      offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_hm,
+                      stride_dhm, stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr,
+                      WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
+                      BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                      PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr):
+    """The wide kernel's MMA warps: each of the program's tiles multiplied on the ring by
+    both warpgroups at once (``ws_tile_steps``), then ``_dh_tile_epilogue``, while the copy
+    warps fill the ring with the next tile's first steps."""
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
+    tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, I, D, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
+                                                  num_warps)
+    step = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        if grp < E:  # the sentinel tiles: zeros everywhere
+            acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, True, W_KMAJOR,
+                                      BLOCK_N, BLOCK_K)
+        _dh_tile_epilogue(acc, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr,
+                          wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam,
+                          stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, BLOCK_M, BLOCK_N, PART_COLUMNS, CHUNK,
+                          num_warps)
+
+
+@gluon.jit
+def _dh_wide_kernel(
+    go_ptr, w_desc, h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr,
+    LK, E, D, I, alpha, limit, n_parts,
+    stride_gm, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
+    K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
+    GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    NUM_STAGES: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
+):
+    """dH on one [BLOCK_M, BLOCK_N] tile per program at a time, ``num_warps`` MMA warps (two
+    warpgroups, one wgmma BLOCK_N wide each) that also run the epilogue, and a copy
+    warpgroup of ``PRODUCER_WARPS`` that gathers the output-gradient rows by cp.async and
+    issues W_down's TMA: the row GEMM's warp-specialised pipeline
+    (``gluon_row_gemm._row_gemm_ws_kernel``) with dH's epilogue."""
+    dtype: gl.constexpr = go_ptr.dtype.element_ty
+    a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
+    b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
+    stage = gl.allocate_shared_memory(gl.float32, [BLOCK_M, PART_COLUMNS],
+                                      gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
+    weights = gl.allocate_shared_memory(gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    a_ready = slot_barriers(NUM_STAGES, PRODUCER_WARPS * 32)
+    b_ready = slot_barriers(NUM_STAGES, 1)
+    empty = slot_barriers(NUM_STAGES, 1)
+    gl.warp_specialize([
+        (_dh_wide_consumer, (a_ring, b_ring, a_ready, b_ready, empty, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
+                             offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_hm,
+                             stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, W_KMAJOR,
+                             GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, num_warps)),
+        (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, I, D,
+                        stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS, True, True,
+                        A_OFFSETS_32)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 def applies(grad_out: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor, transposed: bool, gated: bool,
@@ -221,12 +309,21 @@ def applies(grad_out: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor, trans
 
 
 def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact, parts, *, act, transposed, alpha,
-              limit, fast_activation: bool, band: int, tile: GemmTile = TILE):
-    """``triton_experts_backward.launch_dh`` without a bias, on this kernel: dH into
+              limit, fast_activation: bool, band: int, wide: bool = False, tile: Optional[GemmTile] = None):
+    """``triton_experts_backward.launch_dh`` without a bias, on this module's kernels: dH into
     ``grad_h`` (which may be ``h``), ``wact`` = w * act(h) unless None, the router
-    partials into ``parts`` ([L*K, cdiv(I, PART_COLUMNS)]); ``tile`` is each MMA
-    warpgroup's (M, N, K block, warps, stages)."""
-    if tile.num_warps != 4 or tile.block_m % CHUNK or tile.block_n != 2 * PART_COLUMNS or tile.num_stages < 2:
+    partials into ``parts`` ([L*K, cdiv(I, PART_COLUMNS)]). ``wide`` picks
+    ``_dh_wide_kernel``, whose ``tile`` (``WIDE_TILE`` by default) is the program's, else
+    the ping-pong kernel, whose ``tile`` (``TILE``) is each MMA warpgroup's: (M, N, K
+    block, warps, stages)."""
+    tile = tile or (WIDE_TILE if wide else TILE)
+    if wide:
+        parts_of_tile = tile.block_n // PART_COLUMNS
+        if (tile.num_warps not in (4, 8) or tile.block_m != 16 * tile.num_warps or tile.block_m % CHUNK
+                or tile.block_n % PART_COLUMNS or parts_of_tile not in (1, 2, 4) or tile.num_stages < 2):
+            raise ValueError(f"moeblaze gluon dH: the wide kernel's tile is 4 or 8 warps over 16 rows each, 1, 2 or 4 "
+                             f"parts of {PART_COLUMNS} columns, at least 2 stages, got {tile}")
+    elif tile.num_warps != 4 or tile.block_m % CHUNK or tile.block_n != 2 * PART_COLUMNS or tile.num_stages < 2:
         raise ValueError(f"moeblaze gluon dH: each MMA warpgroup is 4 warps over a multiple of {CHUNK} rows and "
                          f"{2 * PART_COLUMNS} columns, with at least 2 stages, got {tile}")
     LK = h.shape[0]
@@ -237,16 +334,21 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
     view, kmajor = _weight_view(w_down, not transposed)
     w_desc = host_descriptor(view, [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n])
     max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(I, tile.block_n)
-    warps, regs = PRODUCER
+    if wide:
+        kernel, (warps, regs) = _dh_wide_kernel, WIDE_PRODUCER
+        registers = {}
+    else:
+        kernel, (warps, regs) = _dh_pingpong_kernel, PRODUCER
+        registers = dict(B_PRODUCER_REGS=B_PRODUCER_REGS, MMA_REGS=MMA_REGS)
     launch(
-        _dh_pingpong_kernel, (gg.num_programs(h.device, max_tiles),),
+        kernel, (gg.num_programs(h.device, max_tiles),),
         grad_out, w_desc, h, eti, topk_weights, tim, offsets, grad_h, wact, parts,
         LK, E, d, I, float(alpha), float(limit), parts.shape[1],
         grad_out.stride(0), h.stride(0), grad_h.stride(0), wact.stride(0) if wact is not None else 0,
         topk_weights.stride(0), topk_weights.stride(1),
         K=topk_weights.shape[1], ACT=act, WRITE_WACT=wact is not None, FAST_ACT=fast_activation, W_KMAJOR=kmajor,
         GROUPS=gg.next_power_of_2(E + 1), BAND=band, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, CHUNK=CHUNK, PRODUCER_WARPS=warps, PRODUCER_REGS=regs,
-        B_PRODUCER_REGS=B_PRODUCER_REGS, MMA_REGS=MMA_REGS, A_OFFSETS_32=grad_out.numel() < 2**31,
-        num_warps=tile.num_warps,
+        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PART_COLUMNS=PART_COLUMNS, CHUNK=CHUNK,
+        PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=grad_out.numel() < 2**31, num_warps=tile.num_warps,
+        **registers,
     )
