@@ -54,11 +54,11 @@ __all__ = [
 ]
 
 #: The GEMMs of the layer: the forward up and down projections, the backward's dH
-#: (activation gradient; "dh_wide" is dH with a tile of its own for wide layers,
+#: (activation gradient; "dh_wide" is dH on the `tl` kernel with a tile of its own for wide layers,
 #: ``KernelSettings.dh_wide_min_columns``), dX rows, and the two weight gradients.
 GEMM_KINDS = ("up", "down", "dh", "dh_wide", "dx", "wgrad_down", "wgrad_up")
 #: The kinds that have a Gluon kernel for Hopper besides their ``tl`` one.
-GLUON_KINDS = ("up", "down", "dh", "dh_wide", "dx", "wgrad_down", "wgrad_up")
+GLUON_KINDS = ("up", "down", "dh", "dx", "wgrad_down", "wgrad_up")
 #: The parts of the backward that compiled graphs can run as Inductor templates.
 BACKWARD_TEMPLATE_KINDS = ("dx",)
 
@@ -123,10 +123,9 @@ class KernelSettings:
             they can ("up", "dh", "dx" have the option).
         gluon: the GEMM kinds (of ``GLUON_KINDS``) that run their Gluon kernel, an
             asynchronous cp.async/TMA and wgmma pipeline for Hopper (``kernels.gluon_wgrad``,
-            ``kernels.gluon_row_gemm``; ``kernels.gluon_dh`` for "dh", two MMA warpgroups
-            taking turns on 128 x 128 tiles, and for "dh_wide", the layers from
-            ``dh_wide_min_columns``, both warpgroups on one 128 x 256 tile; dH without a
-            down bias or an interleaved h), where it applies:
+            ``kernels.gluon_row_gemm``; ``kernels.gluon_dh`` for "dh", without a down
+            bias or an interleaved h, its kernel picked by ``dh_gluon_wide_min_rows``),
+            where it applies:
             16-bit CUDA tensors on capability 9 with column counts and row strides that are
             multiples of 16. The other kinds, and every other case, run the portable
             ``tl`` kernels; compiled graphs then call the op's kernels where a Gluon one
@@ -187,8 +186,16 @@ class KernelSettings:
             ``block_n`` columns takes ``block_n // dh_epilogue_columns`` slices, at most
             4, at least 1. None: the whole tile at once. The default is chosen by
             measurement (docs/perf-notes.md).
-        dh_wide_min_columns: dH of layers with at least this many intermediate columns
-            (I) runs the "dh_wide" tile of the table instead of the "dh" one; None: never.
+        dh_gluon_wide_min_rows: where dH runs on Gluon (``gluon``), the average routed
+            rows per expert (L*K / E) from which it runs the wide kernel (both MMA
+            warpgroups on one 128 x 256 tile, ``gluon_dh._dh_wide_kernel``) rather than
+            the ping-pong one (two warpgroups taking turns on 128 x 128 tiles); None:
+            never. A "dh" tile in ``tiles`` is the kernel's (8 warps for the wide one, 4
+            a warpgroup for the ping-pong). The default is chosen by measurement
+            (docs/perf-notes.md).
+        dh_wide_min_columns: dH on the ``tl`` kernel, of layers with at least this many
+            intermediate columns (I), runs the "dh_wide" tile of the table instead of
+            the "dh" one; None: never.
             A ``tiles`` override of "dh" without one of "dh_wide" applies at every width.
             The default is chosen by measurement (docs/perf-notes.md).
         column_slab: width of the column slabs in which the [L*K, d] scratch (expert
@@ -233,6 +240,7 @@ class KernelSettings:
     fast_activation: bool = True
     dh_fast_activation: bool = True
     dh_epilogue_columns: Optional[int] = 64
+    dh_gluon_wide_min_rows: Optional[int] = 1024
     dh_wide_min_columns: Optional[int] = 12288
     column_slab: Optional[int] = 512
     dispatch_sorted_min_bins: Optional[int] = 16
@@ -271,6 +279,9 @@ class KernelSettings:
                                  f"got {sorted(rows)}")
             if not all(isinstance(n, int) and n >= 0 for n in rows.values()):
                 raise ValueError(f"moeblaze settings: {name} maps kinds to rows per expert (ints >= 0), got {rows}")
+        rows = self.dh_gluon_wide_min_rows
+        if rows is not None and not (isinstance(rows, int) and rows >= 0):
+            raise ValueError(f"moeblaze settings: dh_gluon_wide_min_rows must be None or an int >= 0, got {rows!r}")
         columns = self.dh_epilogue_columns
         if columns is not None and not (isinstance(columns, int) and columns >= 1 and columns & (columns - 1) == 0):
             raise ValueError(f"moeblaze settings: dh_epilogue_columns must be None or a power of two, got {columns!r}")

@@ -89,13 +89,12 @@ def variants(kind, a):
         # dh_wide_min_columns=None: every width takes the "dh" tile, which --tiles sets.
         # dh_gluon=1: the ping-pong Gluon kernel, whose MMA warpgroups take 4-warp tiles
         # (the 8-warp ones fail there and say so); dh_gluon=2: the wide Gluon kernel
-        # (8-warp tiles of 16 rows a warp), as the "dh_wide" kind at every width; the
-        # weight TMA and the columns are the tl kernel's.
-        gluon = settings.current().gluon - {"dh", "dh_wide"}
+        # (8-warp tiles of 16 rows a warp); the weight TMA and the columns are the tl kernel's.
+        gluon = settings.current().gluon - {"dh"}
         return [(f"gluon={g} w_tma={v} fast={f} band={b} epilogue_columns={c}",
                  dict(weight_tma=w_tma(v), dh_fast_activation=bool(f), row_band=b, dh_epilogue_columns=c,
-                      dh_wide_min_columns=0 if g == 2 else None, small_gemm_flop=0,
-                      gluon=gluon | ({"dh"} if g == 1 else {"dh_wide"} if g == 2 else set())))
+                      dh_wide_min_columns=None, dh_gluon_wide_min_rows=0 if g == 2 else None, small_gemm_flop=0,
+                      gluon=gluon | ({"dh"} if g else set())))
                 for g in a.dh_gluon for v in (a.w_tma if not g else [1]) for f in a.dh_fast for b in a.row_band
                 for c in (a.dh_columns if not g else [None])]
     if kind == "dx":
@@ -157,9 +156,7 @@ def main():
             for tile, (variant, changes) in [(t, v) for t in tiles for v in variants(kind, a)]:
                 label = f"  {kind:10s} tile={tile} {variant}"
                 try:
-                    # A wide dH (dh_wide_min_columns=0) takes the "dh_wide" kind's tile.
-                    tile_kind = "dh_wide" if kind == "dh" and changes.get("dh_wide_min_columns") == 0 else kind
-                    with settings.override(tiles={tile_kind: GemmTile(*tile)}, **changes):
+                    with settings.override(tiles={kind: GemmTile(*tile)}, **changes):
                         ms = bench(fn)
                     print(f"{label}: {ms:7.3f} ms {flops / ms / 1e9:4.0f} TFLOP/s", flush=True)
                 except Exception as e:  # out of shared memory etc.

@@ -1,5 +1,4 @@
-"""The Gluon dH kernels (``kernels.gluon_dh``: the ping-pong one, and the wide one that runs
-dH's "dh_wide" kind) on the GPU: every gradient of the layer against the float64 reference
+"""The Gluon dH kernels (``kernels.gluon_dh``: the ping-pong one and the wide one) on the GPU: every gradient of the layer against the float64 reference
 with the kernel in the backward, over the activations, both weight layouts, both 16-bit
 dtypes, ragged, empty and sentinel rows, odd sizes and E=256 K=8, dH written over h, with
 a record of its launches so that a test cannot pass on the portable kernel or the other
@@ -22,13 +21,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a
 
 @pytest.fixture(autouse=True, params=["pingpong", "wide"])
 def kernel(request):
-    """Which Gluon dH kernel the test runs: the wide one as the "dh_wide" kind at every
-    width (``dh_wide_min_columns=0``). small_gemm_flop=0: the Gluon kernels run at these
-    tests' sizes too."""
+    """Which Gluon dH kernel the test runs (the wide one from 0 rows per expert, or
+    never). small_gemm_flop=0: the Gluon kernels run at these tests' sizes too."""
     wide = request.param == "wide"
-    gluon = settings.current().gluon | {"dh", "dh_wide"}
-    with settings.override(poison=True, triton_backward=True, small_gemm_flop=0, gluon=gluon,
-                           dh_wide_min_columns=0 if wide else None):
+    with settings.override(poison=True, triton_backward=True, small_gemm_flop=0,
+                           gluon=settings.current().gluon | {"dh"}, dh_gluon_wide_min_rows=0 if wide else None):
         yield request.param
 
 

@@ -358,18 +358,19 @@ def test_dh_tile_by_layer_width(monkeypatch):
 
 
 def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
-    """Where ``settings.gluon`` names dH's kind ("dh", or "dh_wide" from
-    ``settings.dh_wide_min_columns``) and the Gluon kernel applies, ``launch_dh`` hands it
-    the operands, which kernel (``wide``), the kind's tile override (else None: its own
-    tile) and the row band, and the router partials are sized by its columns per partial;
-    where it does not apply or the kind is not named, by the tl kernel's tile. The Gluon module is a stand-in that records its launch (no GPU)."""
+    """Where ``settings.gluon`` names "dh" (the default) and the Gluon module applies (at
+    any width), ``launch_dh`` hands it the operands, which of its kernels runs (the wide
+    one from ``settings.dh_gluon_wide_min_rows`` routed rows per expert), the "dh" tile
+    override (else None: the kernel's own) and the row band, and the router partials are
+    sized by its columns per partial; where it does not apply or is not named, by the tl
+    kernel's tile. The Gluon module is a stand-in that records its launch (no GPU)."""
     from types import SimpleNamespace
 
     from moeblaze_ops.kernels import grouped_gemm as gg
     from moeblaze_ops.kernels import triton_experts_backward as tb
 
     launches = []
-    fake = SimpleNamespace(PART_COLUMNS=64, TILE=settings.GemmTile(128, 128, 64, 4, 4), applies=lambda *a: True,
+    fake = SimpleNamespace(PART_COLUMNS=64, applies=lambda *a: True,
                            launch_dh=lambda *args, **kwargs: launches.append((args, kwargs)))
     monkeypatch.setattr(gg, "gluon_kernels", lambda kind, t, flop: fake if kind in settings.current().gluon else None)
     L, d, I, E, K = 6, 32, 320, 4, 2
@@ -385,31 +386,25 @@ def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
     assert tl_columns != 64
     with settings.override(gluon=settings.current().gluon - {"dh"}):
         assert part_columns() == tl_columns
-    with settings.override(dh_wide_min_columns=I, gluon=settings.current().gluon - {"dh_wide"}):
-        assert part_columns() == tb.dh_tile(h, I).block_n
-        with settings.override(tiles={"dh": settings.GemmTile(128, 128, 64, 4, 4)}):  # a "dh" override: every width
-            assert part_columns() == 64
-    with settings.override(dh_wide_min_columns=I, gluon=settings.current().gluon | {"dh_wide"}):
-        assert part_columns() == 64  # the wide Gluon kernel
+    with settings.override(dh_wide_min_columns=I):  # a wide layer: the Gluon kernels too
+        assert part_columns() == 64
     tuned = settings.GemmTile(128, 128, 64, 4, 5)
-    tuned_wide = settings.GemmTile(128, 256, 64, 8, 3)
     assert "dh" in settings.current().gluon
-    with settings.override(row_band=3, dh_wide_min_columns=I + 1):
+    rows_per_expert = L * K // E  # 3
+    with settings.override(row_band=3):
         assert part_columns() == 64
         gluon = tb.dh_gluon_module(grad_out, h, w_down, **operands)
         assert gluon is fake
         parts = torch.empty(L * K, gg.cdiv(I, 64))
         args = (gluon, grad_out, h, w_down, None, torch.rand(L, K), None, None, None, h, None, parts, None)
-        tb.launch_dh(*args, act=0, transposed=False, interleaved=False, alpha=1.0, limit=7.0)
-        with settings.override(tiles={"dh": tuned}):
-            tb.launch_dh(*args, act=0, transposed=False, interleaved=False, alpha=1.0, limit=7.0)
-        with settings.override(dh_wide_min_columns=I, tiles={"dh_wide": tuned_wide}):  # the wide kernel
-            tb.launch_dh(*args, act=0, transposed=False, interleaved=False, alpha=1.0, limit=7.0)
+        for wide_from, tiles in [(rows_per_expert + 1, {}), (rows_per_expert + 1, {"dh": tuned}),
+                                 (rows_per_expert, {}), (None, {})]:
+            with settings.override(dh_gluon_wide_min_rows=wide_from, tiles=tiles):
+                tb.launch_dh(*args, act=0, transposed=False, interleaved=False, alpha=1.0, limit=7.0)
         fake.applies = lambda *a: False
         assert part_columns() == tl_columns
-    # No override: the module's own tile (None).
     assert [(kwargs["wide"], kwargs["tile"]) for _, kwargs in launches] == [(False, None), (False, tuned),
-                                                                             (True, tuned_wide)]
+                                                                             (True, None), (False, None)]
     assert all(kwargs["band"] == 3 and args[9] is parts for args, kwargs in launches)
 
 

@@ -44,8 +44,13 @@ from .launch import launch
 from .triton_combine import row_combine_weights
 from .triton_experts_backward import _column_slice, dh_outputs
 
-#: Rows of an epilogue chunk (16 of the accumulator's elements a thread).
+#: Rows of an epilogue chunk: the ping-pong kernel's (16 of the accumulator's elements a
+#: thread) and the wide kernel's (8 a thread; 64 rows spilled and measured slower).
 CHUNK = 32
+WIDE_CHUNK = 32
+#: How many chunks ahead of the one computed the epilogue's h loads are issued, in each kernel.
+H_AHEAD = 1
+WIDE_H_AHEAD = 2
 #: Columns of each router partial: a column half of a tile, which the epilogue stages at once.
 PART_COLUMNS = 64
 #: Each MMA warpgroup's tile: 128 x 128 outputs (4 warps, the wgmma run twice over 64
@@ -92,23 +97,40 @@ def _h_chunk(h_ptr, grp, rows, row_end, n0, E, I, stride_hm, ACT: gl.constexpr, 
 
 
 @gluon.jit
-def _dh_tile_epilogue(acc, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr, wact_ptr,
-                      part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
+def _tile_h_chunk(h_ptr, grp, row0, row_end, n0, E, I, stride_hm, j: gl.constexpr, ACT: gl.constexpr,
+                  PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, WARPS: gl.constexpr):
+    """The h tiles of chunk ``j`` of a tile's epilogue (``_dh_tile_epilogue``: parts of
+    PART_COLUMNS columns, each CHUNK rows at a time). A kernel may load the first one
+    before the tile's reduction, to have it in registers when the epilogue starts."""
+    CHUNKS: gl.constexpr = BLOCK_M // CHUNK
+    layout: gl.constexpr = _chunk_layout(PART_COLUMNS, WARPS)
+    rows = row0 + (j % CHUNKS) * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+    return _h_chunk(h_ptr, grp, rows, row_end, n0 + (j // CHUNKS) * PART_COLUMNS, E, I, stride_hm, ACT,
+                    PART_COLUMNS, layout)
+
+
+@gluon.jit
+def _dh_tile_epilogue(acc, hg, hu, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr,
+                      wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0,
+                      stride_tw1,
                       K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr,
-                      WARPS: gl.constexpr):
+                      H_AHEAD: gl.constexpr, WARPS: gl.constexpr):
     """The epilogue of one [BLOCK_M, BLOCK_N] tile ``acc`` (dL/da / w) at rows ``row0 ..``
     of group ``grp`` and activation columns ``n0 ..``, by the ``WARPS`` warps that hold it:
     ``dh_outputs`` over parts of ``PART_COLUMNS`` columns, each staged in ``stage``
-    ([BLOCK_M, PART_COLUMNS] fp32) and taken ``CHUNK`` rows at a time, the next chunk's h
-    loads in flight while one is computed; one router partial per row and part. The
-    sentinel group's rows get zeros."""
+    ([BLOCK_M, PART_COLUMNS] fp32) and taken ``CHUNK`` rows at a time, the h loads of the
+    chunk ``H_AHEAD`` (1 or 2) chunks on in flight while one is computed (the first
+    chunk's, ``hg, hu``, from ``_tile_h_chunk``); one router partial per row and part.
+    The sentinel group's rows get zeros."""
     PARTS: gl.constexpr = BLOCK_N // PART_COLUMNS
     CHUNKS: gl.constexpr = BLOCK_M // CHUNK
+    TOTAL: gl.constexpr = PARTS * CHUNKS
     layout: gl.constexpr = _chunk_layout(PART_COLUMNS, WARPS)
     row_layout: gl.constexpr = gl.SliceLayout(1, layout)
-    rows = row0 + gl.arange(0, CHUNK, layout=row_layout)
-    hg, hu = _h_chunk(h_ptr, grp, rows, row_end, n0, E, I, stride_hm, ACT, PART_COLUMNS, layout)
+    if H_AHEAD == 2 and TOTAL > 1:
+        hg1, hu1 = _tile_h_chunk(h_ptr, grp, row0, row_end, n0, E, I, stride_hm, 1, ACT, PART_COLUMNS, CHUNK, BLOCK_M,
+                                 WARPS)
     tile_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
     real = (tile_rows < row_end) & (grp < E)
     tok = gl.load(eti_ptr + tile_rows, mask=real, other=0).to(gl.int64)
@@ -117,31 +139,33 @@ def _dh_tile_epilogue(acc, stage, weights, grp, row0, row_end, n0, h_ptr, eti_pt
     # The accumulator leaves the registers a part at a time and comes back CHUNK rows at a
     # time: a whole tile in registers leaves too few of them for the epilogue's
     # temporaries.
-    for part in gl.static_range(PARTS):
-        cta_barrier()  # the warps are done reading the stage
-        stage.store(_column_slice(acc, part, PARTS, BLOCK_M, BLOCK_N))
-        cta_barrier()
-        cols0 = n0 + part * PART_COLUMNS
-        for c in gl.static_range(CHUNKS):
-            if c + 1 < CHUNKS:
-                next_rows = rows + CHUNK
-                next_cols0 = cols0
-            else:  # the next part's first chunk
-                next_rows = row0 + gl.arange(0, CHUNK, layout=row_layout)
-                next_cols0 = cols0 + PART_COLUMNS
-            if c + 1 < CHUNKS or part + 1 < PARTS:
-                next_hg, next_hu = _h_chunk(h_ptr, grp, next_rows, row_end, next_cols0, E, I, stride_hm, ACT,
-                                            PART_COLUMNS, layout)
-            g = stage.slice(c * CHUNK, CHUNK, dim=0).load(layout)
-            w = weights.slice(c * CHUNK, CHUNK).load(row_layout)
-            cols = cols0 + gl.arange(0, PART_COLUMNS, layout=gl.SliceLayout(0, layout))
-            partial = dh_outputs(g, w[:, None], hg, hu, rows, rows < row_end, cols, cols < I, cols0, I, dh_ptr,
-                                 wact_ptr, stride_dhm, stride_wam, alpha, limit, ACT, False, WRITE_WACT, FAST_ACT,
-                                 PART_COLUMNS)
-            gl.store(part_ptr + rows.to(gl.int64) * n_parts + cols0 // PART_COLUMNS, partial,
-                     mask=(rows < row_end) & (cols0 < I))
-            if c + 1 < CHUNKS or part + 1 < PARTS:
-                rows = next_rows
+    # Chunk j is rows (j % CHUNKS) * CHUNK .. of part j // CHUNKS (constant expressions
+    # written out in place: a constexpr cannot be reassigned in an unrolled loop).
+    for j in gl.static_range(TOTAL):
+        if j % CHUNKS == 0:
+            cta_barrier()  # the warps are done reading the stage
+            stage.store(_column_slice(acc, j // CHUNKS, PARTS, BLOCK_M, BLOCK_N))
+            cta_barrier()
+        if j + H_AHEAD < TOTAL:
+            next_hg, next_hu = _tile_h_chunk(h_ptr, grp, row0, row_end, n0, E, I, stride_hm, j + H_AHEAD, ACT,
+                                             PART_COLUMNS, CHUNK, BLOCK_M, WARPS)
+        rows = row0 + (j % CHUNKS) * CHUNK + gl.arange(0, CHUNK, layout=row_layout)
+        cols0 = n0 + (j // CHUNKS) * PART_COLUMNS
+        g = stage.slice((j % CHUNKS) * CHUNK, CHUNK, dim=0).load(layout)
+        w = weights.slice((j % CHUNKS) * CHUNK, CHUNK).load(row_layout)
+        cols = cols0 + gl.arange(0, PART_COLUMNS, layout=gl.SliceLayout(0, layout))
+        partial = dh_outputs(g, w[:, None], hg, hu, rows, rows < row_end, cols, cols < I, cols0, I, dh_ptr, wact_ptr,
+                             stride_dhm, stride_wam, alpha, limit, ACT, False, WRITE_WACT, FAST_ACT, PART_COLUMNS)
+        gl.store(part_ptr + rows.to(gl.int64) * n_parts + cols0 // PART_COLUMNS, partial,
+                 mask=(rows < row_end) & (cols0 < I))
+        if j + 1 < TOTAL:
+            if H_AHEAD == 2:
+                hg = hg1
+                hu = hu1
+                if j + 2 < TOTAL:
+                    hg1 = next_hg
+                    hu1 = next_hu
+            else:
                 hg = next_hg
                 hu = next_hu
 
@@ -152,8 +176,8 @@ def _dh_mma_warpgroup(a_ring, b_ring, ready, empty, handoff, stage, weights, h_p
                       stride_dhm, stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr,
                       WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
                       GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      BLOCK_K: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, TURN: gl.constexpr,
-                      WARPS: gl.constexpr):
+                      BLOCK_K: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, H_AHEAD: gl.constexpr,
+                      TURN: gl.constexpr, WARPS: gl.constexpr):
     """One MMA warpgroup: the program's tiles of its ``TURN`` (every other one), each
     multiplied on the shared ring, then taken through ``_dh_tile_epilogue``; the other
     turn's tiles only move its count of ring steps on."""
@@ -165,6 +189,9 @@ def _dh_mma_warpgroup(a_ring, b_ring, ready, empty, handoff, stage, weights, h_p
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
         if turn == TURN:
+            # The epilogue's first h chunk, loaded while this warpgroup waits for its turn.
+            hg, hu = _tile_h_chunk(h_ptr, grp, row0, row_end, n0, E, I, stride_hm, 0, ACT, PART_COLUMNS, CHUNK,
+                                   BLOCK_M, WARPS)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
             # The warpgroups' MMAs take turns: this one waits until the other's tile is
             # through the ring. (Waiting for ring slots more than one pass ahead of the
@@ -176,10 +203,10 @@ def _dh_mma_warpgroup(a_ring, b_ring, ready, empty, handoff, stage, weights, h_p
                                           BLOCK_N, BLOCK_K, True)
             mbarrier.arrive(handoff.index(1 - TURN))
             # Everything below waits on memory; the other warpgroup's MMAs run meanwhile.
-            _dh_tile_epilogue(acc, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr,
+            _dh_tile_epilogue(acc, hg, hu, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr,
                               wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam,
                               stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, BLOCK_M, BLOCK_N, PART_COLUMNS, CHUNK,
-                              WARPS)
+                              H_AHEAD, WARPS)
         elif grp < E:
             step += k_steps
         turn = 1 - turn
@@ -192,8 +219,8 @@ def _dh_pingpong_kernel(
     stride_gm, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
     K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
     GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    NUM_STAGES: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, B_PRODUCER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
+    NUM_STAGES: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, H_AHEAD: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, B_PRODUCER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Two MMA warpgroups of ``num_warps`` warps (this function's own and a worker) on
     alternate tiles, and ``PRODUCER_WARPS`` copy warps: the output-gradient rows gathered
@@ -221,12 +248,12 @@ def _dh_pingpong_kernel(
         (_dh_mma_warpgroup, (a_ring, b_ring, ready, empty, handoff, stage.index(0), weights.index(0),
                              h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I,
                              alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
-                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, 0,
+                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, H_AHEAD, 0,
                              num_warps)),
         (_dh_mma_warpgroup, (a_ring, b_ring, ready, empty, handoff, stage.index(1), weights.index(1),
                              h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I,
                              alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
-                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, 1,
+                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, H_AHEAD, 1,
                              num_warps)),
         (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, ready, ready, empty, LK, E, I, D,
                         stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS, True, False,
@@ -242,7 +269,8 @@ def _dh_wide_consumer(a_ring, b_ring, a_ready, b_ready, empty, stage, weights, h
                       stride_dhm, stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr,
                       WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
                       BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr):
+                      PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, H_AHEAD: gl.constexpr,
+                      num_warps: gl.constexpr):
     """The wide kernel's MMA warps: each of the program's tiles multiplied on the ring by
     both warpgroups at once (``ws_tile_steps``), then ``_dh_tile_epilogue``, while the copy
     warps fill the ring with the next tile's first steps."""
@@ -256,10 +284,14 @@ def _dh_wide_consumer(a_ring, b_ring, a_ready, b_ready, empty, stage, weights, h
         if grp < E:  # the sentinel tiles: zeros everywhere
             acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, True, W_KMAJOR,
                                       BLOCK_N, BLOCK_K)
-        _dh_tile_epilogue(acc, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr,
+        # Loaded after the reduction here: before it, as the ping-pong kernel does, measured
+        # no faster (docs/perf-notes.md).
+        hg, hu = _tile_h_chunk(h_ptr, grp, row0, row_end, n0, E, I, stride_hm, 0, ACT, PART_COLUMNS, CHUNK, BLOCK_M,
+                               num_warps)
+        _dh_tile_epilogue(acc, hg, hu, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr,
                           wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam,
                           stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, BLOCK_M, BLOCK_N, PART_COLUMNS, CHUNK,
-                          num_warps)
+                          H_AHEAD, num_warps)
 
 
 @gluon.jit
@@ -269,8 +301,8 @@ def _dh_wide_kernel(
     stride_gm, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
     K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
     GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    NUM_STAGES: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
+    NUM_STAGES: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, H_AHEAD: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
 ):
     """dH on one [BLOCK_M, BLOCK_N] tile per program at a time, ``num_warps`` MMA warps (two
     warpgroups, one wgmma BLOCK_N wide each) that also run the epilogue, and a copy
@@ -291,7 +323,7 @@ def _dh_wide_kernel(
         (_dh_wide_consumer, (a_ring, b_ring, a_ready, b_ready, empty, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
                              offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_hm,
                              stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, W_KMAJOR,
-                             GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, num_warps)),
+                             GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, H_AHEAD, num_warps)),
         (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, I, D,
                         stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS, True, True,
                         A_OFFSETS_32)),
@@ -319,7 +351,7 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
     tile = tile or (WIDE_TILE if wide else TILE)
     if wide:
         parts_of_tile = tile.block_n // PART_COLUMNS
-        if (tile.num_warps not in (4, 8) or tile.block_m != 16 * tile.num_warps or tile.block_m % CHUNK
+        if (tile.num_warps not in (4, 8) or tile.block_m != 16 * tile.num_warps or tile.block_m % WIDE_CHUNK
                 or tile.block_n % PART_COLUMNS or parts_of_tile not in (1, 2, 4) or tile.num_stages < 2):
             raise ValueError(f"moeblaze gluon dH: the wide kernel's tile is 4 or 8 warps over 16 rows each, 1, 2 or 4 "
                              f"parts of {PART_COLUMNS} columns, at least 2 stages, got {tile}")
@@ -335,10 +367,10 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
     w_desc = host_descriptor(view, [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n])
     max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(I, tile.block_n)
     if wide:
-        kernel, (warps, regs) = _dh_wide_kernel, WIDE_PRODUCER
+        kernel, (warps, regs), chunk, ahead = _dh_wide_kernel, WIDE_PRODUCER, WIDE_CHUNK, WIDE_H_AHEAD
         registers = {}
     else:
-        kernel, (warps, regs) = _dh_pingpong_kernel, PRODUCER
+        kernel, (warps, regs), chunk, ahead = _dh_pingpong_kernel, PRODUCER, CHUNK, H_AHEAD
         registers = dict(B_PRODUCER_REGS=B_PRODUCER_REGS, MMA_REGS=MMA_REGS)
     launch(
         kernel, (gg.num_programs(h.device, max_tiles),),
@@ -348,7 +380,7 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
         topk_weights.stride(0), topk_weights.stride(1),
         K=topk_weights.shape[1], ACT=act, WRITE_WACT=wact is not None, FAST_ACT=fast_activation, W_KMAJOR=kmajor,
         GROUPS=gg.next_power_of_2(E + 1), BAND=band, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PART_COLUMNS=PART_COLUMNS, CHUNK=CHUNK,
+        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PART_COLUMNS=PART_COLUMNS, CHUNK=chunk, H_AHEAD=ahead,
         PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=grad_out.numel() < 2**31, num_warps=tile.num_warps,
         **registers,
     )

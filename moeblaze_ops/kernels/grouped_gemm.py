@@ -253,8 +253,7 @@ def launch_row_gemm(kernel, tile: GemmTile, dtype: torch.dtype, device: torch.de
 
 
 #: The module of each GEMM kind's Gluon kernel (``settings.gluon`` names the kinds that run it).
-_GLUON_MODULES = {"up": "gluon_row_gemm", "down": "gluon_row_gemm", "dh": "gluon_dh", "dh_wide": "gluon_dh",
-                  "dx": "gluon_row_gemm",
+_GLUON_MODULES = {"up": "gluon_row_gemm", "down": "gluon_row_gemm", "dh": "gluon_dh", "dx": "gluon_row_gemm",
                   "wgrad_down": "gluon_wgrad", "wgrad_up": "gluon_wgrad"}
 
 

@@ -290,10 +290,10 @@ def _epilogue_slices(block_n, columns):
 
 def dh_gluon_module(grad_out, h, w_down, *, act, transposed, interleaved, has_bias):
     """The kernel dH runs on for these operands: ``kernels.gluon_dh`` where
-    ``settings.gluon`` names dH's kind ("dh_wide" for a wide layer, ``_dh_is_wide``, else
-    "dh") and it applies, else None (``_dh_kernel``, on the kind's ``tl`` tile)."""
+    ``settings.gluon`` names "dh" and it applies, else None (``_dh_kernel``, on
+    ``dh_tile``)."""
     E, d, I = linear_dims(w_down, transposed)
-    gluon = gg.gluon_kernels("dh_wide" if _dh_is_wide(I) else "dh", h, 2 * h.shape[0] * d * I)
+    gluon = gg.gluon_kernels("dh", h, 2 * h.shape[0] * d * I)
     if gluon is None or not gluon.applies(grad_out, h, w_down, transposed, int(act) < acts.NUM_GATED.value, interleaved,
                                           has_bias):
         return None
@@ -312,16 +312,17 @@ def launch_dh(gluon, grad_out, h, w_down, eti, topk_weights, tim, offsets, b_dow
     """dH (into ``grad_h``, which may be ``h``), the router partials (``parts``: [L*K,
     cdiv(I, dh_part_columns)]), and ``wact`` = w * act(h) (the down weight gradient's
     operand) unless it is None. On ``gluon``, the Gluon module ``dh_gluon_module`` picked for
-    these operands (its wide kernel for a wide layer; a tile of dH's kind in
-    ``settings.tiles`` is then the kernel's), or where it is None on ``_dh_kernel``."""
+    these operands (its wide kernel from ``settings.dh_gluon_wide_min_rows`` rows per
+    expert; a "dh" tile in ``settings.tiles`` is then the kernel's), or where it is None on
+    ``_dh_kernel``."""
     E, d, I = linear_dims(w_down, transposed)
     config = settings.current()
     fast = gg.fast_sigmoid(h, config.dh_fast_activation)
     if gluon is not None:
-        wide = _dh_is_wide(I)
+        wide_from = config.dh_gluon_wide_min_rows
         gluon.launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact, parts, act=int(act),
                         transposed=transposed, alpha=alpha, limit=limit, fast_activation=fast, band=config.row_band,
-                        wide=wide, tile=config.tiles.get("dh_wide" if wide else "dh"))
+                        wide=wide_from is not None and h.shape[0] >= wide_from * E, tile=config.tiles.get("dh"))
         return
     tile = dh_tile(h, I)
     # grad_out rows @ W_e as [d, I]: the forward's product transposed (reduction over d).
