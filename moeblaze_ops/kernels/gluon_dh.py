@@ -1,5 +1,8 @@
-"""dH on Hopper (sm_90), in Gluon: two MMA warpgroups taking turns, so that one tile's
-epilogue runs while the other warpgroup multiplies the next tile ("ping-pong").
+"""dH on Hopper (sm_90), in Gluon, on two kernels that share one epilogue
+(``_dh_tile_epilogue``): a wide one (both MMA warpgroups on one 128 x 256 tile) where
+experts have many rows, and a "ping-pong" one (two MMA warpgroups taking turns, so that
+one tile's epilogue runs while the other warpgroup multiplies the next tile) where they
+have few (``settings.dh_gluon_wide_min_rows``).
 
 The product and epilogue of ``triton_experts_backward._dh_kernel`` (the portable path):
 for every routed row r of expert e, ``g = grad_out[token(r)] @ W_down_e^T`` over the
@@ -8,16 +11,23 @@ behind the tile's columns, ``(dL/dgate, dL/dup, a) = triton_activations.backward
 is written as dH (over h when asked), ``w * a`` (the down weight gradient's operand) and
 each row's router partial ``<g, a>``.
 
-Why two MMA warpgroups: in the ``tl`` kernel one warpgroup pair both multiplies and runs
-the epilogue (h in, dH and w * act(h) out: 160 KB a 128 x 128 tile), so the tensor cores
-idle while it does; at a short reduction (OLMoE-like: 32 steps a tile) that is a third
-of the kernel's time. Here each MMA warpgroup owns a whole 128 x 128 tile (its program's
-even or odd tiles): while one runs its epilogue, the other's tile is in the tensor cores.
-Two copy partitions (``gluon_row_gemm._ws_producer``, one operand each) fill one ring for
-both, in tile order: a warpgroup gathers the output-gradient rows by cp.async, one warp
-issues W_down's TMA. Copy warps have no other warps to hide their instructions' latencies
-behind, so each keeps its step short, and neither operand's copies wait behind the
-other's (docs/perf-notes.md has the measurement).
+The wide kernel (``_dh_wide_kernel``) is the row GEMM's warp-specialised pipeline
+(``gluon_row_gemm._row_gemm_ws_kernel``: a copy warpgroup gathers the output-gradient rows
+by cp.async and issues W_down's TMA, two MMA warpgroups run one 256-wide wgmma each) with
+the epilogue in the MMA warps after each tile's reduction, while the copy warps fill the
+ring with the next tile's first steps. A 256-wide wgmma reads a sixth fewer shared-memory
+bytes per multiply than two 128-wide ones.
+
+Why the ping-pong kernel (``_dh_pingpong_kernel``): the epilogue (h in, dH and w * act(h)
+out: 160 KB a 128 x 128 tile) keeps the tensor cores idle while it runs; at a short
+reduction that is a large part of the time. Here each MMA warpgroup owns a whole 128 x 128
+tile (its program's even or odd tiles): while one runs its epilogue, the other's tile is in
+the tensor cores. Two copy partitions (``gluon_row_gemm._ws_producer``, one operand each)
+fill one ring for both, in tile order: a warpgroup gathers the output-gradient rows by
+cp.async, one warp issues W_down's TMA. Copy warps have no other warps to hide their
+instructions' latencies behind, so each keeps its step short, and neither operand's copies
+wait behind the other's (docs/perf-notes.md has the measurements; the wide kernel measured
+faster wherever experts have many rows, the ping-pong one where they have few).
 
 Applies where ``gluon_row_gemm`` applies to the GEMM (16-bit, Hopper, 16-element aligned
 K, N and strides), the layout is concatenated (gate columns, then up) or the activation
@@ -51,7 +61,8 @@ WIDE_CHUNK = 32
 #: How many chunks ahead of the one computed the epilogue's h loads are issued, in each kernel.
 H_AHEAD = 1
 WIDE_H_AHEAD = 2
-#: Columns of each router partial: a column half of a tile, which the epilogue stages at once.
+#: Columns of each router partial: a part of a tile, which the epilogue stages at once (a
+#: half of the ping-pong kernel's tile, a quarter of the wide kernel's).
 PART_COLUMNS = 64
 #: Each MMA warpgroup's tile: 128 x 128 outputs (4 warps, the wgmma run twice over 64
 #: rows), 64 of K per step; a ring of 4 slots of 32 KB shared by both warpgroups.
