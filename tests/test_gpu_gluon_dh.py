@@ -1,9 +1,10 @@
-"""The Gluon dH kernels (``kernels.gluon_dh``: the ping-pong one and the wide one) on the GPU: every gradient of the layer against the float64 reference
-with the kernel in the backward, over the activations, both weight layouts, both 16-bit
-dtypes, ragged, empty and sentinel rows, odd sizes and E=256 K=8, dH written over h, with
-a record of its launches so that a test cannot pass on the portable kernel or the other
-Gluon one alone (``check_backward`` also runs every backward twice and wants the
-gradients bitwise equal)."""
+"""The Gluon dH kernels (``kernels.gluon_dh``: the ping-pong one and the wide one) on the
+GPU: every gradient of the layer against the float64 reference with the kernel in the
+backward, over the activations, both weight layouts, both 16-bit dtypes, ragged, empty
+and sentinel rows, odd sizes and E=256 K=8, dH written over h, with a record of its
+launches so that a test cannot pass on the portable kernel or the other Gluon one alone
+(``check_backward`` also runs every backward twice and wants the gradients bitwise
+equal)."""
 
 import pytest
 import torch

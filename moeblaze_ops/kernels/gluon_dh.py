@@ -214,10 +214,10 @@ def _dh_mma_warpgroup(a_ring, b_ring, ready, empty, handoff, stage, weights, h_p
                                           BLOCK_N, BLOCK_K, True)
             mbarrier.arrive(handoff.index(1 - TURN))
             # Everything below waits on memory; the other warpgroup's MMAs run meanwhile.
-            _dh_tile_epilogue(acc, hg, hu, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr,
-                              wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam,
-                              stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, BLOCK_M, BLOCK_N, PART_COLUMNS, CHUNK,
-                              H_AHEAD, WARPS)
+            _dh_tile_epilogue(acc, hg, hu, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr,
+                              dh_ptr, wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm,
+                              stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, BLOCK_M, BLOCK_N,
+                              PART_COLUMNS, CHUNK, H_AHEAD, WARPS)
         elif grp < E:
             step += k_steps
         turn = 1 - turn
@@ -231,7 +231,8 @@ def _dh_pingpong_kernel(
     K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
     GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, H_AHEAD: gl.constexpr,
-    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, B_PRODUCER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, B_PRODUCER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+    A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Two MMA warpgroups of ``num_warps`` warps (this function's own and a worker) on
     alternate tiles, and ``PRODUCER_WARPS`` copy warps: the output-gradient rows gathered
@@ -259,13 +260,13 @@ def _dh_pingpong_kernel(
         (_dh_mma_warpgroup, (a_ring, b_ring, ready, empty, handoff, stage.index(0), weights.index(0),
                              h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I,
                              alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
-                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, H_AHEAD, 0,
-                             num_warps)),
+                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS,
+                             CHUNK, H_AHEAD, 0, num_warps)),
         (_dh_mma_warpgroup, (a_ring, b_ring, ready, empty, handoff, stage.index(1), weights.index(1),
                              h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I,
                              alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
-                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, H_AHEAD, 1,
-                             num_warps)),
+                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS,
+                             CHUNK, H_AHEAD, 1, num_warps)),
         (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, ready, ready, empty, LK, E, I, D,
                         stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS, True, False,
                         A_OFFSETS_32)),
