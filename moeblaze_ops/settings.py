@@ -280,7 +280,7 @@ class KernelSettings:
             if not all(isinstance(n, int) and n >= 0 for n in rows.values()):
                 raise ValueError(f"moeblaze settings: {name} maps kinds to rows per expert (ints >= 0), got {rows}")
         rows = self.dh_gluon_wide_min_rows
-        if rows is not None and not (isinstance(rows, int) and rows >= 0):
+        if rows is not None and not (isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0):
             raise ValueError(f"moeblaze settings: dh_gluon_wide_min_rows must be None or an int >= 0, got {rows!r}")
         columns = self.dh_epilogue_columns
         if columns is not None and not (isinstance(columns, int) and columns >= 1 and columns & (columns - 1) == 0):

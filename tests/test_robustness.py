@@ -357,6 +357,16 @@ def test_dh_tile_by_layer_width(monkeypatch):
         settings._table_tile.cache_clear()
 
 
+@pytest.mark.parametrize("rows", [-1, 1.5, "1024", True])
+def test_dh_gluon_wide_min_rows_rejects_what_is_not_a_row_count(rows):
+    """``settings.dh_gluon_wide_min_rows`` is None or a count of rows (an int >= 0); anything
+    else is refused when the settings are made, naming the setting."""
+    with pytest.raises(ValueError, match="dh_gluon_wide_min_rows must be None or an int >= 0"):
+        settings.current().replace(dh_gluon_wide_min_rows=rows)
+    for ok in (None, 0, 4096):
+        assert settings.current().replace(dh_gluon_wide_min_rows=ok).dh_gluon_wide_min_rows == ok
+
+
 def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
     """Where ``settings.gluon`` names "dh" (the default) and the Gluon module applies (at
     any width), ``launch_dh`` hands it the operands, which of its kernels runs (the wide
