@@ -145,25 +145,25 @@ def test_column_scan(num_chunks, width, seed):
     assert torch.equal(totals.cpu(), want_totals)
 
 
-@pytest.mark.parametrize("checked", [False, True], ids=["dispatch", "dispatch_checked"])
+@pytest.mark.parametrize("checked", [False, True], ids=["unchecked", "checked"])
 @pytest.mark.parametrize(
     "L,K,E,family",
     [(40, 8, 256, dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=16)),
      (400, 3, 6, dict(dispatch_sorted_min_bins=None))],
     ids=["sorted16", "onehot"],
 )
-def test_triton_dispatch_scan_in_steps(L, K, E, family, checked, seed, monkeypatch):
+def test_triton_dispatch_scan_in_steps(L, K, E, family, checked, seed):
     """The Triton dispatch with its column scan in several programs of several steps, the
     last block of rows and of columns part-filled, against the portable dispatch bit for
-    bit: a small ``SCAN_TILE`` (8 rows of 4 columns) does to tables of 20 and 19 chunks
+    bit: a small scan tile (8 rows of 4 columns) does to tables of 20 and 19 chunks
     (16-row sorted chunks of 256 experts: 257 or 259 columns; 64-row one-hot chunks of 6
-    experts: 9 or 11) what the real one does to thousands."""
+    experts: 9 or 11) what the real one does to thousands. Checked, the id flags say the
+    ids are valid."""
     from moeblaze_ops.kernels import torch_dispatch, triton_dispatch
 
-    monkeypatch.setattr(triton_dispatch, "SCAN_TILE", 32)
     ids = make_topk_ids(L, K, E, "skewed", sentinel_frac=0.1, generator=torch.Generator().manual_seed(seed))
-    run = triton_dispatch.dispatch_checked if checked else triton_dispatch.dispatch
     with moeblaze_settings.override(**family):
-        got = run(ids.to(triton_device()), E)
+        *got, ok = triton_dispatch._dispatch(ids.to(triton_device()), E, check_ids=checked, scan_tile=32)
     for g, w in zip(got, torch_dispatch.dispatch(ids, E)):
         assert torch.equal(g.cpu(), w)
+    assert (ok is None) != checked and (not checked or ok.cpu().tolist() == [1, 1])

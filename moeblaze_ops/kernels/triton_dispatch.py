@@ -280,27 +280,29 @@ def assert_index_arrays(op, expert_token_indices, expert_offsets, token_index_ma
     torch._assert_async(ok.amin(), index_values_message(op))
 
 
-def _scan_tile(num_chunks: int, width: int) -> tuple[int, int, int]:
-    """``(COLS, ROWS, num_warps)`` of ``_column_scan`` on a ``[num_chunks, width]`` table.
+def _scan_tile(num_chunks: int, width: int, max_tile: int = SCAN_TILE) -> tuple[int, int, int]:
+    """``(COLS, ROWS, num_warps)`` of ``_column_scan`` on a ``[num_chunks, width]`` table,
+    a tile of at most ``max_tile`` elements (``SCAN_TILE``; tests shrink it, so that small
+    tables take several steps).
 
     A column is scanned by one program, top to bottom, and no program waits on another:
     only splitting the columns makes programs. Few columns per program make many of them:
     4 (a row's load is still 16 contiguous bytes), 8 (32 bytes a row) only when
     that still leaves a couple of programs per SM of a large GPU. The rows come in the
-    tallest power-of-two tile of at most ``SCAN_TILE`` elements, so a program walks its
+    tallest power-of-two tile of at most ``max_tile`` elements, so a program walks its
     columns in few dependent steps; a full tile takes 8 warps, for more loads in flight
     and fewer registers a thread.
     """
     cols = 8 if gg.cdiv(width, 8) >= 256 else 4
-    rows = min(SCAN_TILE // cols, max(64, gg.next_power_of_2(num_chunks)))
-    return cols, rows, 8 if rows * cols >= SCAN_TILE else 4
+    rows = min(max_tile // cols, max(64, gg.next_power_of_2(num_chunks)))
+    return cols, rows, 8 if rows * cols >= max_tile else 4
 
 
-def _scan_columns(counts: torch.Tensor, totals: torch.Tensor):
+def _scan_columns(counts: torch.Tensor, totals: torch.Tensor, max_tile: int = SCAN_TILE):
     """Step 2 on a ``[num_chunks, width]`` int32 table: each column's exclusive prefix sum
-    in place, and the column totals into ``totals``."""
+    in place, and the column totals into ``totals`` (``_scan_tile``'s tile)."""
     num_chunks, width = counts.shape
-    cols, rows, num_warps = _scan_tile(num_chunks, width)
+    cols, rows, num_warps = _scan_tile(num_chunks, width, max_tile)
     launch(_column_scan, (gg.cdiv(width, cols),), counts, totals, num_chunks, width, COLS=cols, ROWS=rows,
            num_warps=num_warps)
 
@@ -310,10 +312,10 @@ def _chunk_size(LK: int) -> int:
     return max(SUB, min(8192, gg.next_power_of_2(gg.cdiv(LK, 1024))))
 
 
-def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool):
+def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool, scan_tile: int = SCAN_TILE):
     """``(expert_token_indices, expert_offsets, token_index_map, ok)``; ``ok`` (int32 ``[2]``,
     None without ``check_ids``) is 1 where no id is negative, where no token's row repeats
-    a real expert id."""
+    a real expert id. ``scan_tile``: the column scan's largest tile (``_scan_tile``)."""
     L, K = topk_ids.shape
     LK = L * K
     dev = topk_ids.device
@@ -345,7 +347,7 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool):
                num_warps=8)
     else:
         launch(_chunk_histogram, grid, ids, counts, LK, E, chunk, width, BINS=BINS, SUB=SUB, **check)
-    _scan_columns(counts, totals)
+    _scan_columns(counts, totals, scan_tile)
     if sorted_:
         launch(_chunk_scatter_ranked, grid, ids, counts, totals, offsets, ok, eti, tim, LK, E, K, width, CHUNK=chunk,
                BINS=BINS, CHECK_IDS=check_ids, num_warps=8)
