@@ -192,7 +192,7 @@ signature = {"go_ptr": f"*{dtype}", "w_desc": _descriptor_type(dtype, block), "h
 constexprs = dict(K=8, ACT=int(activation_code(act)), WRITE_WACT=True, FAST_ACT=True, W_KMAJOR=k_contiguous,
                   GROUPS=128, BAND=4, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                   NUM_STAGES=tile.num_stages, PART_COLUMNS=gluon_dh.PART_COLUMNS,
-                  CHUNK=gluon_dh.WIDE_CHUNK if wide else gluon_dh.CHUNK,
+                  CHUNK=gluon_dh.CHUNK,
                   H_AHEAD=gluon_dh.WIDE_H_AHEAD if wide else gluon_dh.H_AHEAD,
                   PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=True, num_warps=tile.num_warps)
 if not wide:

@@ -54,10 +54,9 @@ from .launch import launch
 from .triton_combine import row_combine_weights
 from .triton_experts_backward import _column_slice, dh_outputs
 
-#: Rows of an epilogue chunk: the ping-pong kernel's (16 of the accumulator's elements a
-#: thread) and the wide kernel's (8 a thread; 64 rows spilled and measured slower).
+#: Rows of an epilogue chunk, in both kernels: 16 of the accumulator's elements a thread
+#: in the ping-pong kernel's 4-warp warpgroups, 8 in the wide kernel's 8 warps.
 CHUNK = 32
-WIDE_CHUNK = 32
 #: How many chunks ahead of the one computed the epilogue's h loads are issued, in each kernel.
 H_AHEAD = 1
 WIDE_H_AHEAD = 2
@@ -296,8 +295,9 @@ def _dh_wide_consumer(a_ring, b_ring, a_ready, b_ready, empty, stage, weights, h
         if grp < E:  # the sentinel tiles: zeros everywhere
             acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, True, W_KMAJOR,
                                       BLOCK_N, BLOCK_K)
-        # Loaded after the reduction here: before it, as the ping-pong kernel does, measured
-        # no faster (docs/perf-notes.md).
+        # After the reduction: loaded before it, as in the ping-pong kernel (which waits for
+        # its turn meanwhile), the h registers would be held beside the whole accumulator
+        # for no gain here (docs/perf-notes.md).
         hg, hu = _tile_h_chunk(h_ptr, grp, row0, row_end, n0, E, I, stride_hm, 0, ACT, PART_COLUMNS, CHUNK, BLOCK_M,
                                num_warps)
         _dh_tile_epilogue(acc, hg, hu, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr,
@@ -363,7 +363,7 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
     tile = tile or (WIDE_TILE if wide else TILE)
     if wide:
         parts_of_tile = tile.block_n // PART_COLUMNS
-        if (tile.num_warps not in (4, 8) or tile.block_m != 16 * tile.num_warps or tile.block_m % WIDE_CHUNK
+        if (tile.num_warps not in (4, 8) or tile.block_m != 16 * tile.num_warps or tile.block_m % CHUNK
                 or tile.block_n % PART_COLUMNS or parts_of_tile not in (1, 2, 4) or tile.num_stages < 2):
             raise ValueError(f"moeblaze gluon dH: the wide kernel's tile is 4 or 8 warps over 16 rows each, 1, 2 or 4 "
                              f"parts of {PART_COLUMNS} columns, at least 2 stages, got {tile}")
@@ -379,10 +379,10 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
     w_desc = host_descriptor(view, [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n])
     max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(I, tile.block_n)
     if wide:
-        kernel, (warps, regs), chunk, ahead = _dh_wide_kernel, WIDE_PRODUCER, WIDE_CHUNK, WIDE_H_AHEAD
+        kernel, (warps, regs), ahead = _dh_wide_kernel, WIDE_PRODUCER, WIDE_H_AHEAD
         registers = {}
     else:
-        kernel, (warps, regs), chunk, ahead = _dh_pingpong_kernel, PRODUCER, CHUNK, H_AHEAD
+        kernel, (warps, regs), ahead = _dh_pingpong_kernel, PRODUCER, H_AHEAD
         registers = dict(B_PRODUCER_REGS=B_PRODUCER_REGS, MMA_REGS=MMA_REGS)
     launch(
         kernel, (gg.num_programs(h.device, max_tiles),),
@@ -392,7 +392,7 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
         topk_weights.stride(0), topk_weights.stride(1),
         K=topk_weights.shape[1], ACT=act, WRITE_WACT=wact is not None, FAST_ACT=fast_activation, W_KMAJOR=kmajor,
         GROUPS=gg.next_power_of_2(E + 1), BAND=band, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PART_COLUMNS=PART_COLUMNS, CHUNK=chunk, H_AHEAD=ahead,
+        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PART_COLUMNS=PART_COLUMNS, CHUNK=CHUNK, H_AHEAD=ahead,
         PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=grad_out.numel() < 2**31, num_warps=tile.num_warps,
         **registers,
     )
