@@ -1,7 +1,7 @@
 """Sweeps tile configs of the backward GEMM kernels on benchmark shapes (GPU).
 
     python scripts/tune_backward.py [--configs olmoe mixtral] [--kinds dh dx wgrad_down wgrad_up]
-        [--w-tma 0 1] [--dh-fast 0 1] [--dh-columns None 64 32] [--dh-gluon 0 1 2] [--gluon 0 1] [--ws 0 1] [--rows-tma 0 1] [--tma-store 0 1]
+        [--w-tma 0 1] [--dh-fast 0 1] [--dh-columns None 64 32] [--dh-gluon 0 1 2] [--dh-slots None 2 4] [--gluon 0 1] [--ws 0 1] [--rows-tma 0 1] [--tma-store 0 1]
         [--row-band 1 8]
         [--wgrad-band 1 8 16]
 
@@ -10,6 +10,8 @@ unit-weight combine) next to a dense cuBLAS matmul of the same FLOPs: the ceilin
 """
 
 import argparse
+import functools
+from unittest import mock
 
 import torch
 import triton.testing
@@ -17,7 +19,7 @@ import triton.testing
 from moeblaze_ops import settings
 from moeblaze_ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, activation_code
 from moeblaze_ops.bench import CONFIGS, make_inputs
-from moeblaze_ops.kernels import triton_dispatch, triton_experts as te, triton_experts_backward as tb
+from moeblaze_ops.kernels import gluon_dh, triton_dispatch, triton_experts as te, triton_experts_backward as tb
 from moeblaze_ops.kernels.triton_combine import combine
 from moeblaze_ops.settings import GemmTile
 
@@ -32,6 +34,8 @@ TILES = {  # (BM|BP, BN|BQ, BK|BR, warps, stages[, programs per SM])
     "wgrad_up": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 4),
                  (256, 128, 64, 8, 3), (256, 128, 32, 8, 8)],
 }
+#: The Gluon dH launch, which --dh-slots wraps.
+gluon_launch_dh = gluon_dh.launch_dh
 #: The narrowest dH tile a sweep may ask for: sizes the buffer of per-tile router partials.
 MIN_DH_BLOCK_N = 16
 
@@ -79,7 +83,8 @@ def kernels(T, d, I, E, K, device="cuda"):
 
 
 def variants(kind, a):
-    """(label, settings changes) per variant of ``kind`` the command line asks for."""
+    """(label, settings changes, chunks of h in flight in the Gluon dH or None) per variant
+    of ``kind`` the command line asks for."""
     base = settings.current().weight_tma
 
     def w_tma(v):
@@ -91,21 +96,22 @@ def variants(kind, a):
         # (the 8-warp ones fail there and say so); dh_gluon=2: the wide Gluon kernel
         # (8-warp tiles of 16 rows a warp); the weight TMA and the columns are the tl kernel's.
         gluon = settings.current().gluon - {"dh"}
-        return [(f"gluon={g} w_tma={v} fast={f} band={b} epilogue_columns={c}",
+        return [(f"gluon={g} w_tma={v} fast={f} band={b} epilogue_columns={c}" + (f" h_slots={n}" if g else ""),
                  dict(weight_tma=w_tma(v), dh_fast_activation=bool(f), row_band=b, dh_epilogue_columns=c,
                       dh_wide_min_columns=None, dh_gluon_wide_min_rows=0 if g == 2 else None, small_gemm_flop=0,
-                      gluon=gluon | ({"dh"} if g else set())))
+                      gluon=gluon | ({"dh"} if g else set())), n)
                 for g in a.dh_gluon for v in (a.w_tma if not g else [1]) for f in a.dh_fast for b in a.row_band
-                for c in (a.dh_columns if not g else [None])]
+                for c in (a.dh_columns if not g else [None]) for n in (a.dh_slots if g else [None])]
     if kind == "dx":
-        return [(f"w_tma={v} band={b}", dict(weight_tma=w_tma(v), row_band=b)) for v in a.w_tma for b in a.row_band]
+        return [(f"w_tma={v} band={b}", dict(weight_tma=w_tma(v), row_band=b), None) for v in a.w_tma
+                for b in a.row_band]
     gluon, ws, rows_tma = (settings.current().gluon, settings.current().gluon_warp_specialize,
                            settings.current().wgrad_rows_tma)
     return [(f"gluon={v} ws={w}" + (f" rows_tma={t} tma_store={s} group={g}" if v else ""),
              dict(gluon=(gluon | {kind}) if v else (gluon - {kind}), small_gemm_flop=0,
                   gluon_warp_specialize={**{k: r for k, r in ws.items() if k != kind}, **({kind: 0} if w else {})},
                   wgrad_rows_tma={**{k: r for k, r in rows_tma.items() if k != kind}, **({kind: 0} if t else {})},
-                  wgrad_tma_store=bool(s), wgrad_band=g))
+                  wgrad_tma_store=bool(s), wgrad_band=g), None)
             for v in a.gluon for w in (a.ws if v else [0]) for t in (a.rows_tma if v else [0])
             for s in (a.tma_store if v and (t or not w) else [0])
             for g in (a.wgrad_band if v else [1])]
@@ -126,6 +132,8 @@ def main():
     p.add_argument("--dh-gluon", nargs="*", type=int, default=[0],
                    help="dh on the ping-pong Gluon kernel (1; tiles of 4 warps), the wide Gluon one (2; tiles "
                         "of 8 warps) or the tl one (0)")
+    p.add_argument("--dh-slots", nargs="*", type=lambda v: None if v == "None" else int(v), default=[None],
+                   help="the Gluon dH kernels' chunks of h in flight (None: as many as shared memory holds)")
     p.add_argument("--gluon", nargs="*", type=int, default=[1, 0],
                    help="weight gradients on the Gluon kernel (1) or the portable tl one (0)")
     p.add_argument("--ws", nargs="*", type=int, default=[0, 1],
@@ -153,10 +161,12 @@ def main():
         for kind in a.kinds:
             fn, flops = fns[kind]
             tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES[kind]
-            for tile, (variant, changes) in [(t, v) for t in tiles for v in variants(kind, a)]:
+            for tile, (variant, changes, slots) in [(t, v) for t in tiles for v in variants(kind, a)]:
                 label = f"  {kind:10s} tile={tile} {variant}"
                 try:
-                    with settings.override(tiles={kind: GemmTile(*tile)}, **changes):
+                    launch_dh = functools.partial(gluon_launch_dh, slots=slots)
+                    with settings.override(tiles={kind: GemmTile(*tile)}, **changes), \
+                            mock.patch.object(gluon_dh, "launch_dh", launch_dh):
                         ms = bench(fn)
                     print(f"{label}: {ms:7.3f} ms {flops / ms / 1e9:4.0f} TFLOP/s", flush=True)
                 except Exception as e:  # out of shared memory etc.

@@ -11,6 +11,7 @@ import torch
 
 from kernel_cases import check_backward
 from moeblaze_ops import settings
+from moeblaze_ops.settings import GemmTile
 
 
 def _hopper():
@@ -92,3 +93,37 @@ def test_gluon_dh_leaves_other_cases_to_the_portable_kernel(layout, bias, seed, 
     check_backward(777, 256, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout, bias=bias,
                    tw_dtype=torch.float32)
     assert launches[0] == 0
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_gluon_dh_h_slots(slots, kernel, seed, launches, monkeypatch):
+    """Fewer chunks of h in flight than shared memory holds: one (each chunk's copies
+    waited for before the next is started), and a count that does not divide the tile's
+    chunks (the ring wraps mid-part)."""
+    from moeblaze_ops.kernels import gluon_dh
+
+    if slots > gluon_dh.h_slots(gluon_dh.WIDE_TILE if kernel == "wide" else gluon_dh.TILE, kernel == "wide"):
+        pytest.skip("more chunks of h than the kernel's shared memory holds")
+    launch = gluon_dh.launch_dh
+    monkeypatch.setattr(gluon_dh, "launch_dh", lambda *args, **kwargs: launch(*args, **kwargs, slots=slots))
+    check_backward(777, 512, 320, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout="concatenated",
+                   tw_dtype=torch.float32)
+    assert launches[0] > 0
+
+
+#: Tiles other than the defaults, per kernel: the wide kernel's fp32 stage in shared memory
+#: of its own (a W_down slot of a 128-wide tile is too small for it), and both kernels with
+#: a ring of 3 slots (more chunks of h in flight).
+OTHER_TILES = {"wide": [GemmTile(128, 128, 64, 8, 4), GemmTile(128, 256, 64, 8, 3)],
+               "pingpong": [GemmTile(128, 128, 64, 4, 3)]}
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_gluon_dh_other_tiles(which, kernel, seed, launches):
+    if which >= len(OTHER_TILES[kernel]):
+        pytest.skip("one other tile for this kernel")
+    tile = OTHER_TILES[kernel][which]
+    with settings.override(tiles={**settings.current().tiles, "dh": tile}):
+        check_backward(777, 512, 320, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout="concatenated",
+                       tw_dtype=torch.float32, sentinel_frac=0.2)
+    assert launches[0] > 0

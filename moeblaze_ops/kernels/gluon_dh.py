@@ -41,13 +41,14 @@ from typing import Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from ..layouts import linear_dims
 from ..settings import GemmTile
 from . import grouped_gemm as gg
 from . import triton_activations as acts
-from .gluon_common import cta_barrier, host_descriptor, on_hopper, slot_barriers, wgmma_acc_layout
+from .gluon_common import async_load, cta_barrier, host_descriptor, on_hopper, slot_barriers, wgmma_acc_layout
 from .gluon_row_gemm import PRODUCER_GATHER, _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
 from .gluon_row_gemm import applies as row_gemm_applies
 from .launch import launch
@@ -57,9 +58,6 @@ from .triton_experts_backward import _column_slice, dh_outputs
 #: Rows of an epilogue chunk, in both kernels: 16 of the accumulator's elements a thread
 #: in the ping-pong kernel's 4-warp warpgroups, 8 in the wide kernel's 8 warps.
 CHUNK = 32
-#: How many chunks ahead of the one computed the epilogue's h loads are issued, in each kernel.
-H_AHEAD = 1
-WIDE_H_AHEAD = 2
 #: Columns of each router partial: a part of a tile, which the epilogue stages at once (a
 #: half of the ping-pong kernel's tile, a quarter of the wide kernel's).
 PART_COLUMNS = 64
@@ -74,8 +72,13 @@ TILE = GemmTile(128, 128, 64, 4, 4)
 PRODUCER = (4, 56)
 B_PRODUCER_REGS = 24
 MMA_REGS = 216
+#: The shared memory of one sm_90 block (227 KB), and what its barriers and the
+#: allocations' alignment take at most.
+SHARED_BYTES = 232448
+BARRIER_BYTES = 1024
 #: The wide kernel's tile: 128 x 256 outputs on two MMA warpgroups (one 256-wide wgmma
-#: each), 64 of K per step, 4 slots of 48 KB; with its 32 KB stage, 225 of the 227 KB.
+#: each), 64 of K per step, 4 slots of 48 KB (its fp32 stage in one of them): 32 KB are
+#: left for four chunks of h.
 WIDE_TILE = GemmTile(128, 256, 64, 8, 4)
 #: Its copy warpgroup, both operands from one partition: 12 warps in all, as in the row
 #: GEMM (with a copy partition for each, 16 warps launch with 128 registers a thread,
@@ -89,58 +92,71 @@ def _chunk_layout(cols, num_warps):
     return gl.BlockedLayout([1, 8], [32 // (cols // 8), cols // 8], [num_warps, 1], [1, 0])
 
 
-@gluon.jit
-def _h_chunk(h_ptr, grp, rows, row_end, n0, E, I, stride_hm, ACT: gl.constexpr, WIDTH: gl.constexpr,
-             layout: gl.constexpr):
-    """The raw h tiles (gate, up; or h, h where the activation is not gated) behind
-    activation columns [n0, n0 + WIDTH) of ``rows``. The sentinel group's rows read none:
-    a zero gradient and a zero activation."""
-    cols = n0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-    mask = ((rows < row_end) & (grp < E))[:, None] & (cols < I)[None, :]
-    h_tile = h_ptr + rows.to(gl.int64)[:, None] * stride_hm + cols[None, :]
-    hg = gl.load(h_tile, mask=mask, other=0.0)
-    if ACT < acts.NUM_GATED:
-        hu = gl.load(h_tile + I, mask=mask, other=0.0)
-    else:
-        hu = hg
-    return hg, hu
+@gluon.constexpr_function
+def _stage_layout():
+    """The fp32 stage of an accumulator part: 16-byte groups swizzled by row, so that the
+    accumulator's stores (2 elements a thread, 8 rows a warp) and the chunks' loads (8 a
+    thread along a row) both spread over the banks."""
+    return gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0])
 
 
 @gluon.jit
-def _tile_h_chunk(h_ptr, grp, row0, row_end, n0, E, I, stride_hm, j: gl.constexpr, ACT: gl.constexpr,
-                  PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, WARPS: gl.constexpr):
-    """The h tiles of chunk ``j`` of a tile's epilogue (``_dh_tile_epilogue``: parts of
-    PART_COLUMNS columns, each CHUNK rows at a time). A kernel may load the first one
-    before the tile's reduction, to have it in registers when the epilogue starts."""
+def _copy_h_chunk(h_slots, h_ptr, grp, row0, row_end, n0, E, I, stride_hm, j: gl.constexpr, ACT: gl.constexpr,
+                  BLOCK_M: gl.constexpr, CHUNK: gl.constexpr, PART_COLUMNS: gl.constexpr, WARPS: gl.constexpr):
+    """Starts the cp.async copies, as one commit group, of the h tiles (gate, up; h alone
+    where the activation is not gated) behind chunk ``j`` of a tile's epilogue
+    (``_dh_tile_epilogue``: rows (j % chunks) * CHUNK .. of the part of PART_COLUMNS columns
+    j // chunks) into slot j % slots of ``h_slots`` ([slots * 2, CHUNK, PART_COLUMNS]).
+    Masked elements land as zeros: rows past the expert's end, the sentinel group's
+    rows (a zero gradient and a zero activation), columns past I. Each thread later reads
+    back the elements it copied (``_dh_tile_epilogue``), so no barrier orders the two."""
     CHUNKS: gl.constexpr = BLOCK_M // CHUNK
+    SLOTS: gl.constexpr = h_slots.shape[0] // 2
     layout: gl.constexpr = _chunk_layout(PART_COLUMNS, WARPS)
     rows = row0 + (j % CHUNKS) * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-    return _h_chunk(h_ptr, grp, rows, row_end, n0 + (j // CHUNKS) * PART_COLUMNS, E, I, stride_hm, ACT,
-                    PART_COLUMNS, layout)
+    cols = n0 + (j // CHUNKS) * PART_COLUMNS + gl.arange(0, PART_COLUMNS, layout=gl.SliceLayout(0, layout))
+    mask = ((rows < row_end) & (grp < E))[:, None] & (cols < I)[None, :]
+    src = h_ptr + rows.to(gl.int64)[:, None] * stride_hm + cols[None, :]
+    async_load(h_slots.index(2 * (j % SLOTS)), src, mask=mask)
+    if ACT < acts.NUM_GATED:
+        async_load(h_slots.index(2 * (j % SLOTS) + 1), src + I, mask=mask)
+    cp.commit_group()
 
 
 @gluon.jit
-def _dh_tile_epilogue(acc, hg, hu, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr,
+def _copy_first_h_chunks(h_slots, h_ptr, grp, row0, row_end, n0, E, I, stride_hm, ACT: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr,
+                         PART_COLUMNS: gl.constexpr, WARPS: gl.constexpr):
+    """The copies of a tile's first chunks of h, one per slot: a kernel starts them before
+    the tile's reduction, to have them in shared memory when the epilogue starts."""
+    TOTAL: gl.constexpr = (BLOCK_N // PART_COLUMNS) * (BLOCK_M // CHUNK)
+    for j in gl.static_range(h_slots.shape[0] // 2):
+        if j < TOTAL:
+            _copy_h_chunk(h_slots, h_ptr, grp, row0, row_end, n0, E, I, stride_hm, j, ACT, BLOCK_M, CHUNK,
+                          PART_COLUMNS, WARPS)
+
+
+@gluon.jit
+def _dh_tile_epilogue(acc, h_slots, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr,
                       wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0,
                       stride_tw1,
                       K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr,
-                      H_AHEAD: gl.constexpr, WARPS: gl.constexpr):
+                      WARPS: gl.constexpr, STAGE_IN_RING: gl.constexpr = False):
     """The epilogue of one [BLOCK_M, BLOCK_N] tile ``acc`` (dL/da / w) at rows ``row0 ..``
     of group ``grp`` and activation columns ``n0 ..``, by the ``WARPS`` warps that hold it:
     ``dh_outputs`` over parts of ``PART_COLUMNS`` columns, each staged in ``stage``
-    ([BLOCK_M, PART_COLUMNS] fp32) and taken ``CHUNK`` rows at a time, the h loads of the
-    chunk ``H_AHEAD`` (1 or 2) chunks on in flight while one is computed (the first
-    chunk's, ``hg, hu``, from ``_tile_h_chunk``); one router partial per row and part.
-    The sentinel group's rows get zeros."""
+    ([BLOCK_M, PART_COLUMNS] fp32) and taken ``CHUNK`` rows at a time, their h from the
+    ring ``h_slots`` (``_copy_h_chunk``; the caller has started the first slots'), each
+    slot refilled with the chunk a ring ahead once read; one router partial per row and
+    part. ``STAGE_IN_RING``: the stage is a ring slot, which the sentinel group's tiles
+    (no reduction, no slot of their own) leave alone."""
     PARTS: gl.constexpr = BLOCK_N // PART_COLUMNS
     CHUNKS: gl.constexpr = BLOCK_M // CHUNK
     TOTAL: gl.constexpr = PARTS * CHUNKS
+    SLOTS: gl.constexpr = h_slots.shape[0] // 2
     layout: gl.constexpr = _chunk_layout(PART_COLUMNS, WARPS)
     row_layout: gl.constexpr = gl.SliceLayout(1, layout)
-    if H_AHEAD == 2 and TOTAL > 1:
-        hg1, hu1 = _tile_h_chunk(h_ptr, grp, row0, row_end, n0, E, I, stride_hm, 1, ACT, PART_COLUMNS, CHUNK, BLOCK_M,
-                                 WARPS)
     tile_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
     real = (tile_rows < row_end) & (grp < E)
     tok = gl.load(eti_ptr + tile_rows, mask=real, other=0).to(gl.int64)
@@ -154,40 +170,48 @@ def _dh_tile_epilogue(acc, hg, hu, stage, weights, grp, row0, row_end, n0, h_ptr
     for j in gl.static_range(TOTAL):
         if j % CHUNKS == 0:
             cta_barrier()  # the warps are done reading the stage
-            stage.store(_column_slice(acc, j // CHUNKS, PARTS, BLOCK_M, BLOCK_N))
+            if STAGE_IN_RING:
+                if grp < E:
+                    stage.store(_column_slice(acc, j // CHUNKS, PARTS, BLOCK_M, BLOCK_N))
+            else:
+                stage.store(_column_slice(acc, j // CHUNKS, PARTS, BLOCK_M, BLOCK_N))
             cta_barrier()
-        if j + H_AHEAD < TOTAL:
-            next_hg, next_hu = _tile_h_chunk(h_ptr, grp, row0, row_end, n0, E, I, stride_hm, j + H_AHEAD, ACT,
-                                             PART_COLUMNS, CHUNK, BLOCK_M, WARPS)
+        # This thread's copies of chunk j have landed (those of the chunks after it, up to
+        # a ring ahead, may not have).
+        if j + SLOTS <= TOTAL:
+            cp.wait_group(SLOTS - 1)
+        else:
+            cp.wait_group(TOTAL - 1 - j)
+        hg = h_slots.index(2 * (j % SLOTS)).load(layout)
+        if ACT < acts.NUM_GATED:
+            hu = h_slots.index(2 * (j % SLOTS) + 1).load(layout)
+        else:
+            hu = hg
         rows = row0 + (j % CHUNKS) * CHUNK + gl.arange(0, CHUNK, layout=row_layout)
         cols0 = n0 + (j // CHUNKS) * PART_COLUMNS
         g = stage.slice((j % CHUNKS) * CHUNK, CHUNK, dim=0).load(layout)
+        if STAGE_IN_RING:
+            g = gl.where(grp < E, g, 0.0)
         w = weights.slice((j % CHUNKS) * CHUNK, CHUNK).load(row_layout)
         cols = cols0 + gl.arange(0, PART_COLUMNS, layout=gl.SliceLayout(0, layout))
         partial = dh_outputs(g, w[:, None], hg, hu, rows, rows < row_end, cols, cols < I, cols0, I, dh_ptr, wact_ptr,
                              stride_dhm, stride_wam, alpha, limit, ACT, False, WRITE_WACT, FAST_ACT, PART_COLUMNS)
         gl.store(part_ptr + rows.to(gl.int64) * n_parts + cols0 // PART_COLUMNS, partial,
                  mask=(rows < row_end) & (cols0 < I))
-        if j + 1 < TOTAL:
-            if H_AHEAD == 2:
-                hg = hg1
-                hu = hu1
-                if j + 2 < TOTAL:
-                    hg1 = next_hg
-                    hu1 = next_hu
-            else:
-                hg = next_hg
-                hu = next_hu
+        if j + SLOTS < TOTAL:
+            # The slot's h is in registers and used above: the copy may overwrite it.
+            _copy_h_chunk(h_slots, h_ptr, grp, row0, row_end, n0, E, I, stride_hm, j + SLOTS, ACT, BLOCK_M, CHUNK,
+                          PART_COLUMNS, WARPS)
 
 
 @gluon.jit
-def _dh_mma_warpgroup(a_ring, b_ring, ready, empty, handoff, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
+def _dh_mma_warpgroup(a_ring, b_ring, ready, empty, handoff, h_slots, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
                       offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_hm,
                       stride_dhm, stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr,
                       WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
                       GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      BLOCK_K: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, H_AHEAD: gl.constexpr,
-                      TURN: gl.constexpr, WARPS: gl.constexpr):
+                      BLOCK_K: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, TURN: gl.constexpr,
+                      WARPS: gl.constexpr):
     """One MMA warpgroup: the program's tiles of its ``TURN`` (every other one), each
     multiplied on the shared ring, then taken through ``_dh_tile_epilogue``; the other
     turn's tiles only move its count of ring steps on."""
@@ -199,9 +223,9 @@ def _dh_mma_warpgroup(a_ring, b_ring, ready, empty, handoff, stage, weights, h_p
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
         if turn == TURN:
-            # The epilogue's first h chunk, loaded while this warpgroup waits for its turn.
-            hg, hu = _tile_h_chunk(h_ptr, grp, row0, row_end, n0, E, I, stride_hm, 0, ACT, PART_COLUMNS, CHUNK,
-                                   BLOCK_M, WARPS)
+            # The epilogue's first h chunks, copied while this warpgroup waits for its turn.
+            _copy_first_h_chunks(h_slots, h_ptr, grp, row0, row_end, n0, E, I, stride_hm, ACT, BLOCK_M, BLOCK_N, CHUNK,
+                                 PART_COLUMNS, WARPS)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
             # The warpgroups' MMAs take turns: this one waits until the other's tile is
             # through the ring. (Waiting for ring slots more than one pass ahead of the
@@ -213,10 +237,10 @@ def _dh_mma_warpgroup(a_ring, b_ring, ready, empty, handoff, stage, weights, h_p
                                           BLOCK_N, BLOCK_K, True)
             mbarrier.arrive(handoff.index(1 - TURN))
             # Everything below waits on memory; the other warpgroup's MMAs run meanwhile.
-            _dh_tile_epilogue(acc, hg, hu, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr,
+            _dh_tile_epilogue(acc, h_slots, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr,
                               dh_ptr, wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm,
                               stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, BLOCK_M, BLOCK_N,
-                              PART_COLUMNS, CHUNK, H_AHEAD, WARPS)
+                              PART_COLUMNS, CHUNK, WARPS)
         elif grp < E:
             step += k_steps
         turn = 1 - turn
@@ -229,7 +253,7 @@ def _dh_pingpong_kernel(
     stride_gm, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
     K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
     GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    NUM_STAGES: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, H_AHEAD: gl.constexpr,
+    NUM_STAGES: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, H_SLOTS: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, B_PRODUCER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
     A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -242,11 +266,13 @@ def _dh_pingpong_kernel(
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
     b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
-    # 16-byte groups swizzled by row: the accumulator's stores (2 elements a thread, 8 rows
-    # a warp) and the chunks' loads (8 a thread along a row) both spread over the banks.
-    stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, PART_COLUMNS],
-                                      gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
+    stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, PART_COLUMNS], _stage_layout())
     weights = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    # Each warpgroup's ring of h chunks (gate, up), H_SLOTS deep. A thread reads back its
+    # own 16-byte copies, a warp 512 contiguous bytes: no swizzle needed.
+    h_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    h_slots0 = gl.allocate_shared_memory(dtype, [2 * H_SLOTS, CHUNK, PART_COLUMNS], h_layout)
+    h_slots1 = gl.allocate_shared_memory(dtype, [2 * H_SLOTS, CHUNK, PART_COLUMNS], h_layout)
     # Every gathering thread arrives once its copies land, the TMA warp once with the bytes it expects.
     ready = slot_barriers(NUM_STAGES, PRODUCER_WARPS * 32 + 1)
     empty = slot_barriers(NUM_STAGES, 1)
@@ -256,16 +282,18 @@ def _dh_pingpong_kernel(
     mbarrier.init(handoff.index(1), count=1)
     mbarrier.arrive(handoff.index(0))
     gl.warp_specialize([
-        (_dh_mma_warpgroup, (a_ring, b_ring, ready, empty, handoff, stage.index(0), weights.index(0),
+        (_dh_mma_warpgroup, (a_ring, b_ring, ready, empty, handoff, h_slots0,
+                             stage.index(0), weights.index(0),
                              h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I,
                              alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
                              WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS,
-                             CHUNK, H_AHEAD, 0, num_warps)),
-        (_dh_mma_warpgroup, (a_ring, b_ring, ready, empty, handoff, stage.index(1), weights.index(1),
+                             CHUNK, 0, num_warps)),
+        (_dh_mma_warpgroup, (a_ring, b_ring, ready, empty, handoff, h_slots1,
+                             stage.index(1), weights.index(1),
                              h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I,
                              alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
                              WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS,
-                             CHUNK, H_AHEAD, 1, num_warps)),
+                             CHUNK, 1, num_warps)),
         (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, ready, ready, empty, LK, E, I, D,
                         stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS, True, False,
                         A_OFFSETS_32)),
@@ -275,35 +303,47 @@ def _dh_pingpong_kernel(
 
 
 @gluon.jit
-def _dh_wide_consumer(a_ring, b_ring, a_ready, b_ready, empty, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
+def _dh_wide_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_slots, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
                       offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_hm,
                       stride_dhm, stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr,
                       WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
                       BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, H_AHEAD: gl.constexpr,
+                      PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, STAGE_IN_RING: gl.constexpr,
                       num_warps: gl.constexpr):
     """The wide kernel's MMA warps: each of the program's tiles multiplied on the ring by
     both warpgroups at once (``ws_tile_steps``), then ``_dh_tile_epilogue``, while the copy
-    warps fill the ring with the next tile's first steps."""
+    warps fill the ring with the next tile's first steps. ``STAGE_IN_RING``: the epilogue
+    stages the accumulator in the W_down slot of the tile's last step, released after it
+    (the copies fill the other slots meanwhile), else in ``stage``."""
+    NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, I, D, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
                                                   num_warps)
     step = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
+        # The epilogue's first h chunks land during the reduction.
+        _copy_first_h_chunks(h_slots, h_ptr, grp, row0, row_end, n0, E, I, stride_hm, ACT, BLOCK_M, BLOCK_N, CHUNK,
+                             PART_COLUMNS, num_warps)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         if grp < E:  # the sentinel tiles: zeros everywhere
             acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, True, W_KMAJOR,
-                                      BLOCK_N, BLOCK_K)
-        # After the reduction: loaded before it, as in the ping-pong kernel (which waits for
-        # its turn meanwhile), the h registers would be held beside the whole accumulator
-        # for no gain here (docs/perf-notes.md).
-        hg, hu = _tile_h_chunk(h_ptr, grp, row0, row_end, n0, E, I, stride_hm, 0, ACT, PART_COLUMNS, CHUNK, BLOCK_M,
-                               num_warps)
-        _dh_tile_epilogue(acc, hg, hu, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr,
-                          wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam,
+                                      BLOCK_N, BLOCK_K, HOLD_LAST=STAGE_IN_RING)
+        held = (step + NUM_STAGES - 1) % NUM_STAGES
+        if STAGE_IN_RING:
+            tile_stage = b_ring.index(held)._reinterpret(gl.float32, [BLOCK_M, PART_COLUMNS], _stage_layout())
+        else:
+            tile_stage = stage
+        _dh_tile_epilogue(acc, h_slots, tile_stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr,
+                          dh_ptr, wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam,
                           stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, BLOCK_M, BLOCK_N, PART_COLUMNS, CHUNK,
-                          H_AHEAD, num_warps)
+                          num_warps, STAGE_IN_RING)
+        if STAGE_IN_RING:
+            # The stage was written and read through the generic proxy; TMA refills it
+            # through the async one.
+            fence_async_shared()
+            cta_barrier()
+            mbarrier.arrive(empty.index(held), pred=grp < E)
 
 
 @gluon.jit
@@ -313,8 +353,9 @@ def _dh_wide_kernel(
     stride_gm, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
     K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
     GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    NUM_STAGES: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, H_AHEAD: gl.constexpr,
-    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
+    NUM_STAGES: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, H_SLOTS: gl.constexpr,
+    STAGE_IN_RING: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
 ):
     """dH on one [BLOCK_M, BLOCK_N] tile per program at a time, ``num_warps`` MMA warps (two
     warpgroups, one wgmma BLOCK_N wide each) that also run the epilogue, and a copy
@@ -325,21 +366,44 @@ def _dh_wide_kernel(
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
     b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
-    stage = gl.allocate_shared_memory(gl.float32, [BLOCK_M, PART_COLUMNS],
-                                      gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
+    if STAGE_IN_RING:
+        stage = b_ring  # unused: the consumer stages in a slot of it
+    else:
+        stage = gl.allocate_shared_memory(gl.float32, [BLOCK_M, PART_COLUMNS], _stage_layout())
     weights = gl.allocate_shared_memory(gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    h_slots = gl.allocate_shared_memory(dtype, [2 * H_SLOTS, CHUNK, PART_COLUMNS],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     a_ready = slot_barriers(NUM_STAGES, PRODUCER_WARPS * 32)
     b_ready = slot_barriers(NUM_STAGES, 1)
     empty = slot_barriers(NUM_STAGES, 1)
     gl.warp_specialize([
-        (_dh_wide_consumer, (a_ring, b_ring, a_ready, b_ready, empty, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
+        (_dh_wide_consumer, (a_ring, b_ring, a_ready, b_ready, empty, h_slots, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
                              offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_hm,
                              stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, W_KMAJOR,
-                             GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, H_AHEAD, num_warps)),
+                             GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, STAGE_IN_RING,
+                             num_warps)),
         (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, I, D,
                         stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS, True, True,
                         A_OFFSETS_32)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
+def stage_in_ring(tile: GemmTile, wide: bool) -> bool:
+    """Whether the wide kernel stages the accumulator in a W_down ring slot (one holds a
+    [block_m, PART_COLUMNS] fp32 part) rather than shared memory of its own."""
+    return wide and tile.block_n * tile.block_k * 2 >= tile.block_m * PART_COLUMNS * 4
+
+
+def h_slots(tile: GemmTile, wide: bool) -> int:
+    """Chunks of h in flight for each MMA warpgroup's epilogue (``_copy_h_chunk``): as many
+    as the block's shared memory holds beside the ring, the fp32 stages and the weights,
+    up to a tile's chunks (each [CHUNK, PART_COLUMNS] of gate and of up, 16-bit)."""
+    epilogues = 1 if wide else 2
+    ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
+    stages = epilogues * tile.block_m * (PART_COLUMNS * (not stage_in_ring(tile, wide)) + 1) * 4
+    free = SHARED_BYTES - BARRIER_BYTES - ring - stages
+    chunks = (tile.block_n // PART_COLUMNS) * (tile.block_m // CHUNK)
+    return max(0, min(chunks, free // (epilogues * 2 * CHUNK * PART_COLUMNS * 2)))
 
 
 def applies(grad_out: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor, transposed: bool, gated: bool,
@@ -353,13 +417,15 @@ def applies(grad_out: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor, trans
 
 
 def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact, parts, *, act, transposed, alpha,
-              limit, fast_activation: bool, band: int, wide: bool = False, tile: Optional[GemmTile] = None):
+              limit, fast_activation: bool, band: int, wide: bool = False, tile: Optional[GemmTile] = None,
+              slots: Optional[int] = None):
     """``triton_experts_backward.launch_dh`` without a bias, on this module's kernels: dH into
     ``grad_h`` (which may be ``h``), ``wact`` = w * act(h) unless None, the router
     partials into ``parts`` ([L*K, cdiv(I, PART_COLUMNS)]). ``wide`` picks
     ``_dh_wide_kernel``, whose ``tile`` (``WIDE_TILE`` by default) is the program's, else
     the ping-pong kernel, whose ``tile`` (``TILE``) is each MMA warpgroup's: (M, N, K
-    block, warps, stages)."""
+    block, warps, stages). ``slots``: the chunks of h in flight for each epilogue
+    (``h_slots`` by default)."""
     tile = tile or (WIDE_TILE if wide else TILE)
     if wide:
         parts_of_tile = tile.block_n // PART_COLUMNS
@@ -370,6 +436,9 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
     elif tile.num_warps != 4 or tile.block_m % CHUNK or tile.block_n != 2 * PART_COLUMNS or tile.num_stages < 2:
         raise ValueError(f"moeblaze gluon dH: each MMA warpgroup is 4 warps over a multiple of {CHUNK} rows and "
                          f"{2 * PART_COLUMNS} columns, with at least 2 stages, got {tile}")
+    slots = h_slots(tile, wide) if slots is None else slots
+    if slots < 1:
+        raise ValueError(f"moeblaze gluon dH: no room for a chunk of h in shared memory beside the ring of {tile}")
     LK = h.shape[0]
     E, d, I = linear_dims(w_down, transposed)
     if parts.shape[1] != gg.cdiv(I, PART_COLUMNS):
@@ -379,10 +448,10 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
     w_desc = host_descriptor(view, [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n])
     max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(I, tile.block_n)
     if wide:
-        kernel, (warps, regs), ahead = _dh_wide_kernel, WIDE_PRODUCER, WIDE_H_AHEAD
-        registers = {}
+        kernel, (warps, regs) = _dh_wide_kernel, WIDE_PRODUCER
+        registers = dict(STAGE_IN_RING=stage_in_ring(tile, wide))
     else:
-        kernel, (warps, regs), ahead = _dh_pingpong_kernel, PRODUCER, H_AHEAD
+        kernel, (warps, regs) = _dh_pingpong_kernel, PRODUCER
         registers = dict(B_PRODUCER_REGS=B_PRODUCER_REGS, MMA_REGS=MMA_REGS)
     launch(
         kernel, (gg.num_programs(h.device, max_tiles),),
@@ -392,7 +461,7 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
         topk_weights.stride(0), topk_weights.stride(1),
         K=topk_weights.shape[1], ACT=act, WRITE_WACT=wact is not None, FAST_ACT=fast_activation, W_KMAJOR=kmajor,
         GROUPS=gg.next_power_of_2(E + 1), BAND=band, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PART_COLUMNS=PART_COLUMNS, CHUNK=CHUNK, H_AHEAD=ahead,
+        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PART_COLUMNS=PART_COLUMNS, CHUNK=CHUNK, H_SLOTS=slots,
         PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=grad_out.numel() < 2**31, num_warps=tile.num_warps,
         **registers,
     )

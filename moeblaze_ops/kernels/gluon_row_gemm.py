@@ -419,7 +419,8 @@ def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_re
 @gluon.jit
 def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, GATHER_A: gl.constexpr,
                   B_KMAJOR: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  ONE_READY: gl.constexpr = False, A_TRANSPOSED: gl.constexpr = False):
+                  ONE_READY: gl.constexpr = False, A_TRANSPOSED: gl.constexpr = False,
+                  HOLD_LAST: gl.constexpr = False):
     """An MMA warpgroup's reduction over one output tile of a warp-specialised kernel's
     ring (``_ws_producer`` fills it): for each of the tile's ``k_steps`` steps, wait for its
     copies, run the asynchronous wgmma, and release the slot of the step before once its
@@ -427,7 +428,8 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
     are (a tile of no steps releases none). ``step`` counts the ring's steps this
     warpgroup has passed; returns (acc, step). ``ONE_READY``: both copies arrive on
     ``a_ready``; ``b_ready`` is not waited on. ``A_TRANSPOSED``: a slot of ``a_ring`` holds
-    A^T ([BLOCK_K, M]), taken as a transposed view."""
+    A^T ([BLOCK_K, M]), taken as a transposed view. ``HOLD_LAST``: the last slot is not
+    released (the caller uses it, then releases it)."""
     NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
     for k in range(k_steps):
         slot = step % NUM_STAGES
@@ -449,7 +451,8 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
         step += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     cta_barrier()
-    mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k_steps > 0)
+    if not HOLD_LAST:
+        mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k_steps > 0)
     return acc, step
 
 
