@@ -124,7 +124,7 @@ class KernelSettings:
         gluon: the GEMM kinds (of ``GLUON_KINDS``) that run their Gluon kernel, an
             asynchronous cp.async/TMA and wgmma pipeline for Hopper (``kernels.gluon_wgrad``,
             ``kernels.gluon_row_gemm``; ``kernels.gluon_dh`` for "dh", without a down
-            bias or an interleaved h, its kernel picked by ``dh_gluon_wide_min_rows``),
+            bias or an interleaved h),
             where it applies:
             16-bit CUDA tensors on capability 9 with column counts and row strides that are
             multiples of 16. The other kinds, and every other case, run the portable
@@ -186,13 +186,6 @@ class KernelSettings:
             ``block_n`` columns takes ``block_n // dh_epilogue_columns`` slices, at most
             4, at least 1. None: the whole tile at once. The default is chosen by
             measurement (docs/perf-notes.md).
-        dh_gluon_wide_min_rows: where dH runs on Gluon (``gluon``), the average routed
-            rows per expert (L*K / E) from which it runs the wide kernel (both MMA
-            warpgroups on one 128 x 256 tile, ``gluon_dh._dh_wide_kernel``) rather than
-            the ping-pong one (two warpgroups taking turns on 128 x 128 tiles); None:
-            never. A "dh" tile in ``tiles`` is the kernel's (8 warps for the wide one, 4
-            a warpgroup for the ping-pong). The default is chosen by measurement
-            (docs/perf-notes.md).
         dh_wide_min_columns: dH on the ``tl`` kernel, of layers with at least this many
             intermediate columns (I), runs the "dh_wide" tile of the table instead of
             the "dh" one; None: never.
@@ -240,7 +233,6 @@ class KernelSettings:
     fast_activation: bool = True
     dh_fast_activation: bool = True
     dh_epilogue_columns: Optional[int] = 64
-    dh_gluon_wide_min_rows: Optional[int] = 1024
     dh_wide_min_columns: Optional[int] = 12288
     column_slab: Optional[int] = 512
     dispatch_sorted_min_bins: Optional[int] = 16
@@ -279,9 +271,6 @@ class KernelSettings:
                                  f"got {sorted(rows)}")
             if not all(isinstance(n, int) and n >= 0 for n in rows.values()):
                 raise ValueError(f"moeblaze settings: {name} maps kinds to rows per expert (ints >= 0), got {rows}")
-        rows = self.dh_gluon_wide_min_rows
-        if rows is not None and not (isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0):
-            raise ValueError(f"moeblaze settings: dh_gluon_wide_min_rows must be None or an int >= 0, got {rows!r}")
         columns = self.dh_epilogue_columns
         if columns is not None and not (isinstance(columns, int) and columns >= 1 and columns & (columns - 1) == 0):
             raise ValueError(f"moeblaze settings: dh_epilogue_columns must be None or a power of two, got {columns!r}")

@@ -28,8 +28,9 @@
 # WGRAD=1 sweeps the Gluon weight gradients (row-ordered operand by TMA or not, TMA-store
 # epilogue or not, next tile started first or not) and,
 # where Nsight Compute reads the counters, writes each kernel's stall reasons to $OUT/ncu.txt.
-# DH=1 times dH on the tl kernel and the two Gluon ones, ping-pong and wide (scripts/tune_backward.py
-# --dh-gluon) and, where ncu reads the counters, writes the three kernels' stall reasons to $OUT/ncu.txt.
+# DH=1 times dH on the tl kernel and the Gluon one (scripts/tune_backward.py --dh-gluon, the Gluon
+# one with fewer chunks of h in flight too) and, where ncu reads the counters, writes both kernels'
+# stall reasons to $OUT/ncu.txt.
 # GATED_EPILOGUE=1 runs the up projection's activation-in-the-epilogue tests, times it
 # against the GEMM and the activation pass (scripts/compare_row_gemm.py --kinds up_act), and
 # the layer's forward with settings.up_epilogue_activation off and on (eager and compiled).
@@ -183,12 +184,12 @@ if [ "${WGRAD:-0}" = 1 ]; then
   fi
 fi
 if [ "${DH:-0}" = 1 ]; then
-  echo "== dH: the tl kernel and the wide Gluon one (8 warps a tile) against the ping-pong Gluon one (4 warps a warpgroup's tile)" | tee -a "$LOG"
-  timeout 300 python3 scripts/tune_backward.py --configs olmoe mixtral deepseek_v3 --kinds dh --dh-fast 1 --dh-gluon 2 1 0 \
-    --w-tma 1 --tiles 128,128,64,4,4 128,256,64,8,4 128,256,64,8,3 2>>"$LOG" | grep -v failed | tee -a "$LOG"
+  echo "== dH: the Gluon kernel (its chunks of h in flight: as many as fit, 2) against the tl kernel" | tee -a "$LOG"
+  timeout 300 python3 scripts/tune_backward.py --configs olmoe mixtral deepseek_v3 --kinds dh --dh-fast 1 --dh-gluon 1 0 \
+    --dh-slots None 2 --w-tma 1 --tiles 128,256,64,8,4 128,256,64,8,3 2>>"$LOG" | grep -v failed | tee -a "$LOG"
   if command -v ncu >/dev/null; then
     echo "== stall reasons of the dH kernels (ncu, Mixtral-like)" | tee -a "$LOG"
-    for pair in "128,256,64,8,3:0" "128,128,64,4,4:1" "128,256,64,8,4:2"; do
+    for pair in "128,256,64,8,3:0" "128,256,64,8,4:1"; do
       timeout 240 ncu --clock-control none --kernel-name regex:_dh_ --launch-count 1 --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
         python3 scripts/tune_backward.py --configs mixtral --kinds dh --dh-fast 1 --w-tma 1 --tiles "${pair%%:*}" \

@@ -1,7 +1,7 @@
 """Sweeps tile configs of the backward GEMM kernels on benchmark shapes (GPU).
 
     python scripts/tune_backward.py [--configs olmoe mixtral] [--kinds dh dx wgrad_down wgrad_up]
-        [--w-tma 0 1] [--dh-fast 0 1] [--dh-columns None 64 32] [--dh-gluon 0 1 2] [--dh-slots None 2 4] [--gluon 0 1] [--ws 0 1] [--rows-tma 0 1] [--tma-store 0 1]
+        [--w-tma 0 1] [--dh-fast 0 1] [--dh-columns None 64 32] [--dh-gluon 0 1] [--dh-slots None 2 4] [--gluon 0 1] [--ws 0 1] [--rows-tma 0 1] [--tma-store 0 1]
         [--row-band 1 8]
         [--wgrad-band 1 8 16]
 
@@ -92,13 +92,12 @@ def variants(kind, a):
 
     if kind == "dh":
         # dh_wide_min_columns=None: every width takes the "dh" tile, which --tiles sets.
-        # dh_gluon=1: the ping-pong Gluon kernel, whose MMA warpgroups take 4-warp tiles
-        # (the 8-warp ones fail there and say so); dh_gluon=2: the wide Gluon kernel
-        # (8-warp tiles of 16 rows a warp); the weight TMA and the columns are the tl kernel's.
+        # dh_gluon=1: the Gluon kernel (tiles of 16 rows a warp; others fail there and say
+        # so); the weight TMA and the columns are the tl kernel's.
         gluon = settings.current().gluon - {"dh"}
         return [(f"gluon={g} w_tma={v} fast={f} band={b} epilogue_columns={c}" + (f" h_slots={n}" if g else ""),
                  dict(weight_tma=w_tma(v), dh_fast_activation=bool(f), row_band=b, dh_epilogue_columns=c,
-                      dh_wide_min_columns=None, dh_gluon_wide_min_rows=0 if g == 2 else None, small_gemm_flop=0,
+                      dh_wide_min_columns=None, small_gemm_flop=0,
                       gluon=gluon | ({"dh"} if g else set())), n)
                 for g in a.dh_gluon for v in (a.w_tma if not g else [1]) for f in a.dh_fast for b in a.row_band
                 for c in (a.dh_columns if not g else [None]) for n in (a.dh_slots if g else [None])]
@@ -130,10 +129,9 @@ def main():
                    default=[settings.current().dh_epilogue_columns],
                    help="columns of the dH epilogue's slices (settings.dh_epilogue_columns; None: the whole tile)")
     p.add_argument("--dh-gluon", nargs="*", type=int, default=[0],
-                   help="dh on the ping-pong Gluon kernel (1; tiles of 4 warps), the wide Gluon one (2; tiles "
-                        "of 8 warps) or the tl one (0)")
+                   help="dh on the Gluon kernel (1; tiles of 16 rows a warp) or the tl one (0)")
     p.add_argument("--dh-slots", nargs="*", type=lambda v: None if v == "None" else int(v), default=[None],
-                   help="the Gluon dH kernels' chunks of h in flight (None: as many as shared memory holds)")
+                   help="the Gluon dH kernel's chunks of h in flight (None: as many as shared memory holds)")
     p.add_argument("--gluon", nargs="*", type=int, default=[1, 0],
                    help="weight gradients on the Gluon kernel (1) or the portable tl one (0)")
     p.add_argument("--ws", nargs="*", type=int, default=[0, 1],

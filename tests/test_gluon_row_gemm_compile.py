@@ -1,4 +1,4 @@
-"""The Gluon row GEMM (``kernels.gluon_row_gemm``) and the ping-pong dH on its warp-specialised
+"""The Gluon row GEMM (``kernels.gluon_row_gemm``) and the dH on its warp-specialised
 ring (``kernels.gluon_dh``) compile for Hopper on any machine, as
 tests/test_gluon_compile.py checks for the weight gradients: both weight layouts, both
 16-bit dtypes, with and without the gather and the bias. What it computes is checked on
@@ -167,7 +167,7 @@ def _compile_in_subprocess(script, args, tmp_path):
     return json.loads(out.read_text())
 
 
-#: Compiles a Gluon dH kernel (the ping-pong one, or the wide one) in a subprocess: it
+#: Compiles the Gluon dH kernel in a subprocess: it
 #: calls ``tl`` functions (the activation's backward, the combine weights), which under
 #: ``TRITON_INTERPRET=1`` (set for this test session) are interpreter functions that
 #: Gluon's compiler does not take.
@@ -179,10 +179,10 @@ from test_gluon_row_gemm_compile import _descriptor_type
 from moeblaze_ops.activations import activation_code
 from moeblaze_ops.kernels import gluon_dh
 
-wide, dtype, k_contiguous, act, out = json.loads(sys.argv[1])
-tile = gluon_dh.WIDE_TILE if wide else gluon_dh.TILE
+dtype, k_contiguous, act, out = json.loads(sys.argv[1])
+tile = gluon_dh.TILE
 block = [1, tile.block_n, tile.block_k] if k_contiguous else [1, tile.block_k, tile.block_n]
-warps, regs = gluon_dh.WIDE_PRODUCER if wide else gluon_dh.PRODUCER
+warps, regs = gluon_dh.PRODUCER
 ints = ["LK", "E", "D", "I", "n_parts", "stride_gm", "stride_hm", "stride_dhm", "stride_wam", "stride_tw0",
         "stride_tw1"]
 signature = {"go_ptr": f"*{dtype}", "w_desc": _descriptor_type(dtype, block), "h_ptr": f"*{dtype}",
@@ -192,18 +192,12 @@ signature = {"go_ptr": f"*{dtype}", "w_desc": _descriptor_type(dtype, block), "h
 constexprs = dict(K=8, ACT=int(activation_code(act)), WRITE_WACT=True, FAST_ACT=True, W_KMAJOR=k_contiguous,
                   GROUPS=128, BAND=4, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                   NUM_STAGES=tile.num_stages, PART_COLUMNS=gluon_dh.PART_COLUMNS,
-                  CHUNK=gluon_dh.CHUNK,
-                  H_SLOTS=gluon_dh.h_slots(tile, wide),
+                  CHUNK=gluon_dh.CHUNK, H_SLOTS=gluon_dh.h_slots(tile), STAGE_IN_RING=gluon_dh.stage_in_ring(tile),
                   PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=True, num_warps=tile.num_warps)
-if not wide:
-    constexprs.update(B_PRODUCER_REGS=gluon_dh.B_PRODUCER_REGS, MMA_REGS=gluon_dh.MMA_REGS)
-else:
-    constexprs.update(STAGE_IN_RING=gluon_dh.stage_in_ring(tile, wide))
 aligned = ["go_ptr", "h_ptr", "eti_ptr", "tim_ptr", "offsets_ptr", "dh_ptr", "wact_ptr", "part_ptr", "D", "I",
            "stride_gm", "stride_hm", "stride_dhm", "stride_wam"]
-kernel_fn = gluon_dh._dh_wide_kernel if wide else gluon_dh._dh_pingpong_kernel
 try:
-    kernel = _compile_for_hopper(kernel_fn, signature, constexprs, tile.num_warps, aligned)
+    kernel = _compile_for_hopper(gluon_dh._dh_kernel, signature, constexprs, tile.num_warps, aligned)
 except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
     print("no ptxas:", error)
     sys.exit(3)
@@ -215,7 +209,7 @@ _DH_CASES = [("bf16", True, "swiglu"), ("bf16", False, "swiglu"), ("fp16", True,
 
 
 def _assert_dh_pipeline(ptx, dtype, tile):
-    """What both Gluon dH kernels are written for: the output-gradient rows gathered by
+    """What the Gluon dH kernel is written for: the output-gradient rows gathered by
     16-byte cp.async (each copy thread arriving on the slot's barrier), W_down by 3-D TMA,
     asynchronous wgmma over the tile's columns."""
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
@@ -227,57 +221,24 @@ def _assert_dh_pipeline(ptx, dtype, tile):
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
 
 
-def _assert_dh_shared(shared, tile, wide):
-    """The ring, each epilogue's fp32 stage (unless in a ring slot) and its h chunks
-    (``gluon_dh.h_slots``, at least two) within the block's shared memory."""
-    from moeblaze_ops.kernels import gluon_dh
-
-    epilogues = 1 if wide else 2
-    slots = gluon_dh.h_slots(tile, wide)
-    ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
-    stages = 0 if gluon_dh.stage_in_ring(tile, wide) else epilogues * tile.block_m * gluon_dh.PART_COLUMNS * 4
-    chunks = epilogues * slots * 2 * gluon_dh.CHUNK * gluon_dh.PART_COLUMNS * 2
-    assert slots >= 2
-    assert ring + stages + chunks <= shared <= MAX_SHARED
-
-
 @pytest.mark.parametrize("dtype,k_contiguous,act", _DH_CASES)
-def test_pingpong_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
-    """The ping-pong dH (``kernels.gluon_dh``): W_down's TMA from a copy warp of its own (its
-    registers cut to ``B_PRODUCER_REGS``), each MMA warpgroup's wgmma 128 columns wide, the
-    registers redistributed between the partitions, the ring, the fp32 stages and the
-    weights within the block's shared memory, and (almost) no spills: the epilogue over a
-    whole 128 x 128 tile per warpgroup spilled kilobytes before it was staged through
-    shared memory in chunks."""
+def test_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
+    """The Gluon dH (``kernels.gluon_dh._dh_kernel``): one copy warpgroup for both operands,
+    the two MMA warpgroups' wgmma 256 columns wide, the ring and the h chunks within the
+    block's shared memory (the fp32 stage in a ring slot), and (almost) no spills."""
     from moeblaze_ops.kernels import gluon_dh
 
-    compiled = _compile_in_subprocess(_DH_SCRIPT, [False, dtype, k_contiguous, act], tmp_path)
+    compiled = _compile_in_subprocess(_DH_SCRIPT, [dtype, k_contiguous, act], tmp_path)
     ptx = compiled["ptx"]
     tile, (_, regs) = gluon_dh.TILE, gluon_dh.PRODUCER
     _assert_dh_pipeline(ptx, dtype, tile)
-    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{gluon_dh.MMA_REGS}", ptx)
-    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{regs}", ptx)
-    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{gluon_dh.B_PRODUCER_REGS}\b", ptx)
-    _assert_dh_shared(compiled["shared"], tile, False)
-    # The whole-tile epilogue spilled kilobytes a thread, h loaded into registers ahead of
-    # its chunk 84 to 128 bytes.
-    assert _spill_bytes(ptx, tmp_path) <= 64
-
-
-@pytest.mark.parametrize("dtype,k_contiguous,act", _DH_CASES)
-def test_wide_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
-    """The wide dH (``kernels.gluon_dh._dh_wide_kernel``): one copy warpgroup for both
-    operands, the two MMA warpgroups' wgmma 256 columns wide, the ring and the fp32 stage
-    within the block's shared memory, and (almost) no spills."""
-    from moeblaze_ops.kernels import gluon_dh
-
-    compiled = _compile_in_subprocess(_DH_SCRIPT, [True, dtype, k_contiguous, act], tmp_path)
-    ptx = compiled["ptx"]
-    tile, (_, regs) = gluon_dh.WIDE_TILE, gluon_dh.WIDE_PRODUCER
-    _assert_dh_pipeline(ptx, dtype, tile)
     assert re.search(rf"setmaxnreg\.\w+\.sync\.aligned\.u32\s+{regs}\b", ptx)  # the copy warps' registers
-    _assert_dh_shared(compiled["shared"], tile, True)
-    # fp16 with an exact GeGLU and N-contiguous weights spills two words around the epilogue.
+    slots = gluon_dh.h_slots(tile)
+    ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
+    assert gluon_dh.stage_in_ring(tile) and slots >= 2
+    assert ring + slots * 2 * gluon_dh.CHUNK * gluon_dh.PART_COLUMNS * 2 <= compiled["shared"] <= MAX_SHARED
+    # h loaded into registers ahead of its chunk spilled 84 to 128 bytes (and 8 for fp16
+    # GeGLU with N-contiguous weights); the whole-tile epilogue spilled kilobytes.
     assert _spill_bytes(ptx, tmp_path) <= 64
 
 

@@ -1,8 +1,7 @@
-"""The Gluon dH kernels (``kernels.gluon_dh``: the ping-pong one and the wide one) on the
-GPU: every gradient of the layer against the float64 reference with the kernel in the
+"""The Gluon dH kernel (``kernels.gluon_dh``) on the GPU: every gradient of the layer against the float64 reference with the kernel in the
 backward, over the activations, both weight layouts, both 16-bit dtypes, ragged, empty
 and sentinel rows, odd sizes and E=256 K=8, dH written over h, with a record of its
-launches so that a test cannot pass on the portable kernel or the other Gluon one alone
+launches so that a test cannot pass on the portable kernel alone
 (``check_backward`` also runs every backward twice and wants the gradients bitwise
 equal)."""
 
@@ -21,26 +20,23 @@ def _hopper():
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a capability 9 GPU")]
 
 
-@pytest.fixture(autouse=True, params=["pingpong", "wide"])
-def kernel(request):
-    """Which Gluon dH kernel the test runs (the wide one from 0 rows per expert, or
-    never). small_gemm_flop=0: the Gluon kernels run at these tests' sizes too."""
-    wide = request.param == "wide"
+@pytest.fixture(autouse=True)
+def gluon_dh_on():
+    """dH on its Gluon kernel; small_gemm_flop=0: it runs at these tests' sizes too."""
     with settings.override(poison=True, triton_backward=True, small_gemm_flop=0,
-                           gluon=settings.current().gluon | {"dh"}, dh_gluon_wide_min_rows=0 if wide else None):
-        yield request.param
+                           gluon=settings.current().gluon | {"dh"}):
+        yield
 
 
 @pytest.fixture
-def launches(monkeypatch, kernel):
-    """How many times the chosen Gluon dH kernel was launched (a launch of the other one fails)."""
+def launches(monkeypatch):
+    """How many times the Gluon dH kernel was launched."""
     from moeblaze_ops.kernels import gluon_dh
 
     count = [0]
     launch = gluon_dh.launch_dh
 
     def counted(*args, **kwargs):
-        assert kwargs["wide"] == (kernel == "wide")
         count[0] += 1
         return launch(*args, **kwargs)
 
@@ -70,8 +66,8 @@ def test_gluon_dh_backward(activation, layout, dtype, fast, seed, launches):
     (777, 2880, 1408, 8, 2, "uniform", 0.0),  # I = 11 tiles of 128, d = 45 steps of 64
     (777, 512, 208, 8, 2, "uniform", 0.0),  # a partial last tile: one half inside I, one past it
     (777, 512, 176, 8, 2, "uniform", 0.0),  # a partial last tile: both halves partly inside I
-    (4096, 1024, 512, 4, 2, "uniform", 0.0),  # many tiles per program: both warpgroups take turns
-    (4096, 512, 320, 4, 2, "uniform", 0.0),  # the wide kernel: a last tile of one part inside I
+    (4096, 1024, 512, 4, 2, "uniform", 0.0),  # many tiles per program: the held ring slot goes round
+    (4096, 512, 320, 4, 2, "uniform", 0.0),  # a last tile of one part inside I
 ])
 def test_gluon_dh_routings_and_sizes(L, d, I, E, K, routing, sentinel_frac, seed, launches):
     check_backward(L, d, I, E, K, dtype=torch.bfloat16, device="cuda", seed=seed, routing=routing,
@@ -96,14 +92,12 @@ def test_gluon_dh_leaves_other_cases_to_the_portable_kernel(layout, bias, seed, 
 
 
 @pytest.mark.parametrize("slots", [1, 3])
-def test_gluon_dh_h_slots(slots, kernel, seed, launches, monkeypatch):
+def test_gluon_dh_h_slots(slots, seed, launches, monkeypatch):
     """Fewer chunks of h in flight than shared memory holds: one (each chunk's copies
     waited for before the next is started), and a count that does not divide the tile's
     chunks (the ring wraps mid-part)."""
     from moeblaze_ops.kernels import gluon_dh
 
-    if slots > gluon_dh.h_slots(gluon_dh.WIDE_TILE if kernel == "wide" else gluon_dh.TILE, kernel == "wide"):
-        pytest.skip("more chunks of h than the kernel's shared memory holds")
     launch = gluon_dh.launch_dh
     monkeypatch.setattr(gluon_dh, "launch_dh", lambda *args, **kwargs: launch(*args, **kwargs, slots=slots))
     check_backward(777, 512, 320, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout="concatenated",
@@ -111,18 +105,12 @@ def test_gluon_dh_h_slots(slots, kernel, seed, launches, monkeypatch):
     assert launches[0] > 0
 
 
-#: Tiles other than the defaults, per kernel: the wide kernel's fp32 stage in shared memory
-#: of its own (a W_down slot of a 128-wide tile is too small for it), and both kernels with
-#: a ring of 3 slots (more chunks of h in flight).
-OTHER_TILES = {"wide": [GemmTile(128, 128, 64, 8, 4), GemmTile(128, 256, 64, 8, 3)],
-               "pingpong": [GemmTile(128, 128, 64, 4, 3)]}
-
-
-@pytest.mark.parametrize("which", [0, 1])
-def test_gluon_dh_other_tiles(which, kernel, seed, launches):
-    if which >= len(OTHER_TILES[kernel]):
-        pytest.skip("one other tile for this kernel")
-    tile = OTHER_TILES[kernel][which]
+@pytest.mark.parametrize("tile", [
+    GemmTile(128, 128, 64, 8, 4),  # the fp32 stage in shared memory of its own: a W_down slot is too small
+    GemmTile(128, 256, 64, 8, 3),  # a ring of 3 slots: more chunks of h in flight than the tile's parts
+    GemmTile(64, 128, 64, 4, 4),  # one MMA warpgroup, its chunks over two passes of its warps
+], ids=str)
+def test_gluon_dh_other_tiles(tile, seed, launches):
     with settings.override(tiles={**settings.current().tiles, "dh": tile}):
         check_backward(777, 512, 320, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout="concatenated",
                        tw_dtype=torch.float32, sentinel_frac=0.2)

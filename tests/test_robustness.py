@@ -357,21 +357,10 @@ def test_dh_tile_by_layer_width(monkeypatch):
         settings._table_tile.cache_clear()
 
 
-@pytest.mark.parametrize("rows", [-1, 1.5, "1024", True])
-def test_dh_gluon_wide_min_rows_rejects_what_is_not_a_row_count(rows):
-    """``settings.dh_gluon_wide_min_rows`` is None or a count of rows (an int >= 0); anything
-    else is refused when the settings are made, naming the setting."""
-    with pytest.raises(ValueError, match="dh_gluon_wide_min_rows must be None or an int >= 0"):
-        settings.current().replace(dh_gluon_wide_min_rows=rows)
-    for ok in (None, 0, 4096):
-        assert settings.current().replace(dh_gluon_wide_min_rows=ok).dh_gluon_wide_min_rows == ok
-
-
 def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
     """Where ``settings.gluon`` names "dh" (the default) and the Gluon module applies (at
-    any width), ``launch_dh`` hands it the operands, which of its kernels runs (the wide
-    one from ``settings.dh_gluon_wide_min_rows`` routed rows per expert), the "dh" tile
-    override (else None: the kernel's own) and the row band, and the router partials are
+    any width), ``launch_dh`` hands it the operands, the "dh" tile override (else None:
+    the kernel's own) and the row band, and the router partials are
     sized by its columns per partial; where it does not apply or is not named, by the tl
     kernel's tile. The Gluon module is a stand-in that records its launch (no GPU)."""
     from types import SimpleNamespace
@@ -400,27 +389,24 @@ def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
         assert part_columns() == 64
     tuned = settings.GemmTile(128, 128, 64, 4, 5)
     assert "dh" in settings.current().gluon
-    rows_per_expert = L * K // E  # 3
     with settings.override(row_band=3):
         assert part_columns() == 64
         gluon = tb.dh_gluon_module(grad_out, h, w_down, **operands)
         assert gluon is fake
         parts = torch.empty(L * K, gg.cdiv(I, 64))
         args = (gluon, grad_out, h, w_down, None, torch.rand(L, K), None, None, None, h, None, parts, None)
-        for wide_from, tiles in [(rows_per_expert + 1, {}), (rows_per_expert + 1, {"dh": tuned}),
-                                 (rows_per_expert, {}), (None, {})]:
-            with settings.override(dh_gluon_wide_min_rows=wide_from, tiles=tiles):
+        for tiles in [{}, {"dh": tuned}]:
+            with settings.override(tiles=tiles):
                 tb.launch_dh(*args, act=0, transposed=False, interleaved=False, alpha=1.0, limit=7.0)
         fake.applies = lambda *a: False
         assert part_columns() == tl_columns
-    assert [(kwargs["wide"], kwargs["tile"]) for _, kwargs in launches] == [(False, None), (False, tuned),
-                                                                             (True, None), (False, None)]
+    assert [kwargs["tile"] for _, kwargs in launches] == [None, tuned]
     assert all(kwargs["band"] == 3 and args[9] is parts for args, kwargs in launches)
 
 
 @pytest.mark.parametrize("rows,offsets_32", [(1024, True), (2**28 + 1, False)], ids=["small", "past_int32"])
 def test_gathered_copies_use_32_bit_offsets_only_where_they_fit(rows, offsets_32, monkeypatch):
-    """The warp-specialised Gluon copies (the ping-pong dH's and the row GEMM's) gather A's
+    """The warp-specialised Gluon copies (the dH kernel's and the row GEMM's) gather A's
     rows with 32-bit element offsets only where A has fewer than 2^31 elements; past that,
     64-bit ones (a wrong choice would address other rows without a fault). Meta tensors
     stand in for an A that large; the launch is recorded, not run (no GPU)."""

@@ -1,8 +1,4 @@
-"""dH on Hopper (sm_90), in Gluon, on two kernels that share one epilogue
-(``_dh_tile_epilogue``): a wide one (both MMA warpgroups on one 128 x 256 tile) where
-experts have many rows, and a "ping-pong" one (two MMA warpgroups taking turns, so that
-one tile's epilogue runs while the other warpgroup multiplies the next tile) where they
-have few (``settings.dh_gluon_wide_min_rows``).
+"""dH on Hopper (sm_90), in Gluon.
 
 The product and epilogue of ``triton_experts_backward._dh_kernel`` (the portable path):
 for every routed row r of expert e, ``g = grad_out[token(r)] @ W_down_e^T`` over the
@@ -11,23 +7,17 @@ behind the tile's columns, ``(dL/dgate, dL/dup, a) = triton_activations.backward
 is written as dH (over h when asked), ``w * a`` (the down weight gradient's operand) and
 each row's router partial ``<g, a>``.
 
-The wide kernel (``_dh_wide_kernel``) is the row GEMM's warp-specialised pipeline
+The kernel (``_dh_kernel``) is the row GEMM's warp-specialised pipeline
 (``gluon_row_gemm._row_gemm_ws_kernel``: a copy warpgroup gathers the output-gradient rows
-by cp.async and issues W_down's TMA, two MMA warpgroups run one 256-wide wgmma each) with
-the epilogue in the MMA warps after each tile's reduction, while the copy warps fill the
-ring with the next tile's first steps. A 256-wide wgmma reads a sixth fewer shared-memory
-bytes per multiply than two 128-wide ones.
-
-Why the ping-pong kernel (``_dh_pingpong_kernel``): the epilogue (h in, dH and w * act(h)
-out: 160 KB a 128 x 128 tile) keeps the tensor cores idle while it runs; at a short
-reduction that is a large part of the time. Here each MMA warpgroup owns a whole 128 x 128
-tile (its program's even or odd tiles): while one runs its epilogue, the other's tile is in
-the tensor cores. Two copy partitions (``gluon_row_gemm._ws_producer``, one operand each)
-fill one ring for both, in tile order: a warpgroup gathers the output-gradient rows by
-cp.async, one warp issues W_down's TMA. Copy warps have no other warps to hide their
-instructions' latencies behind, so each keeps its step short, and neither operand's copies
-wait behind the other's (docs/perf-notes.md has the measurements; the wide kernel measured
-faster wherever experts have many rows, the ping-pong one where they have few).
+by cp.async and issues W_down's TMA, two MMA warpgroups run one 256-wide wgmma each on a
+128 x 256 tile) with dH's epilogue in the MMA warps after each tile's reduction
+(``_dh_tile_epilogue``), while the copy warps fill the ring with the next tile's first
+steps. The epilogue moves the accumulator through an fp32 stage in shared memory, a part
+of 64 columns at a time, and takes it back 32 rows at a time beside the matching h, which
+reaches shared memory by cp.async: a ring of chunks, the first ones copied during the
+reduction (h held in registers ahead of its use would take the registers the epilogue's
+arithmetic needs). The stage is the W_down slot of the tile's last reduction step, held
+back from the copies until the epilogue is done with it, so the ring keeps its four slots.
 
 Applies where ``gluon_row_gemm`` applies to the GEMM (16-bit, Hopper, 16-element aligned
 K, N and strides), the layout is concatenated (gate columns, then up) or the activation
@@ -55,35 +45,23 @@ from .launch import launch
 from .triton_combine import row_combine_weights
 from .triton_experts_backward import _column_slice, dh_outputs
 
-#: Rows of an epilogue chunk, in both kernels: 16 of the accumulator's elements a thread
-#: in the ping-pong kernel's 4-warp warpgroups, 8 in the wide kernel's 8 warps.
+#: Rows of an epilogue chunk: 8 of the accumulator's elements a thread in 8 warps.
 CHUNK = 32
-#: Columns of each router partial: a part of a tile, which the epilogue stages at once (a
-#: half of the ping-pong kernel's tile, a quarter of the wide kernel's).
+#: Columns of each router partial: a part of a tile (a quarter of the default tile's),
+#: which the epilogue stages at once.
 PART_COLUMNS = 64
-#: Each MMA warpgroup's tile: 128 x 128 outputs (4 warps, the wgmma run twice over 64
-#: rows), 64 of K per step; a ring of 4 slots of 32 KB shared by both warpgroups.
-TILE = GemmTile(128, 128, 64, 4, 4)
-#: (warps, registers per thread) of the copy warpgroup (the gathered rows' 16-byte
-#: copies and their offsets), the registers of the copy warp that issues the weight
-#: tiles' TMA (its warpgroup padded to four warps), and those of each MMA warpgroup:
-#: 16 warps launch with 128 registers a thread, redistributed as
-#: 2 x 128 x 216 + 128 x 56 + 128 x 24 = 128 x 512.
-PRODUCER = (4, 56)
-B_PRODUCER_REGS = 24
-MMA_REGS = 216
 #: The shared memory of one sm_90 block (227 KB), and what its barriers and the
 #: allocations' alignment take at most.
 SHARED_BYTES = 232448
 BARRIER_BYTES = 1024
-#: The wide kernel's tile: 128 x 256 outputs on two MMA warpgroups (one 256-wide wgmma
-#: each), 64 of K per step, 4 slots of 48 KB (its fp32 stage in one of them): 32 KB are
-#: left for four chunks of h.
-WIDE_TILE = GemmTile(128, 256, 64, 8, 4)
-#: Its copy warpgroup, both operands from one partition: 12 warps in all, as in the row
+#: The program's tile: 128 x 256 outputs on two MMA warpgroups (one 256-wide wgmma each),
+#: 64 of K per step, 4 slots of 48 KB (the fp32 stage in one of them): 32 KB are left for
+#: four chunks of h.
+TILE = GemmTile(128, 256, 64, 8, 4)
+#: The copy warpgroup, both operands from one partition: 12 warps in all, as in the row
 #: GEMM (with a copy partition for each, 16 warps launch with 128 registers a thread,
 #: fewer than the 256-wide wgmma takes).
-WIDE_PRODUCER = PRODUCER_GATHER
+PRODUCER = PRODUCER_GATHER
 
 
 @gluon.constexpr_function
@@ -142,7 +120,7 @@ def _dh_tile_epilogue(acc, h_slots, stage, weights, grp, row0, row_end, n0, h_pt
                       stride_tw1,
                       K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr,
-                      WARPS: gl.constexpr, STAGE_IN_RING: gl.constexpr = False):
+                      WARPS: gl.constexpr, STAGE_IN_RING: gl.constexpr):
     """The epilogue of one [BLOCK_M, BLOCK_N] tile ``acc`` (dL/da / w) at rows ``row0 ..``
     of group ``grp`` and activation columns ``n0 ..``, by the ``WARPS`` warps that hold it:
     ``dh_outputs`` over parts of ``PART_COLUMNS`` columns, each staged in ``stage``
@@ -205,113 +183,14 @@ def _dh_tile_epilogue(acc, h_slots, stage, weights, grp, row0, row_end, n0, h_pt
 
 
 @gluon.jit
-def _dh_mma_warpgroup(a_ring, b_ring, ready, empty, handoff, h_slots, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
-                      offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_hm,
-                      stride_dhm, stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr,
-                      WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
-                      GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      BLOCK_K: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, TURN: gl.constexpr,
-                      WARPS: gl.constexpr):
-    """One MMA warpgroup: the program's tiles of its ``TURN`` (every other one), each
-    multiplied on the shared ring, then taken through ``_dh_tile_epilogue``; the other
-    turn's tiles only move its count of ring steps on."""
-    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, WARPS)
-    tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, I, D, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, WARPS)
-    step = 0
-    turn = 0
-    own = 0  # this warpgroup's tiles so far: the phase of its handoff barrier
-    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-        grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
-        if turn == TURN:
-            # The epilogue's first h chunks, copied while this warpgroup waits for its turn.
-            _copy_first_h_chunks(h_slots, h_ptr, grp, row0, row_end, n0, E, I, stride_hm, ACT, BLOCK_M, BLOCK_N, CHUNK,
-                                 PART_COLUMNS, WARPS)
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-            # The warpgroups' MMAs take turns: this one waits until the other's tile is
-            # through the ring. (Waiting for ring slots more than one pass ahead of the
-            # copies would be answered by an earlier pass's barrier phase.)
-            mbarrier.wait(handoff.index(TURN), own & 1)
-            own += 1
-            if grp < E:  # the sentinel tiles: zeros everywhere
-                acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, ready, ready, empty, True, W_KMAJOR,
-                                          BLOCK_N, BLOCK_K, True)
-            mbarrier.arrive(handoff.index(1 - TURN))
-            # Everything below waits on memory; the other warpgroup's MMAs run meanwhile.
-            _dh_tile_epilogue(acc, h_slots, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr,
-                              dh_ptr, wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm,
-                              stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, BLOCK_M, BLOCK_N,
-                              PART_COLUMNS, CHUNK, WARPS)
-        elif grp < E:
-            step += k_steps
-        turn = 1 - turn
-
-
-@gluon.jit
-def _dh_pingpong_kernel(
-    go_ptr, w_desc, h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr,
-    LK, E, D, I, alpha, limit, n_parts,
-    stride_gm, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
-    K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
-    GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    NUM_STAGES: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, H_SLOTS: gl.constexpr,
-    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, B_PRODUCER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
-    A_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
-):
-    """Two MMA warpgroups of ``num_warps`` warps (this function's own and a worker) on
-    alternate tiles, and ``PRODUCER_WARPS`` copy warps: the output-gradient rows gathered
-    by cp.async, W_down by TMA from a warp of its own, into a ring whose slots each have
-    two mbarriers (``ready``: both copies landed; ``empty``: the MMA is done with it). Each MMA
-    warpgroup has its own fp32 stage for half an accumulator tile."""
-    dtype: gl.constexpr = go_ptr.dtype.element_ty
-    a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
-    b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
-    stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, PART_COLUMNS], _stage_layout())
-    weights = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    # Each warpgroup's ring of h chunks (gate, up), H_SLOTS deep. A thread reads back its
-    # own 16-byte copies, a warp 512 contiguous bytes: no swizzle needed.
-    h_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    h_slots0 = gl.allocate_shared_memory(dtype, [2 * H_SLOTS, CHUNK, PART_COLUMNS], h_layout)
-    h_slots1 = gl.allocate_shared_memory(dtype, [2 * H_SLOTS, CHUNK, PART_COLUMNS], h_layout)
-    # Every gathering thread arrives once its copies land, the TMA warp once with the bytes it expects.
-    ready = slot_barriers(NUM_STAGES, PRODUCER_WARPS * 32 + 1)
-    empty = slot_barriers(NUM_STAGES, 1)
-    # handoff[i]: warpgroup i's turn at the tensor cores; the first is warpgroup 0's.
-    handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(handoff.index(0), count=1)
-    mbarrier.init(handoff.index(1), count=1)
-    mbarrier.arrive(handoff.index(0))
-    gl.warp_specialize([
-        (_dh_mma_warpgroup, (a_ring, b_ring, ready, empty, handoff, h_slots0,
-                             stage.index(0), weights.index(0),
-                             h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I,
-                             alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
-                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS,
-                             CHUNK, 0, num_warps)),
-        (_dh_mma_warpgroup, (a_ring, b_ring, ready, empty, handoff, h_slots1,
-                             stage.index(1), weights.index(1),
-                             h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I,
-                             alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT,
-                             WRITE_WACT, FAST_ACT, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS,
-                             CHUNK, 1, num_warps)),
-        (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, ready, ready, empty, LK, E, I, D,
-                        stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS, True, False,
-                        A_OFFSETS_32)),
-        (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, ready, ready, empty, LK, E, I, D,
-                        stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, 1, False, True)),
-    ], [num_warps, PRODUCER_WARPS, 1], [MMA_REGS, PRODUCER_REGS, B_PRODUCER_REGS])
-
-
-@gluon.jit
-def _dh_wide_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_slots, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
-                      offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_hm,
-                      stride_dhm, stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr,
-                      WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
-                      BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, STAGE_IN_RING: gl.constexpr,
-                      num_warps: gl.constexpr):
-    """The wide kernel's MMA warps: each of the program's tiles multiplied on the ring by
-    both warpgroups at once (``ws_tile_steps``), then ``_dh_tile_epilogue``, while the copy
+def _dh_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_slots, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
+                 offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_hm, stride_dhm,
+                 stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr,
+                 FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, PART_COLUMNS: gl.constexpr,
+                 CHUNK: gl.constexpr, STAGE_IN_RING: gl.constexpr, num_warps: gl.constexpr):
+    """The MMA warps: each of the program's tiles multiplied on the ring by both
+    warpgroups at once (``ws_tile_steps``), then ``_dh_tile_epilogue``, while the copy
     warps fill the ring with the next tile's first steps. ``STAGE_IN_RING``: the epilogue
     stages the accumulator in the W_down slot of the tile's last step, released after it
     (the copies fill the other slots meanwhile), else in ``stage``."""
@@ -347,7 +226,7 @@ def _dh_wide_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_slots, stage, w
 
 
 @gluon.jit
-def _dh_wide_kernel(
+def _dh_kernel(
     go_ptr, w_desc, h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr,
     LK, E, D, I, alpha, limit, n_parts,
     stride_gm, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
@@ -377,33 +256,33 @@ def _dh_wide_kernel(
     b_ready = slot_barriers(NUM_STAGES, 1)
     empty = slot_barriers(NUM_STAGES, 1)
     gl.warp_specialize([
-        (_dh_wide_consumer, (a_ring, b_ring, a_ready, b_ready, empty, h_slots, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
-                             offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_hm,
-                             stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, W_KMAJOR,
-                             GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, STAGE_IN_RING,
-                             num_warps)),
+        (_dh_consumer, (a_ring, b_ring, a_ready, b_ready, empty, h_slots, stage, weights, h_ptr, eti_ptr, tw_ptr,
+                        tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts,
+                        stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT,
+                        W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, STAGE_IN_RING,
+                        num_warps)),
         (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, I, D,
                         stride_gm, True, W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS, True, True,
                         A_OFFSETS_32)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
-def stage_in_ring(tile: GemmTile, wide: bool) -> bool:
-    """Whether the wide kernel stages the accumulator in a W_down ring slot (one holds a
+def stage_in_ring(tile: GemmTile) -> bool:
+    """Whether the kernel stages the accumulator in a W_down ring slot (one holds a
     [block_m, PART_COLUMNS] fp32 part) rather than shared memory of its own."""
-    return wide and tile.block_n * tile.block_k * 2 >= tile.block_m * PART_COLUMNS * 4
+    return tile.block_n * tile.block_k * 2 >= tile.block_m * PART_COLUMNS * 4
 
 
-def h_slots(tile: GemmTile, wide: bool) -> int:
-    """Chunks of h in flight for each MMA warpgroup's epilogue (``_copy_h_chunk``): as many
-    as the block's shared memory holds beside the ring, the fp32 stages and the weights,
-    up to a tile's chunks (each [CHUNK, PART_COLUMNS] of gate and of up, 16-bit)."""
-    epilogues = 1 if wide else 2
+def h_slots(tile: GemmTile) -> int:
+    """Chunks of h in flight for the epilogue (``_copy_h_chunk``): as many as the block's
+    shared memory holds beside the ring, the fp32 stage (unless in the ring) and the
+    weights, up to a tile's chunks (each [CHUNK, PART_COLUMNS] of gate and of up,
+    16-bit)."""
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
-    stages = epilogues * tile.block_m * (PART_COLUMNS * (not stage_in_ring(tile, wide)) + 1) * 4
-    free = SHARED_BYTES - BARRIER_BYTES - ring - stages
+    stage = tile.block_m * (PART_COLUMNS * (not stage_in_ring(tile)) + 1) * 4
+    free = SHARED_BYTES - BARRIER_BYTES - ring - stage
     chunks = (tile.block_n // PART_COLUMNS) * (tile.block_m // CHUNK)
-    return max(0, min(chunks, free // (epilogues * 2 * CHUNK * PART_COLUMNS * 2)))
+    return max(0, min(chunks, free // (2 * CHUNK * PART_COLUMNS * 2)))
 
 
 def applies(grad_out: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor, transposed: bool, gated: bool,
@@ -417,26 +296,19 @@ def applies(grad_out: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor, trans
 
 
 def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact, parts, *, act, transposed, alpha,
-              limit, fast_activation: bool, band: int, wide: bool = False, tile: Optional[GemmTile] = None,
-              slots: Optional[int] = None):
-    """``triton_experts_backward.launch_dh`` without a bias, on this module's kernels: dH into
+              limit, fast_activation: bool, band: int, tile: Optional[GemmTile] = None, slots: Optional[int] = None):
+    """``triton_experts_backward.launch_dh`` without a bias, on ``_dh_kernel``: dH into
     ``grad_h`` (which may be ``h``), ``wact`` = w * act(h) unless None, the router
-    partials into ``parts`` ([L*K, cdiv(I, PART_COLUMNS)]). ``wide`` picks
-    ``_dh_wide_kernel``, whose ``tile`` (``WIDE_TILE`` by default) is the program's, else
-    the ping-pong kernel, whose ``tile`` (``TILE``) is each MMA warpgroup's: (M, N, K
-    block, warps, stages). ``slots``: the chunks of h in flight for each epilogue
+    partials into ``parts`` ([L*K, cdiv(I, PART_COLUMNS)]). ``tile``: the program's (M,
+    N, K block, warps, stages), ``TILE`` by default; ``slots``: the chunks of h in flight
     (``h_slots`` by default)."""
-    tile = tile or (WIDE_TILE if wide else TILE)
-    if wide:
-        parts_of_tile = tile.block_n // PART_COLUMNS
-        if (tile.num_warps not in (4, 8) or tile.block_m != 16 * tile.num_warps or tile.block_m % CHUNK
-                or tile.block_n % PART_COLUMNS or parts_of_tile not in (1, 2, 4) or tile.num_stages < 2):
-            raise ValueError(f"moeblaze gluon dH: the wide kernel's tile is 4 or 8 warps over 16 rows each, 1, 2 or 4 "
-                             f"parts of {PART_COLUMNS} columns, at least 2 stages, got {tile}")
-    elif tile.num_warps != 4 or tile.block_m % CHUNK or tile.block_n != 2 * PART_COLUMNS or tile.num_stages < 2:
-        raise ValueError(f"moeblaze gluon dH: each MMA warpgroup is 4 warps over a multiple of {CHUNK} rows and "
-                         f"{2 * PART_COLUMNS} columns, with at least 2 stages, got {tile}")
-    slots = h_slots(tile, wide) if slots is None else slots
+    tile = tile or TILE
+    parts_of_tile = tile.block_n // PART_COLUMNS
+    if (tile.num_warps not in (4, 8) or tile.block_m != 16 * tile.num_warps or tile.block_m % CHUNK
+            or tile.block_n % PART_COLUMNS or parts_of_tile not in (1, 2, 4) or tile.num_stages < 2):
+        raise ValueError(f"moeblaze gluon dH: the tile is 4 or 8 warps over 16 rows each, 1, 2 or 4 parts of "
+                         f"{PART_COLUMNS} columns, at least 2 stages, got {tile}")
+    slots = h_slots(tile) if slots is None else slots
     if slots < 1:
         raise ValueError(f"moeblaze gluon dH: no room for a chunk of h in shared memory beside the ring of {tile}")
     LK = h.shape[0]
@@ -447,14 +319,9 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
     view, kmajor = _weight_view(w_down, not transposed)
     w_desc = host_descriptor(view, [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n])
     max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(I, tile.block_n)
-    if wide:
-        kernel, (warps, regs) = _dh_wide_kernel, WIDE_PRODUCER
-        registers = dict(STAGE_IN_RING=stage_in_ring(tile, wide))
-    else:
-        kernel, (warps, regs) = _dh_pingpong_kernel, PRODUCER
-        registers = dict(B_PRODUCER_REGS=B_PRODUCER_REGS, MMA_REGS=MMA_REGS)
+    warps, regs = PRODUCER
     launch(
-        kernel, (gg.num_programs(h.device, max_tiles),),
+        _dh_kernel, (gg.num_programs(h.device, max_tiles),),
         grad_out, w_desc, h, eti, topk_weights, tim, offsets, grad_h, wact, parts,
         LK, E, d, I, float(alpha), float(limit), parts.shape[1],
         grad_out.stride(0), h.stride(0), grad_h.stride(0), wact.stride(0) if wact is not None else 0,
@@ -462,6 +329,6 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
         K=topk_weights.shape[1], ACT=act, WRITE_WACT=wact is not None, FAST_ACT=fast_activation, W_KMAJOR=kmajor,
         GROUPS=gg.next_power_of_2(E + 1), BAND=band, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PART_COLUMNS=PART_COLUMNS, CHUNK=CHUNK, H_SLOTS=slots,
-        PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=grad_out.numel() < 2**31, num_warps=tile.num_warps,
-        **registers,
+        STAGE_IN_RING=stage_in_ring(tile), PRODUCER_WARPS=warps, PRODUCER_REGS=regs,
+        A_OFFSETS_32=grad_out.numel() < 2**31, num_warps=tile.num_warps,
     )

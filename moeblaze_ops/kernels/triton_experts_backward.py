@@ -312,17 +312,15 @@ def launch_dh(gluon, grad_out, h, w_down, eti, topk_weights, tim, offsets, b_dow
     """dH (into ``grad_h``, which may be ``h``), the router partials (``parts``: [L*K,
     cdiv(I, dh_part_columns)]), and ``wact`` = w * act(h) (the down weight gradient's
     operand) unless it is None. On ``gluon``, the Gluon module ``dh_gluon_module`` picked for
-    these operands (its wide kernel from ``settings.dh_gluon_wide_min_rows`` rows per
-    expert; a "dh" tile in ``settings.tiles`` is then the kernel's), or where it is None on
-    ``_dh_kernel``."""
+    these operands (a "dh" tile in ``settings.tiles`` is then its kernel's), or where it is
+    None on ``_dh_kernel``."""
     E, d, I = linear_dims(w_down, transposed)
     config = settings.current()
     fast = gg.fast_sigmoid(h, config.dh_fast_activation)
     if gluon is not None:
-        wide_from = config.dh_gluon_wide_min_rows
         gluon.launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact, parts, act=int(act),
                         transposed=transposed, alpha=alpha, limit=limit, fast_activation=fast, band=config.row_band,
-                        wide=wide_from is not None and h.shape[0] >= wide_from * E, tile=config.tiles.get("dh"))
+                        tile=config.tiles.get("dh"))
         return
     tile = dh_tile(h, I)
     # grad_out rows @ W_e as [d, I]: the forward's product transposed (reduction over d).
