@@ -15,13 +15,17 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .. import settings
 
 # Builtins renamed after triton 3.6: the masked cp.async (``async_copy_global_to_shared``,
-# then ``async_load``), the CTA barrier (``thread_barrier``, then ``barrier``) and the TMA
+# then ``async_load``), the CTA barrier (``thread_barrier``, then ``barrier``), the TMA
 # load and store (``async_copy_global_to_shared`` / ``async_copy_shared_to_global``, then
-# ``async_load`` / ``async_store``).
+# ``async_load`` / ``async_store``) and a shared-memory view's reinterpretation as another
+# dtype, shape and layout (the method ``_reinterpret``, then ``reinterpret``; called here
+# as ``reinterpret_shared(view, dtype, shape, layout)``).
 async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+reinterpret_shared = (getattr(gl.shared_memory_descriptor, "reinterpret", None)
+                      or gl.shared_memory_descriptor._reinterpret)
 
 
 @functools.lru_cache(maxsize=None)

@@ -38,7 +38,8 @@ from ..layouts import linear_dims
 from ..settings import GemmTile
 from . import grouped_gemm as gg
 from . import triton_activations as acts
-from .gluon_common import async_load, cta_barrier, host_descriptor, on_hopper, slot_barriers, wgmma_acc_layout
+from .gluon_common import (async_load, cta_barrier, host_descriptor, on_hopper, reinterpret_shared, slot_barriers,
+                           wgmma_acc_layout)
 from .gluon_row_gemm import PRODUCER_GATHER, _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
 from .gluon_row_gemm import applies as row_gemm_applies
 from .launch import launch
@@ -210,7 +211,7 @@ def _dh_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_slots, stage, weight
                                       BLOCK_N, BLOCK_K, HOLD_LAST=STAGE_IN_RING)
         held = (step + NUM_STAGES - 1) % NUM_STAGES
         if STAGE_IN_RING:
-            tile_stage = b_ring.index(held)._reinterpret(gl.float32, [BLOCK_M, PART_COLUMNS], _stage_layout())
+            tile_stage = reinterpret_shared(b_ring.index(held), gl.float32, [BLOCK_M, PART_COLUMNS], _stage_layout())
         else:
             tile_stage = stage
         _dh_tile_epilogue(acc, h_slots, tile_stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr,
