@@ -118,10 +118,10 @@ def _copy_first_h_chunks(h_slots, h_ptr, grp, row0, row_end, n0, E, I, stride_hm
 @gluon.jit
 def _dh_tile_epilogue(acc, h_slots, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr,
                       wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0,
-                      stride_tw1,
-                      K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr,
-                      WARPS: gl.constexpr, STAGE_IN_RING: gl.constexpr):
+                      stride_tw1, K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr,
+                      FAST_ACT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr,
+                      STAGE_IN_RING: gl.constexpr):
     """The epilogue of one [BLOCK_M, BLOCK_N] tile ``acc`` (dL/da / w) at rows ``row0 ..``
     of group ``grp`` and activation columns ``n0 ..``, by the ``WARPS`` warps that hold it:
     ``dh_outputs`` over parts of ``PART_COLUMNS`` columns, each staged in ``stage``
