@@ -175,7 +175,7 @@ _DH_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[2])
 from test_gluon_compile import _compile_for_hopper
-from test_gluon_row_gemm_compile import _descriptor_type
+from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type
 from moeblaze_ops.activations import activation_code
 from moeblaze_ops.kernels import gluon_dh
 
@@ -192,7 +192,8 @@ signature = {"go_ptr": f"*{dtype}", "w_desc": _descriptor_type(dtype, block), "h
 constexprs = dict(K=8, ACT=int(activation_code(act)), WRITE_WACT=True, FAST_ACT=True, W_KMAJOR=k_contiguous,
                   GROUPS=128, BAND=4, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                   NUM_STAGES=tile.num_stages, PART_COLUMNS=gluon_dh.PART_COLUMNS,
-                  CHUNK=gluon_dh.CHUNK, H_SLOTS=gluon_dh.h_slots(tile), STAGE_IN_RING=gluon_dh.stage_in_ring(tile),
+                  CHUNK=gluon_dh.CHUNK, H_SLOTS=gluon_dh.h_slots(tile, MAX_SHARED),
+                  STAGE_IN_RING=gluon_dh.stage_in_ring(tile),
                   PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=True, num_warps=tile.num_warps)
 aligned = ["go_ptr", "h_ptr", "eti_ptr", "tim_ptr", "offsets_ptr", "dh_ptr", "wact_ptr", "part_ptr", "D", "I",
            "stride_gm", "stride_hm", "stride_dhm", "stride_wam"]
@@ -233,7 +234,7 @@ def test_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
     tile, (_, regs) = gluon_dh.TILE, gluon_dh.PRODUCER
     _assert_dh_pipeline(ptx, dtype, tile)
     assert re.search(rf"setmaxnreg\.\w+\.sync\.aligned\.u32\s+{regs}\b", ptx)  # the copy warps' registers
-    slots = gluon_dh.h_slots(tile)
+    slots = gluon_dh.h_slots(tile, MAX_SHARED)
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
     assert gluon_dh.stage_in_ring(tile) and slots >= 2
     assert ring + slots * 2 * gluon_dh.CHUNK * gluon_dh.PART_COLUMNS * 2 <= compiled["shared"] <= MAX_SHARED
@@ -248,7 +249,7 @@ _ACTIVATED_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[2])
 from test_gluon_compile import _compile_for_hopper
-from test_gluon_row_gemm_compile import _descriptor_type
+from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type
 from moeblaze_ops.activations import activation_code
 from moeblaze_ops.kernels import gluon_row_gemm, triton_activations
 

@@ -162,8 +162,8 @@ def store_tile_by_tma(out_desc, out_buf, acc, e, m0, n0, TRANSPOSED: gl.constexp
         store_by_tma(out_desc, out_buf, second, e, m0, n0 + acc.shape[1] // 2, TRANSPOSED)
 
 
-#: Shared memory a kernel holds beside its rings and output buffer (mbarriers, alignment).
-_SPARE_BYTES = 1024
+#: Shared memory a kernel holds beside its rings and buffers (mbarriers, alignment).
+SPARE_SHARED_BYTES = 1024
 
 
 def store_pieces(tile, element_size: int, device: torch.device) -> int:
@@ -173,7 +173,7 @@ def store_pieces(tile, element_size: int, device: torch.device) -> int:
     else 2, and the second half waits for the copy engine to read the first."""
     whole = tile.block_m * tile.block_n * element_size
     budget = settings.shared_memory_per_block(device)
-    return 1 if tile.smem_bytes(element_size) + whole + _SPARE_BYTES <= budget else 2
+    return 1 if tile.smem_bytes(element_size) + whole + SPARE_SHARED_BYTES <= budget else 2
 
 
 @functools.lru_cache(maxsize=None)

@@ -34,12 +34,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from .. import settings
 from ..layouts import linear_dims
 from ..settings import GemmTile
 from . import grouped_gemm as gg
 from . import triton_activations as acts
-from .gluon_common import (async_load, cta_barrier, host_descriptor, on_hopper, reinterpret_shared, slot_barriers,
-                           wgmma_acc_layout)
+from .gluon_common import (SPARE_SHARED_BYTES, async_load, cta_barrier, host_descriptor, on_hopper,
+                           reinterpret_shared, slot_barriers, wgmma_acc_layout)
 from .gluon_row_gemm import PRODUCER_GATHER, _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
 from .gluon_row_gemm import applies as row_gemm_applies
 from .launch import launch
@@ -51,10 +52,6 @@ CHUNK = 32
 #: Columns of each router partial: a part of a tile (a quarter of the default tile's),
 #: which the epilogue stages at once.
 PART_COLUMNS = 64
-#: The shared memory of one sm_90 block (227 KB), and what its barriers and the
-#: allocations' alignment take at most.
-SHARED_BYTES = 232448
-BARRIER_BYTES = 1024
 #: The program's tile: 128 x 256 outputs on two MMA warpgroups (one 256-wide wgmma each),
 #: 64 of K per step, 4 slots of 48 KB (the fp32 stage in one of them): 32 KB are left for
 #: four chunks of h.
@@ -120,16 +117,15 @@ def _dh_tile_epilogue(acc, h_slots, stage, weights, grp, row0, row_end, n0, h_pt
                       wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0,
                       stride_tw1, K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr,
                       FAST_ACT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr,
-                      STAGE_IN_RING: gl.constexpr):
+                      PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr):
     """The epilogue of one [BLOCK_M, BLOCK_N] tile ``acc`` (dL/da / w) at rows ``row0 ..``
     of group ``grp`` and activation columns ``n0 ..``, by the ``WARPS`` warps that hold it:
     ``dh_outputs`` over parts of ``PART_COLUMNS`` columns, each staged in ``stage``
     ([BLOCK_M, PART_COLUMNS] fp32) and taken ``CHUNK`` rows at a time, their h from the
     ring ``h_slots`` (``_copy_h_chunk``; the caller has started the first slots'), each
     slot refilled with the chunk a ring ahead once read; one router partial per row and
-    part. ``STAGE_IN_RING``: the stage is a ring slot, which the sentinel group's tiles
-    (no reduction, no slot of their own) leave alone."""
+    part. The sentinel group's tiles (no reduction) leave the stage alone, as it may be a
+    ring slot they do not hold, and take zeros for the product."""
     PARTS: gl.constexpr = BLOCK_N // PART_COLUMNS
     CHUNKS: gl.constexpr = BLOCK_M // CHUNK
     TOTAL: gl.constexpr = PARTS * CHUNKS
@@ -149,10 +145,7 @@ def _dh_tile_epilogue(acc, h_slots, stage, weights, grp, row0, row_end, n0, h_pt
     for j in gl.static_range(TOTAL):
         if j % CHUNKS == 0:
             cta_barrier()  # the warps are done reading the stage
-            if STAGE_IN_RING:
-                if grp < E:
-                    stage.store(_column_slice(acc, j // CHUNKS, PARTS, BLOCK_M, BLOCK_N))
-            else:
+            if grp < E:
                 stage.store(_column_slice(acc, j // CHUNKS, PARTS, BLOCK_M, BLOCK_N))
             cta_barrier()
         # This thread's copies of chunk j have landed (those of the chunks after it, up to
@@ -168,9 +161,7 @@ def _dh_tile_epilogue(acc, h_slots, stage, weights, grp, row0, row_end, n0, h_pt
             hu = hg
         rows = row0 + (j % CHUNKS) * CHUNK + gl.arange(0, CHUNK, layout=row_layout)
         cols0 = n0 + (j // CHUNKS) * PART_COLUMNS
-        g = stage.slice((j % CHUNKS) * CHUNK, CHUNK, dim=0).load(layout)
-        if STAGE_IN_RING:
-            g = gl.where(grp < E, g, 0.0)
+        g = gl.where(grp < E, stage.slice((j % CHUNKS) * CHUNK, CHUNK, dim=0).load(layout), 0.0)
         w = weights.slice((j % CHUNKS) * CHUNK, CHUNK).load(row_layout)
         cols = cols0 + gl.arange(0, PART_COLUMNS, layout=gl.SliceLayout(0, layout))
         partial = dh_outputs(g, w[:, None], hg, hu, rows, rows < row_end, cols, cols < I, cols0, I, dh_ptr, wact_ptr,
@@ -209,7 +200,7 @@ def _dh_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_slots, stage, weight
         if grp < E:  # the sentinel tiles: zeros everywhere
             acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, True, W_KMAJOR,
                                       BLOCK_N, BLOCK_K, HOLD_LAST=STAGE_IN_RING)
-        held = (step + NUM_STAGES - 1) % NUM_STAGES
+        held = (step + NUM_STAGES - 1) % NUM_STAGES  # the slot of the tile's last step
         if STAGE_IN_RING:
             tile_stage = reinterpret_shared(b_ring.index(held), gl.float32, [BLOCK_M, PART_COLUMNS], _stage_layout())
         else:
@@ -217,7 +208,7 @@ def _dh_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_slots, stage, weight
         _dh_tile_epilogue(acc, h_slots, tile_stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr,
                           dh_ptr, wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam,
                           stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, BLOCK_M, BLOCK_N, PART_COLUMNS, CHUNK,
-                          num_warps, STAGE_IN_RING)
+                          num_warps)
         if STAGE_IN_RING:
             # The stage was written and read through the generic proxy; TMA refills it
             # through the async one.
@@ -274,14 +265,13 @@ def stage_in_ring(tile: GemmTile) -> bool:
     return tile.block_n * tile.block_k * 2 >= tile.block_m * PART_COLUMNS * 4
 
 
-def h_slots(tile: GemmTile) -> int:
-    """Chunks of h in flight for the epilogue (``_copy_h_chunk``): as many as the block's
-    shared memory holds beside the ring, the fp32 stage (unless in the ring) and the
-    weights, up to a tile's chunks (each [CHUNK, PART_COLUMNS] of gate and of up,
-    16-bit)."""
-    ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
+def h_slots(tile: GemmTile, shared_bytes: int) -> int:
+    """Chunks of h in flight for the epilogue (``_copy_h_chunk``): as many as a block's
+    ``shared_bytes`` of shared memory hold beside the ring, the fp32 stage (unless in the
+    ring) and the weights, up to a tile's chunks (each [CHUNK, PART_COLUMNS] of gate and of
+    up, 16-bit)."""
     stage = tile.block_m * (PART_COLUMNS * (not stage_in_ring(tile)) + 1) * 4
-    free = SHARED_BYTES - BARRIER_BYTES - ring - stage
+    free = shared_bytes - SPARE_SHARED_BYTES - tile.smem_bytes(2) - stage
     chunks = (tile.block_n // PART_COLUMNS) * (tile.block_m // CHUNK)
     return max(0, min(chunks, free // (2 * CHUNK * PART_COLUMNS * 2)))
 
@@ -309,7 +299,7 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
             or tile.block_n % PART_COLUMNS or parts_of_tile not in (1, 2, 4) or tile.num_stages < 2):
         raise ValueError(f"moeblaze gluon dH: the tile is 4 or 8 warps over 16 rows each, 1, 2 or 4 parts of "
                          f"{PART_COLUMNS} columns, at least 2 stages, got {tile}")
-    slots = h_slots(tile) if slots is None else slots
+    slots = h_slots(tile, settings.shared_memory_per_block(h.device)) if slots is None else slots
     if slots < 1:
         raise ValueError(f"moeblaze gluon dH: no room for a chunk of h in shared memory beside the ring of {tile}")
     LK = h.shape[0]
