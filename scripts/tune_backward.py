@@ -34,8 +34,6 @@ TILES = {  # (BM|BP, BN|BQ, BK|BR, warps, stages[, programs per SM])
     "wgrad_up": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 4),
                  (256, 128, 64, 8, 3), (256, 128, 32, 8, 8)],
 }
-#: The Gluon dH launch, which --dh-slots wraps.
-gluon_launch_dh = gluon_dh.launch_dh
 #: The narrowest dH tile a sweep may ask for: sizes the buffer of per-tile router partials.
 MIN_DH_BLOCK_N = 16
 
@@ -94,11 +92,11 @@ def variants(kind, a):
         # dh_wide_min_columns=None: every width takes the "dh" tile, which --tiles sets.
         # dh_gluon=1: the Gluon kernel (tiles of 16 rows a warp; others fail there and say
         # so); the weight TMA and the columns are the tl kernel's.
-        gluon = settings.current().gluon - {"dh"}
+        gluon = settings.current().gluon
         return [(f"gluon={g} w_tma={v} fast={f} band={b} epilogue_columns={c}" + (f" h_slots={n}" if g else ""),
                  dict(weight_tma=w_tma(v), dh_fast_activation=bool(f), row_band=b, dh_epilogue_columns=c,
                       dh_wide_min_columns=None, small_gemm_flop=0,
-                      gluon=gluon | ({"dh"} if g else set())), n)
+                      gluon=(gluon | {kind}) if g else (gluon - {kind})), n)
                 for g in a.dh_gluon for v in (a.w_tma if not g else [1]) for f in a.dh_fast for b in a.row_band
                 for c in (a.dh_columns if not g else [None]) for n in (a.dh_slots if g else [None])]
     if kind == "dx":
@@ -162,7 +160,7 @@ def main():
             for tile, (variant, changes, slots) in [(t, v) for t in tiles for v in variants(kind, a)]:
                 label = f"  {kind:10s} tile={tile} {variant}"
                 try:
-                    launch_dh = functools.partial(gluon_launch_dh, slots=slots)
+                    launch_dh = functools.partial(gluon_dh.launch_dh, slots=slots)  # the unpatched one
                     with settings.override(tiles={kind: GemmTile(*tile)}, **changes), \
                             mock.patch.object(gluon_dh, "launch_dh", launch_dh):
                         ms = bench(fn)

@@ -1,9 +1,9 @@
-"""The Gluon dH kernel (``kernels.gluon_dh``) on the GPU: every gradient of the layer against the float64 reference with the kernel in the
-backward, over the activations, both weight layouts, both 16-bit dtypes, ragged, empty
-and sentinel rows, odd sizes and E=256 K=8, dH written over h, with a record of its
-launches so that a test cannot pass on the portable kernel alone
-(``check_backward`` also runs every backward twice and wants the gradients bitwise
-equal)."""
+"""The Gluon dH kernel (``kernels.gluon_dh``) on the GPU: every gradient of the layer
+against the float64 reference with the kernel in the backward, over the activations, both
+weight layouts, both 16-bit dtypes, ragged, empty and sentinel rows, odd sizes and E=256
+K=8, dH written over h, other tiles and fewer chunks of h in flight, with a count of its
+launches so that a test cannot pass on the portable kernel alone (``check_backward`` also
+runs every backward twice and wants the gradients bitwise equal)."""
 
 import pytest
 import torch

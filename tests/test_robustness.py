@@ -360,9 +360,9 @@ def test_dh_tile_by_layer_width(monkeypatch):
 def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
     """Where ``settings.gluon`` names "dh" (the default) and the Gluon module applies (at
     any width), ``launch_dh`` hands it the operands, the "dh" tile override (else None:
-    the kernel's own) and the row band, and the router partials are
-    sized by its columns per partial; where it does not apply or is not named, by the tl
-    kernel's tile. The Gluon module is a stand-in that records its launch (no GPU)."""
+    the kernel's own) and the row band, and the router partials are sized by its columns
+    per partial; where it does not apply or is not named, by the tl kernel's tile. The
+    Gluon module is a stand-in that records its launch (no GPU)."""
     from types import SimpleNamespace
 
     from moeblaze_ops.kernels import grouped_gemm as gg
