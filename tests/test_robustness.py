@@ -417,6 +417,8 @@ def test_gathered_copies_use_32_bit_offsets_only_where_they_fit(rows, offsets_32
     for module in (gluon_dh, gluon_row_gemm):
         monkeypatch.setattr(module, "launch", lambda kernel, grid, *args, **kwargs: launches.append(kwargs))
         monkeypatch.setattr(module, "host_descriptor", lambda t, block: object())
+    # An H200's shared memory a block, which the dH launch sizes its ring of h from.
+    monkeypatch.setattr(settings, "shared_memory_per_block", lambda device: 232448)
     d, I, E, K = 128, 64, 4, 2
     meta = dict(device="meta", dtype=torch.bfloat16)
     grad_out = torch.empty(rows, d, **meta)  # A of both GEMMs, [L, d]: 2^35 elements in the large case
