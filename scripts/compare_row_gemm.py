@@ -3,12 +3,18 @@ through the Gluon kernels (the warp-specialised one and the other, each with til
 from registers or by TMA) and the portable ``tl`` kernel on the same inputs, and checks
 they agree with ``tl``.
 
+``--half-tiles 1 0`` times the Gluon kernels with an expert's part-filled last tile
+multiplied as a tile of half the rows and as a whole one (``settings.row_half_tiles``);
+``--routing balanced`` gives every expert exactly L*K/E rows (no part-filled tiles), to
+tell what the half tiles save from what their code costs the other tiles.
+
 ``up_act`` times the up projection and its SwiGLU together: the Gluon GEMM then the
 activation pass (what the layer runs), against the GEMM with the activation in its
 epilogue (``gluon_row_gemm.GatedEpilogue``: act(h) alone, h never stored); the
 differences are to the first's act(h).
 
     python3 scripts/compare_row_gemm.py [--configs olmoe mixtral] [--kinds up down dx up_act]
+        [--kernels gluon_tma_store ...] [--half-tiles 1 0] [--routing random balanced]
 """
 
 import argparse
@@ -23,17 +29,31 @@ from moeblaze_ops.bench.configs import CONFIGS, make_inputs
 from moeblaze_ops.kernels import gluon_row_gemm, triton_experts
 from moeblaze_ops.testing import rel_err
 
+#: The kernels timed (``--kernels``): the portable one, and the Gluon ones by
+#: ``launch_row_gemm``'s variant arguments.
+KERNELS = {"tl": None,
+           "gluon": dict(warp_specialize=False, tma_store=False),
+           "gluon_tma_store": dict(warp_specialize=False, tma_store=True),
+           "gluon_ws": dict(warp_specialize=True, tma_store=False),
+           "gluon_ws_tma_store": dict(warp_specialize=True, tma_store=True)}
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="*", default=["olmoe", "mixtral"], choices=sorted(CONFIGS))
     parser.add_argument("--kinds", nargs="*", default=["up", "down", "dx"], choices=["up", "down", "dx", "up_act"])
+    parser.add_argument("--kernels", nargs="*", default=list(KERNELS), choices=list(KERNELS))
+    parser.add_argument("--half-tiles", nargs="*", type=int, default=[1],
+                        help="the Gluon kernels with part-filled tiles as half tiles (1) or whole (0)")
+    parser.add_argument("--routing", nargs="*", default=["random"], choices=["random", "balanced"])
     args = parser.parse_args()
-    print("| config | GEMM | kernel | ms | TFLOP/s | rel diff to tl |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name in args.configs:
+    print("| config | routing | GEMM | kernel | ms | TFLOP/s | rel diff to the first |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, routing in [(n, r) for n in args.configs for r in args.routing]:
         T, d, I, E, K = CONFIGS[name]
         x, ids, _, w_gate_up, w_down = make_inputs(T, d, I, E, K)
+        if routing == "balanced":  # every expert L*K/E rows (K distinct experts a token where K <= E)
+            ids = torch.arange(T * K, device=ids.device).view(T, K) % E
         eti, offsets, _ = torch.ops.moeblaze.dispatch(ids, E)
         LK = eti.shape[0]
         act = torch.randn(LK, I, device="cuda", dtype=x.dtype)
@@ -51,11 +71,13 @@ def main():
             def tl(out):  # the portable kernel: timed with settings.gluon empty (below)
                 triton_experts.launch_gathered_gemm(a, row_ids, w, None, offsets, out, transposed, kind)
 
-            kernels = {"tl": tl,
-                       "gluon": gluon(warp_specialize=False, tma_store=False),
-                       "gluon_tma_store": gluon(warp_specialize=False, tma_store=True),
-                       "gluon_ws": gluon(warp_specialize=True, tma_store=False),
-                       "gluon_ws_tma_store": gluon(warp_specialize=True, tma_store=True)}
+            kernels = {}
+            for label in args.kernels:
+                if KERNELS[label] is None:
+                    kernels[label] = tl
+                    continue
+                for half in args.half_tiles:
+                    kernels[label + ("" if half else "_whole_tiles")] = gluon(**KERNELS[label], half_tiles=bool(half))
             flops = 2 * LK * n * a.shape[1]
             reference = None
             for label, launch in kernels.items():
@@ -63,13 +85,13 @@ def main():
                 with settings.override(gluon=()) if label == "tl" else contextlib.nullcontext():
                     ms = triton.testing.do_bench(lambda: launch(out), warmup=10, rep=50)
                 reference = out.double() if reference is None else reference
-                print(f"| {name} | {kind} | {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | "
+                print(f"| {name} | {routing} | {kind} | {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | "
                       f"{rel_err(out, reference):.1e} |")
         if "up_act" in args.kinds:
-            _up_and_activation(name, x, eti, offsets, w_gate_up, I)
+            _up_and_activation(name, routing, x, eti, offsets, w_gate_up, I)
 
 
-def _up_and_activation(name, x, eti, offsets, w_gate_up, I):
+def _up_and_activation(name, routing, x, eti, offsets, w_gate_up, I):
     """The ``up_act`` rows: the up GEMM and SwiGLU, as two kernels or as one (each Gluon
     kernel: warp-specialised or not)."""
     LK = eti.shape[0]
@@ -88,7 +110,7 @@ def _up_and_activation(name, x, eti, offsets, w_gate_up, I):
 
     a_probe = torch.empty(LK, I, device="cuda", dtype=x.dtype)
     if not gluon_row_gemm.applies_gated_epilogue(x, w_gate_up, None, a_probe, False, swiglu, False):
-        print(f"| {name} | up_act | (the epilogue does not apply here) | | | |")
+        print(f"| {name} | {routing} | up_act | (the epilogue does not apply here) | | | |")
         return
     flops = 2 * LK * 2 * I * x.shape[1]
     a_ref = None
@@ -98,7 +120,8 @@ def _up_and_activation(name, x, eti, offsets, w_gate_up, I):
         a = torch.full((LK, I), float("nan"), device="cuda", dtype=x.dtype)
         ms = triton.testing.do_bench(lambda: run(a), warmup=10, rep=50)
         a_ref = a.double() if a_ref is None else a_ref
-        print(f"| {name} | up_act | {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | {rel_err(a, a_ref):.1e} |")
+        print(f"| {name} | {routing} | up_act | {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | "
+              f"{rel_err(a, a_ref):.1e} |")
 
 
 if __name__ == "__main__":
