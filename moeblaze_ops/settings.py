@@ -169,11 +169,6 @@ class KernelSettings:
             each output tile whose rows are all inside its expert through shared memory
             by TMA copies, which run on while the warps start the next tile, instead of
             storing from registers (``gluon_row_gemm._store_tile``).
-        row_half_tiles: the Gluon row GEMMs (up, down, dX; not with the gated epilogue)
-            multiply an output tile whose rows inside its expert fill at most half of it
-            as a tile of half the rows, the two MMA warpgroups splitting its columns
-            instead of its rows (``gluon_row_gemm._tile_rows_half``): an expert's last,
-            part-filled tile then costs half, where routing leaves few rows per expert.
         up_epilogue_activation: where ``moe_experts`` with a gated activation needs no
             h after the forward (nothing to differentiate, or ``recompute=True``), the up
             projection writes act(h) instead of h (the op ``expert_layer``), for the
@@ -233,7 +228,6 @@ class KernelSettings:
     wgrad_rows_tma: Mapping[str, int] = field(default_factory=lambda: {"wgrad_down": 0, "wgrad_up": 0})
     wgrad_tma_store: bool = True
     row_tma_store: bool = True
-    row_half_tiles: bool = True
     row_band: int = 4
     up_epilogue_activation: bool = True
     fast_activation: bool = True

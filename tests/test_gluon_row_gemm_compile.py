@@ -34,27 +34,23 @@ def _spill_bytes(ptx, tmp_path):
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill", report))
 
 
-def _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path, half_tiles=False):
+def _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path):
     """What both row GEMM kernels are written for: B tiles by TMA from the 3-D weight
-    descriptor, asynchronous wgmma over the whole N tile (``half_tiles``: and, for tiles
-    of half the rows, over half of it, each warpgroup its half), the ring within the
-    block's shared memory, and no register spills."""
+    descriptor, asynchronous wgmma over the whole N tile, the ring within the block's
+    shared memory, and no register spills."""
     ptx = kernel.asm["ptx"]
     assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
     ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
-    for n in (tile.block_n, tile.block_n // 2):
-        mma = rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.{ptx_type}\.{ptx_type}"
-        assert bool(re.search(mma, ptx)) == (n == tile.block_n or half_tiles), mma
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
     assert ring <= kernel.metadata.shared <= MAX_SHARED
     assert _spill_bytes(ptx, tmp_path) == 0
 
 
-def _output_tiles(signature, constexprs, tma_store, dtype, tile, half_tiles):
+def _output_tiles(signature, constexprs, tma_store, dtype, tile):
     """The output's TMA descriptor argument ([1, LK, N], a column half of a tile per copy),
-    or None; no activation in the epilogue (``_ACTIVATED_SCRIPT`` has one); tiles of half
-    the rows or not."""
-    constexprs.update(TMA_STORE=tma_store, HALF_TILES=half_tiles)
+    or None; no activation in the epilogue (``_ACTIVATED_SCRIPT`` has one)."""
+    constexprs["TMA_STORE"] = tma_store
     if tma_store:
         signature["out_desc"] = _descriptor_type(dtype, [1, tile.block_m, tile.block_n // 2])
     else:
@@ -69,11 +65,11 @@ def _assert_tile_stores(ptx, tma_store):
     assert re.search(r"st\.global(\.\w+)*\.b32", ptx)
 
 
-@pytest.mark.parametrize("gather,bias,tma_store,half_tiles", [(True, True, False, True), (False, False, False, False),
-                                                              (True, False, True, False), (False, True, True, True)])
+@pytest.mark.parametrize("gather,bias,tma_store", [(True, True, False), (False, False, False), (True, False, True),
+                                                   (False, True, True)])
 @pytest.mark.parametrize("k_contiguous", [True, False], ids=["k_contiguous", "n_contiguous"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, tma_store, half_tiles, tmp_path):
+def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, tma_store, tmp_path):
     from moeblaze_ops.kernels import gluon_row_gemm
 
     tile = gluon_row_gemm.TILE
@@ -86,7 +82,7 @@ def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, 
                       BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
                       num_warps=tile.num_warps)
-    _output_tiles(signature, constexprs, tma_store, dtype, tile, half_tiles)
+    _output_tiles(signature, constexprs, tma_store, dtype, tile)
     if not gather:
         constexprs["a_row_ids_ptr"] = None
     if not bias:
@@ -102,16 +98,15 @@ def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, 
     # A rows by 16-byte cp.async, then the pipeline both kernels share.
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
     _assert_tile_stores(ptx, tma_store)
-    _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path, half_tiles)
+    _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path)
 
 
-@pytest.mark.parametrize("gather,bias,offsets_32,tma_store,half_tiles", [
-    (True, True, True, False, True), (True, False, False, True, False), (False, True, False, True, True),
-    (False, False, False, False, False)])
+@pytest.mark.parametrize("gather,bias,offsets_32,tma_store", [(True, True, True, False), (True, False, False, True),
+                                                              (False, True, False, True), (False, False, False, False)])
 @pytest.mark.parametrize("k_contiguous", [True, False], ids=["k_contiguous", "n_contiguous"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gather, bias, offsets_32, tma_store,
-                                                       half_tiles, tmp_path):
+                                                       tmp_path):
     from moeblaze_ops.kernels import gluon_row_gemm
 
     tile = gluon_row_gemm.TILE
@@ -126,7 +121,7 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
                       BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PRODUCER_WARPS=warps,
                       PRODUCER_REGS=regs, A_OFFSETS_32=offsets_32, num_warps=tile.num_warps)
-    _output_tiles(signature, constexprs, tma_store, dtype, tile, half_tiles)
+    _output_tiles(signature, constexprs, tma_store, dtype, tile)
     if not gather:
         constexprs["a_row_ids_ptr"] = None
     if not bias:
@@ -151,7 +146,7 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
         assert "cp.async.cg" not in ptx
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx)
     _assert_tile_stores(ptx, tma_store)
-    _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path, half_tiles)
+    _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path)
 
 
 def _compile_in_subprocess(script, args, tmp_path):
@@ -268,7 +263,7 @@ signature = {a_name: f"*{dtype}", "b_desc": _descriptor_type(dtype, [1, tile.blo
 constexprs = dict(bias_ptr=None, GATHER_A=True, HAS_BIAS=False, B_KMAJOR=True, GROUPS=16, BAND=4,
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
                   TMA_STORE=tma_store, GATED=triton_activations.gated, ACT=int(activation_code(act)),
-                  FAST_ACT=True, HALF_TILES=False, num_warps=tile.num_warps)
+                  FAST_ACT=True, num_warps=tile.num_warps)
 if tma_store:
     signature["out_desc"] = _descriptor_type(dtype, [1, tile.block_m, tile.block_n // 2])
 else:

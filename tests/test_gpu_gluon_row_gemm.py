@@ -1,8 +1,7 @@
 """The Gluon row GEMM (``kernels.gluon_row_gemm``) on the GPU: every routed row against a float64
 reference, over ragged, empty and sentinel-only experts, both weight layouts, gather and
-bias or not, each kernel variant (``KERNELS``), column slabs (strided views), the
-gated activation in the epilogue (``GatedEpilogue``), and tiles of half the rows against
-whole ones."""
+bias or not, each kernel variant (``KERNELS``), column slabs (strided views), and the
+gated activation in the epilogue (``GatedEpilogue``)."""
 
 import pytest
 import torch
@@ -12,15 +11,12 @@ from moeblaze_ops.layouts import expert_matrix, out_feature_slice
 
 
 #: ``launch_row_gemm``'s kernel variants: the warp-specialised kernel and the other, tiles
-#: stored from registers or by TMA, an expert's part-filled last tile multiplied as a tile
-#: of half the rows (the default) or whole.
+#: stored from registers or by TMA.
 KERNELS = {
     "ws": dict(warp_specialize=True, tma_store=False),
     "ws_tma_store": dict(warp_specialize=True, tma_store=True),
-    "ws_whole_tiles": dict(warp_specialize=True, tma_store=True, half_tiles=False),
     "pipelined": dict(warp_specialize=False, tma_store=False),
     "pipelined_tma_store": dict(warp_specialize=False, tma_store=True),
-    "pipelined_whole_tiles": dict(warp_specialize=False, tma_store=True, half_tiles=False),
 }
 
 
@@ -80,44 +76,6 @@ def test_gluon_row_gemm_matches_float64(counts, sentinels, K, N, gather, bias, k
         if bias:
             ref += b[e].double()
         assert rel_err(out[lo:hi], ref) < 1e-2, f"expert {e}"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a capability 9 GPU")
-@pytest.mark.parametrize("warp_specialize", [True, False], ids=["ws", "pipelined"])
-@pytest.mark.parametrize("transposed", [False, True], ids=["k_contiguous", "n_contiguous"])
-def test_gluon_row_gemm_half_tiles_match_whole_tiles(transposed, warp_specialize, seed):
-    """An expert's last tile with at most half its rows inside the expert, multiplied as a
-    tile of half the rows (the MMA warpgroups splitting its columns), gives what the whole
-    tile gives, bit for bit: each output's reduction runs in the same order. Tails of 64
-    rows (the largest half tile), 65 (the smallest whole one), 1, 44 and 63; the gathered
-    rows and the bias on."""
-    from moeblaze_ops.kernels import gluon_row_gemm
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    counts, K, N, T = [64, 65, 1, 300, 0, 191, 129, 192], 1408, 2880, 777
-    E = len(counts)
-    offsets, LK = _expert_rows(counts, 19, "cuda")
-    a = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, generator=g)
-    ids = torch.randint(0, T, (LK,), device="cuda", dtype=torch.int32, generator=g)
-    shape = (E, K, N) if transposed else (E, N, K)
-    w = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) / K ** 0.5
-    b = torch.randn(E, N, device="cuda", dtype=torch.bfloat16, generator=g)
-    outs = {}
-    for half_tiles in (True, False):
-        outs[half_tiles] = torch.full((LK, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-        gluon_row_gemm.launch_row_gemm(a, ids, w, b, offsets, outs[half_tiles], transposed,
-                                       warp_specialize=warp_specialize, half_tiles=half_tiles)
-    torch.cuda.synchronize()
-
-    assert not outs[True].isnan().any()
-    assert torch.equal(outs[True], outs[False])
-    bounds, rows = offsets.tolist(), a[ids.long()].double()
-    for e in range(E):
-        lo, hi = bounds[e], bounds[e + 1]
-        if lo < hi:
-            ref = rows[lo:hi] @ expert_matrix(w, e, transposed).double() + b[e].double()
-            assert rel_err(outs[True][lo:hi], ref) < 1e-2, f"expert {e}"
 
 
 @pytest.mark.gpu

@@ -48,12 +48,9 @@ def copy_layout(cols, num_warps):
 
 
 @gluon.constexpr_function
-def wgmma_acc_layout(cols, num_warps, column_groups=1):
-    """The wgmma accumulator: warps stacked along the rows, 16 rows each, ``cols`` wide;
-    with ``column_groups`` 2, the warpgroups side by side, each over half the columns (a
-    tile of 64 rows on two warpgroups: a wgmma is 64 rows a warpgroup at least)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // column_groups, column_groups],
-                                     instr_shape=[16, cols // column_groups, 16])
+def wgmma_acc_layout(cols, num_warps):
+    """The wgmma accumulator: warps stacked along the rows, 16 rows each, ``cols`` wide."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
 
 
 @gluon.constexpr_function

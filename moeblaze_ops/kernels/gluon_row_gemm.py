@@ -289,78 +289,6 @@ def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, sl
 
 
 @gluon.jit
-def _tile_rows_half(grp, row0, row_end, E, BLOCK_M: gl.constexpr):
-    """Whether a tile of an expert (not the sentinels) is multiplied as a tile of half its
-    rows (where ``HALF_TILES``): where its rows inside the expert fill at most half of it
-    (an expert's last tile). Its accumulator then spans the two MMA warpgroups side by
-    side (``wgmma_acc_layout``'s column groups) and the wgmma reads the first half of the
-    ring slot's A rows; the copies are those of a whole tile, the rows past the expert's
-    end zeros that cost no reads."""
-    return (grp < E) & (row_end - row0 <= BLOCK_M // 2)
-
-
-@gluon.jit
-def _a_rows(a_ring, slot, ROWS: gl.constexpr, A_TRANSPOSED: gl.constexpr = False):
-    """The first ``ROWS`` rows of ring slot ``slot``'s A tile as the wgmma's left operand
-    (``A_TRANSPOSED``: the slot holds A^T, [BLOCK_K, M], taken as a transposed view)."""
-    if A_TRANSPOSED:
-        a = a_ring.index(slot)
-        if ROWS < a.shape[1]:
-            a = a.slice(0, ROWS, dim=1)
-        a = a.permute((1, 0))
-    else:
-        a = a_ring.index(slot)
-        if ROWS < a.shape[0]:
-            a = a.slice(0, ROWS, dim=0)
-    return a
-
-
-@gluon.jit
-def _pipelined_tile(ROWS: gl.constexpr, TMA_STORE: gl.constexpr, step, grp, row0, row_end, n0, a_ptr, b_desc,
-                    bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc, out_buf, a_ring, b_ring, bars, tile_end,
-                    n_tiles, k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, N, K, stride_am,
-                    stride_bias, stride_om, alpha, limit, GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    B_KMAJOR: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    BLOCK_K: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr,
-                    num_warps: gl.constexpr):
-    """One output tile of ``_row_gemm_kernel``, multiplied as ``ROWS`` rows (BLOCK_M, or
-    BLOCK_M / 2 where ``_tile_rows_half``): its reduction steps on the ring, each starting
-    the copies of the step AHEAD (``_produce``), then the bias and the store (by TMA where
-    ``TMA_STORE`` and the tile allow). The sentinel group's tiles store zeros. Returns the
-    ring's step and the copies' position."""
-    NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
-    AHEAD: gl.constexpr = NUM_STAGES - 2
-    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps, BLOCK_M // ROWS)
-    acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
-    if grp < E:  # sentinel tiles store zeros
-        if HAS_BIAS:
-            bias = _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N, num_warps)
-        for _ in range(k_steps):
-            slot = step % NUM_STAGES
-            cp.wait_group(AHEAD - 1)  # this thread's A copies of this step have landed
-            fence_async_shared()  # ... and are visible to wgmma (async proxy) once every thread passes the barrier
-            mbarrier.wait(bars.index(slot), (step // NUM_STAGES) & 1)
-            # Every thread's copies have landed, and every warpgroup's MMA of step - 2 is
-            # done (each waited for it in the step before): its slot is refilled below.
-            cta_barrier()
-            acc = warpgroup_mma(_a_rows(a_ring, slot, acc.shape[0]), _b_operand(b_ring, slot, B_KMAJOR, BLOCK_N,
-                                                                                BLOCK_K), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _produce(
-                a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, (step + AHEAD) % NUM_STAGES,
-                tile_end, n_tiles, k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, N, K,
-                stride_am, GATHER_A, B_KMAJOR, ACT >= 0, BLOCK_M, BLOCK_N, BLOCK_K, BAND, num_warps)
-            cp.commit_group()
-            step += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if HAS_BIAS:
-            acc = _add_bias(acc, bias)
-    _store_output(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, alpha, limit, TMA_STORE,
-                  GATED, ACT, FAST_ACT)
-    return step, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs
-
-
-@gluon.jit
 def _row_gemm_kernel(
     a_ptr, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc,
     LK, E, N, K,
@@ -368,7 +296,7 @@ def _row_gemm_kernel(
     GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-    FAST_ACT: gl.constexpr, HALF_TILES: gl.constexpr, num_warps: gl.constexpr,
+    FAST_ACT: gl.constexpr, num_warps: gl.constexpr,
 ):
     # ACT >= 0: the tiles are paired (gate and up columns, ``_copy_weight_tile``) and the
     # epilogue writes act(h), [LK, N / 2], in place of h (``_store_output``).
@@ -376,6 +304,7 @@ def _row_gemm_kernel(
     # asynchronous wgmma stays in flight), steps c + 1 .. c + AHEAD landing.
     AHEAD: gl.constexpr = NUM_STAGES - 2
     dtype: gl.constexpr = a_ptr.dtype.element_ty
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
     a_ring, b_ring, bars = copy_tma_ring(dtype, b_desc, NUM_STAGES, BLOCK_M, BLOCK_K, 2 if ACT >= 0 else 1)
     out_buf = output_buffer(out_desc, dtype, TMA_STORE)
 
@@ -399,28 +328,32 @@ def _row_gemm_kernel(
     step = 0  # steps consumed by this program: its ring slot and its barrier's phase
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
-        # A constexpr test outside, so that without HALF_TILES the half tile's code is not made.
-        if HALF_TILES:
-            if _tile_rows_half(grp, row0, row_end, E, BLOCK_M):
-                step, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _pipelined_tile(
-                    BLOCK_M // 2, False, step, grp, row0, row_end, n0, a_ptr, b_desc, bias_ptr, a_row_ids_ptr,
-                    offsets_ptr, out_ptr, out_desc, out_buf, a_ring, b_ring, bars, tile_end, n_tiles, k_steps, p_tile,
-                    p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, N, K, stride_am, stride_bias, stride_om, alpha,
-                    limit, GATHER_A, HAS_BIAS, B_KMAJOR, BAND, BLOCK_M, BLOCK_N, BLOCK_K, GATED, ACT, FAST_ACT,
-                    num_warps)
-            else:
-                step, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _pipelined_tile(
-                    BLOCK_M, TMA_STORE, step, grp, row0, row_end, n0, a_ptr, b_desc, bias_ptr, a_row_ids_ptr,
-                    offsets_ptr, out_ptr, out_desc, out_buf, a_ring, b_ring, bars, tile_end, n_tiles, k_steps, p_tile,
-                    p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, N, K, stride_am, stride_bias, stride_om, alpha,
-                    limit, GATHER_A, HAS_BIAS, B_KMAJOR, BAND, BLOCK_M, BLOCK_N, BLOCK_K, GATED, ACT, FAST_ACT,
-                    num_warps)
-        else:
-            step, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _pipelined_tile(
-                BLOCK_M, TMA_STORE, step, grp, row0, row_end, n0, a_ptr, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr,
-                out_ptr, out_desc, out_buf, a_ring, b_ring, bars, tile_end, n_tiles, k_steps, p_tile, p_k, p_grp,
-                p_row0, p_end, p_n0, p_offs, LK, E, N, K, stride_am, stride_bias, stride_om, alpha, limit, GATHER_A,
-                HAS_BIAS, B_KMAJOR, BAND, BLOCK_M, BLOCK_N, BLOCK_K, GATED, ACT, FAST_ACT, num_warps)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        if grp < E:  # sentinel tiles store zeros
+            if HAS_BIAS:
+                bias = _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N, num_warps)
+            for _ in range(k_steps):
+                slot = step % NUM_STAGES
+                cp.wait_group(AHEAD - 1)  # this thread's A copies of this step have landed
+                fence_async_shared()  # ... and are visible to wgmma (async proxy) once every thread passes the barrier
+                mbarrier.wait(bars.index(slot), (step // NUM_STAGES) & 1)
+                # Every thread's copies have landed, and every warpgroup's MMA of step - 2 is
+                # done (each waited for it in the step before): its slot is refilled below.
+                cta_barrier()
+                acc = warpgroup_mma(a_ring.index(slot), _b_operand(b_ring, slot, B_KMAJOR, BLOCK_N, BLOCK_K), acc,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs = _produce(
+                    a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, (step + AHEAD) % NUM_STAGES,
+                    tile_end, n_tiles, k_steps, p_tile, p_k, p_grp, p_row0, p_end, p_n0, p_offs, LK, E, N, K,
+                    stride_am, GATHER_A, B_KMAJOR, ACT >= 0, BLOCK_M, BLOCK_N, BLOCK_K, BAND, num_warps)
+                cp.commit_group()
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if HAS_BIAS:
+                acc = _add_bias(acc, bias)
+        _store_output(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, alpha, limit, TMA_STORE,
+                      GATED, ACT, FAST_ACT)
     cp.wait_group(0)
     if TMA_STORE:
         tma.store_wait(0)  # the last copy has read its buffer before the program's shared memory goes
@@ -495,8 +428,7 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
     are (a tile of no steps releases none). ``step`` counts the ring's steps this
     warpgroup has passed; returns (acc, step). ``ONE_READY``: both copies arrive on
     ``a_ready``; ``b_ready`` is not waited on. ``A_TRANSPOSED``: a slot of ``a_ring`` holds
-    A^T ([BLOCK_K, M]), taken as a transposed view. An ``acc`` of fewer rows than a slot's
-    A tile multiplies its first rows (``_a_rows``). ``HOLD_LAST``: the last slot is not
+    A^T ([BLOCK_K, M]), taken as a transposed view. ``HOLD_LAST``: the last slot is not
     released (the caller uses it, then releases it)."""
     NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
     for k in range(k_steps):
@@ -508,8 +440,11 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
         if GATHER_A:
             # cp.async wrote A through the generic proxy; wgmma reads through the async one.
             fence_async_shared()
-        acc = warpgroup_mma(_a_rows(a_ring, slot, acc.shape[0], A_TRANSPOSED),
-                            _b_operand(b_ring, slot, B_KMAJOR, BLOCK_N, BLOCK_K), acc, is_async=True)
+        if A_TRANSPOSED:
+            a = a_ring.index(slot).permute((1, 0))
+        else:
+            a = a_ring.index(slot)
+        acc = warpgroup_mma(a, _b_operand(b_ring, slot, B_KMAJOR, BLOCK_N, BLOCK_K), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         cta_barrier()  # every MMA warp's wgmma of the step before is done: release its slot
         mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k > 0)
@@ -522,57 +457,29 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
 
 
 @gluon.jit
-def _ws_tile(ROWS: gl.constexpr, TMA_STORE: gl.constexpr, step, grp, row0, row_end, n0, k_steps, a_ring, b_ring,
-             a_ready, b_ready, empty, bias_ptr, out_ptr, out_desc, out_buf, E, N, stride_bias, stride_om, alpha, limit,
-             GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, num_warps: gl.constexpr, GATED: gl.constexpr,
-             ACT: gl.constexpr, FAST_ACT: gl.constexpr):
-    """One output tile of ``_ws_consumer``, multiplied as ``ROWS`` rows (as
-    ``_pipelined_tile``): its steps (``ws_tile_steps``), then the bias and the store of its
-    rows inside the expert (``_store_output``). The sentinel group's tiles store zeros.
-    Returns the ring's step."""
-    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps, BLOCK_M // ROWS)
-    acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
-    if grp < E:
-        if HAS_BIAS:
-            bias = _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N, num_warps)
-        acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, GATHER_A, B_KMAJOR,
-                                  BLOCK_N, BLOCK_K)
-        if HAS_BIAS:
-            acc = _add_bias(acc, bias)
-    _store_output(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, alpha, limit, TMA_STORE,
-                  GATED, ACT, FAST_ACT)
-    return step
-
-
-@gluon.jit
 def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf, LK, E,
                  N, K, stride_bias, stride_om, alpha, limit, GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr,
                  B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, num_warps: gl.constexpr, TMA_STORE: gl.constexpr,
-                 GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr, HALF_TILES: gl.constexpr):
-    """The MMA warpgroups: each tile (``_ws_tile``, half of its rows where
-    ``_tile_rows_half``)."""
+                 GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr):
+    """The MMA warpgroups: each tile's steps (``ws_tile_steps``), then the bias and the
+    store of the tile's rows inside the expert (``_store_output``)."""
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
                                                   num_warps)
     step = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
-        if HALF_TILES:  # as in ``_row_gemm_kernel``
-            if _tile_rows_half(grp, row0, row_end, E, BLOCK_M):
-                step = _ws_tile(BLOCK_M // 2, False, step, grp, row0, row_end, n0, k_steps, a_ring, b_ring, a_ready,
-                                b_ready, empty, bias_ptr, out_ptr, out_desc, out_buf, E, N, stride_bias, stride_om,
-                                alpha, limit, GATHER_A, HAS_BIAS, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, GATED,
-                                ACT, FAST_ACT)
-            else:
-                step = _ws_tile(BLOCK_M, TMA_STORE, step, grp, row0, row_end, n0, k_steps, a_ring, b_ring, a_ready,
-                                b_ready, empty, bias_ptr, out_ptr, out_desc, out_buf, E, N, stride_bias, stride_om,
-                                alpha, limit, GATHER_A, HAS_BIAS, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, GATED,
-                                ACT, FAST_ACT)
-        else:
-            step = _ws_tile(BLOCK_M, TMA_STORE, step, grp, row0, row_end, n0, k_steps, a_ring, b_ring, a_ready, b_ready,
-                            empty, bias_ptr, out_ptr, out_desc, out_buf, E, N, stride_bias, stride_om, alpha, limit,
-                            GATHER_A, HAS_BIAS, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, GATED, ACT, FAST_ACT)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        if grp < E:  # sentinel tiles store zeros
+            if HAS_BIAS:
+                bias = _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N, num_warps)
+            acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, GATHER_A, B_KMAJOR,
+                                      BLOCK_N, BLOCK_K)
+            if HAS_BIAS:
+                acc = _add_bias(acc, bias)
+        _store_output(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, alpha, limit, TMA_STORE,
+                      GATED, ACT, FAST_ACT)
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -586,7 +493,7 @@ def _row_gemm_ws_kernel(
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     A_OFFSETS_32: gl.constexpr, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-    FAST_ACT: gl.constexpr, HALF_TILES: gl.constexpr, num_warps: gl.constexpr,
+    FAST_ACT: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``_row_gemm_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the A and B
     tiles into the ring (``a_src`` a TMA descriptor of A, or A's pointer when its rows are
@@ -606,7 +513,7 @@ def _row_gemm_ws_kernel(
     gl.warp_specialize([
         (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf,
                         LK, E, N, K, stride_bias, stride_om, alpha, limit, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS,
-                        BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, TMA_STORE, GATED, ACT, FAST_ACT, HALF_TILES)),
+                        BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, TMA_STORE, GATED, ACT, FAST_ACT)),
         (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E,
                         N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K,
                         PRODUCER_WARPS, True, True, A_OFFSETS_32, ACT >= 0)),
@@ -655,7 +562,7 @@ def applies_gated_epilogue(a: torch.Tensor, b: torch.Tensor, bias, out: torch.Te
 
 def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmTile = TILE,
                     warp_specialize: bool = True, band: Optional[int] = None, tma_store: bool = True,
-                    epilogue: Optional[GatedEpilogue] = None, half_tiles: Optional[bool] = None):
+                    epilogue: Optional[GatedEpilogue] = None):
     """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) over every routed row, B an expert
     weight stack in ``transposed`` layout (``layouts``), as
     ``triton_experts.launch_gathered_gemm``; ``tile`` is (M, N, K block, warps, stages)
@@ -663,14 +570,8 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     tile order's band of m-tiles (``grouped_gemm.banded``), ``settings.row_band`` by
     default; ``tma_store``: tiles whose rows are all inside their expert are stored by TMA
     (``_store_tile``). With an ``epilogue`` (where ``applies_gated_epilogue``) out is
-    act(A @ B_e), half the GEMM's columns. ``half_tiles``: tiles whose rows inside their
-    expert fill at most half of them are multiplied as tiles of half the rows
-    (``_tile_rows_half``; ``settings.row_half_tiles`` by default), where the tile has
-    two MMA warpgroups and no epilogue (a paired tile's gate and up columns would land
-    on different warpgroups)."""
-    config = settings.current()
-    band = config.row_band if band is None else band
-    half_tiles = config.row_half_tiles if half_tiles is None else half_tiles
+    act(A @ B_e), half the GEMM's columns."""
+    band = settings.current().row_band if band is None else band
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
         raise ValueError(f"moeblaze gluon row GEMM: block_m must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")
@@ -692,8 +593,7 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
                   TMA_STORE=tma_store, GATED=acts.gated if epilogue is not None else None,
                   ACT=int(epilogue.activation) if epilogue is not None else -1,
-                  FAST_ACT=bool(epilogue.fast) if epilogue is not None else False,
-                  HALF_TILES=half_tiles and epilogue is None and tile.num_warps == 8, num_warps=tile.num_warps)
+                  FAST_ACT=bool(epilogue.fast) if epilogue is not None else False, num_warps=tile.num_warps)
     strides = (a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0))
     if warp_specialize:
         gather = a_row_ids is not None
