@@ -3,10 +3,8 @@ through the Gluon kernels (the warp-specialised one and the other, each with til
 from registers or by TMA) and the portable ``tl`` kernel on the same inputs, and checks
 they agree with ``tl``.
 
-``--half-tiles 1 0`` times the Gluon kernels with an expert's part-filled last tile
-multiplied as a tile of half the rows and as a whole one (``settings.row_half_tiles``);
-``--routing balanced`` gives every expert exactly L*K/E rows (no part-filled tiles), to
-tell what the half tiles save from what their code costs the other tiles.
+``--routing balanced`` gives every expert exactly L*K/E rows: no tile runs past its
+expert's end (what the part-filled tiles cost, against ``random``).
 
 ``up_act`` times the up projection and its SwiGLU together: the Gluon GEMM then the
 activation pass (what the layer runs), against the GEMM with the activation in its
@@ -14,7 +12,7 @@ epilogue (``gluon_row_gemm.GatedEpilogue``: act(h) alone, h never stored); the
 differences are to the first's act(h).
 
     python3 scripts/compare_row_gemm.py [--configs olmoe mixtral] [--kinds up down dx up_act]
-        [--kernels gluon_tma_store ...] [--half-tiles 1 0] [--routing random balanced]
+        [--kernels gluon_tma_store ...] [--routing random balanced]
 """
 
 import argparse
@@ -43,8 +41,6 @@ def main():
     parser.add_argument("--configs", nargs="*", default=["olmoe", "mixtral"], choices=sorted(CONFIGS))
     parser.add_argument("--kinds", nargs="*", default=["up", "down", "dx"], choices=["up", "down", "dx", "up_act"])
     parser.add_argument("--kernels", nargs="*", default=list(KERNELS), choices=list(KERNELS))
-    parser.add_argument("--half-tiles", nargs="*", type=int, default=[1],
-                        help="the Gluon kernels with part-filled tiles as half tiles (1) or whole (0)")
     parser.add_argument("--routing", nargs="*", default=["random"], choices=["random", "balanced"])
     args = parser.parse_args()
     print("| config | routing | GEMM | kernel | ms | TFLOP/s | rel diff to the first |")
@@ -71,13 +67,7 @@ def main():
             def tl(out):  # the portable kernel: timed with settings.gluon empty (below)
                 triton_experts.launch_gathered_gemm(a, row_ids, w, None, offsets, out, transposed, kind)
 
-            kernels = {}
-            for label in args.kernels:
-                if KERNELS[label] is None:
-                    kernels[label] = tl
-                    continue
-                for half in args.half_tiles:
-                    kernels[label + ("" if half else "_whole_tiles")] = gluon(**KERNELS[label], half_tiles=bool(half))
+            kernels = {label: tl if KERNELS[label] is None else gluon(**KERNELS[label]) for label in args.kernels}
             flops = 2 * LK * n * a.shape[1]
             reference = None
             for label, launch in kernels.items():
