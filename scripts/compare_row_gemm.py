@@ -26,6 +26,7 @@ from moeblaze_ops.activations import ActivationCode
 from moeblaze_ops.bench.configs import CONFIGS, make_inputs
 from moeblaze_ops.kernels import gluon_row_gemm, triton_experts
 from moeblaze_ops.testing import rel_err
+from tile_padding import balanced_ids  # this script's folder is on the path
 
 #: The kernels timed (``--kernels``): the portable one, and the Gluon ones by
 #: ``launch_row_gemm``'s variant arguments.
@@ -48,8 +49,8 @@ def main():
     for name, routing in [(n, r) for n in args.configs for r in args.routing]:
         T, d, I, E, K = CONFIGS[name]
         x, ids, _, w_gate_up, w_down = make_inputs(T, d, I, E, K)
-        if routing == "balanced":  # every expert L*K/E rows (K distinct experts a token where K <= E)
-            ids = torch.arange(T * K, device=ids.device).view(T, K) % E
+        if routing == "balanced":
+            ids = balanced_ids(T, K, E, ids.device)
         eti, offsets, _ = torch.ops.moeblaze.dispatch(ids, E)
         LK = eti.shape[0]
         act = torch.randn(LK, I, device="cuda", dtype=x.dtype)

@@ -29,8 +29,8 @@
 # epilogue or not, next tile started first or not) and,
 # where Nsight Compute reads the counters, writes each kernel's stall reasons to $OUT/ncu.txt.
 # DH=1 times dH on the tl kernel and the Gluon one (scripts/tune_backward.py --dh-gluon, the Gluon
-# one with fewer chunks of h in flight too) and, where ncu reads the counters, writes both kernels'
-# stall reasons to $OUT/ncu.txt.
+# one with fewer chunks of h in flight too) and, where ncu reads the counters, sums the Gluon
+# kernel's warp-stall samples by region (scripts/stall_regions.py) at Mixtral- and OLMoE-like.
 # GATED_EPILOGUE=1 runs the up projection's activation-in-the-epilogue tests, times it
 # against the GEMM and the activation pass (scripts/compare_row_gemm.py --kinds up_act), and
 # the layer's forward with settings.up_epilogue_activation off and on (eager and compiled).
@@ -188,14 +188,15 @@ if [ "${DH:-0}" = 1 ]; then
   timeout 300 python3 scripts/tune_backward.py --configs olmoe mixtral deepseek_v3 --kinds dh --dh-fast 1 --dh-gluon 1 0 \
     --dh-slots None 2 --w-tma 1 --tiles 128,256,64,8,4 128,256,64,8,3 2>>"$LOG" | grep -v failed | tee -a "$LOG"
   if command -v ncu >/dev/null; then
-    echo "== stall reasons of the dH kernels (ncu, Mixtral-like)" | tee -a "$LOG"
-    for pair in "128,256,64,8,3:0" "128,256,64,8,4:1"; do
-      timeout 240 ncu --clock-control none --kernel-name regex:_dh_ --launch-count 1 --section SpeedOfLight \
-        --section MemoryWorkloadAnalysis --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-        python3 scripts/tune_backward.py --configs mixtral --kinds dh --dh-fast 1 --w-tma 1 --tiles "${pair%%:*}" \
-        --dh-gluon "${pair##*:}" >> "$OUT/ncu.txt" 2>&1
+    echo "== where the Gluon dH's warps wait (ncu samples by SASS line, summed by region: scripts/stall_regions.py)" | tee -a "$LOG"
+    for config in mixtral olmoe; do
+      timeout 240 ncu --clock-control none --kernel-name regex:_dh_kernel --launch-skip 3 --launch-count 1 \
+        --section SourceCounters --section WarpStateStats --section SpeedOfLight --import-source no \
+        --export "/tmp/dh_$config" -f python3 scripts/tune_backward.py --configs $config --kinds dh --dh-fast 1 \
+        --dh-gluon 1 --w-tma 1 --tiles 128,256,64,8,4 >> "$OUT/ncu.txt" 2>&1
+      ncu -i "/tmp/dh_$config.ncu-rep" --page source --csv --print-source sass > "/tmp/dh_$config.csv" 2>>"$LOG"
+      python3 scripts/stall_regions.py --opcodes "/tmp/dh_$config.csv" 2>>"$LOG" | tee -a "$LOG"
     done
-    grep -E "_dh_|Duration|Throughput|stalled_.*ratio" "$OUT/ncu.txt" | awk '$NF+0 > 0.05 || !/stalled/' | tee -a "$LOG"
   fi
 fi
 if [ "${SWITCHES:-0}" = 1 ]; then

@@ -1,5 +1,6 @@
 """The benchmark's own smoke runs on CPU: what it measures, records and writes."""
 
+import csv
 import json
 import math
 
@@ -211,20 +212,26 @@ def test_train_steps_start_without_gradients():
     assert len(seen) >= 2 and all(seen)
 
 
+def _script(name):
+    """``scripts/<name>.py`` as a module."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+
 @pytest.mark.parametrize("T,K,E", [(8192, 8, 256), (100, 4, 16), (7, 2, 8)])
 def test_tile_padding_balanced_routing(T, K, E):
     """``scripts/tile_padding.py``'s balanced routing gives every expert the same number of
     rows (where E divides T*K), K distinct experts per token, ids in range."""
-    import importlib.util
-    import pathlib
-
     import torch
 
-    path = pathlib.Path(__file__).parents[1] / "scripts" / "tile_padding.py"
-    spec = importlib.util.spec_from_file_location("tile_padding", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    ids = module.balanced_ids(T, K, E, device="cpu")
+    ids = _script("tile_padding").balanced_ids(T, K, E, device="cpu")
     assert ids.shape == (T, K) and int(ids.min()) >= 0 and int(ids.max()) < E
     assert all(len(set(row)) == K for row in ids.tolist())
     counts = torch.bincount(ids.flatten(), minlength=E)
@@ -232,3 +239,38 @@ def test_tile_padding_balanced_routing(T, K, E):
         assert counts.eq(T * K // E).all()
     else:
         assert int(counts.max() - counts.min()) <= 1
+
+
+def test_stall_regions_splits_a_warp_specialised_kernel(tmp_path):
+    """``scripts/stall_regions.py`` reads ncu's source-page CSV and sums the samples of the
+    copy warps, the MMA warps' setup, reduction steps and epilogue, and the rest, by the
+    SASS markers that bound them; a share is of all samples, a reason's of its region's."""
+    regions = _script("stall_regions")
+    code = [("LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", 30, {"long_sb": 30}),
+            ("@!P0 EXIT", 2, {"wait": 2}),
+            ("IMAD R3, R4, R5, RZ", 4, {"selected": 4}),
+            ("BAR.SYNC.DEFER_BLOCKING 0x0, 0x100", 4, {"barrier": 4}),
+            ("SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [R23+URZ+0x38290], R22", 10, {"wait": 10}),
+            ("HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8], R24", 20, {"math": 5, "wait": 15}),
+            ("WARPGROUP.DEPBAR.LE gsb0, 0x0", 5, {"wait": 5}),
+            ("FMUL R1, R2, R3", 10, {"short_sb": 6, "selected": 4}),
+            ("@P1 SYNCS.ARRIVE.TRANS64.A1T0 RZ, [R204+URZ+0x382d0], RZ", 5, {"barrier": 5}),
+            ("@!P0 BRA 0x7fd6737db770", 10, {"long_sb": 10})]
+    reasons = ["barrier", "long_sb", "math", "selected", "short_sb", "wait"]
+    path = tmp_path / "source.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["Kernel Name", "_dh_kernel", ""])
+        writer.writerow(["Address", "Source", "Warp Stall Sampling (All Samples)"] + [f"stall_{r}" for r in reasons]
+                        + [f"stall_{r} (Not Issued)" for r in reasons])
+        for i, (source, samples, split) in enumerate(code):
+            writer.writerow([hex(0x1000 + 16 * i), "  " + source, samples] + [split.get(r, 0) for r in reasons]
+                            + [0] * len(reasons))
+    lines = regions.read_source_csv(str(path))
+    assert [(r.name, r.start, r.end) for r in regions.regions(lines)] == [
+        ("copy warps", 0, 2), ("MMA warps before their loop", 2, 3), ("MMA warps: reduction steps", 3, 6),
+        ("MMA warps: epilogue", 6, 9), ("rest (exit, wait retries)", 9, 10)]
+    shares = [row.split(";")[0].split()[-3] for row in regions.summarize(lines, top=2)]
+    assert shares == ["32.0%", "4.0%", "34.0%", "20.0%", "10.0%"]
+    assert regions.summarize(lines, top=2)[2].endswith("of samples; wait 74%, math 15%")
+    assert regions.epilogue_opcodes(lines).startswith("FMUL 50.0% (1), WARPGROUP 25.0% (1), SYNCS 25.0% (1)")
