@@ -1,7 +1,7 @@
 """Times the row GEMMs (up: gathered x @ W_gate_up; down: act(h) @ W_down; dx: dH @ W_gate_up^T)
 through the Gluon kernels (the warp-specialised one and the other, each with tiles stored
 from registers or by TMA) and the portable ``tl`` kernel on the same inputs, and checks
-they agree with ``tl``.
+they agree with the first one timed (``tl`` by default).
 
 ``--routing balanced`` gives every expert exactly L*K/E rows: no tile runs past its
 expert's end (what the part-filled tiles cost, against ``random``).

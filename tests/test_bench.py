@@ -1,4 +1,5 @@
-"""The benchmark's own smoke runs on CPU: what it measures, records and writes."""
+"""The benchmark's own smoke runs on CPU: what it measures, records and writes; and the
+measuring scripts' helpers that need no GPU."""
 
 import csv
 import json
@@ -222,7 +223,6 @@ def _script(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
 
 
 @pytest.mark.parametrize("T,K,E", [(8192, 8, 256), (100, 4, 16), (7, 2, 8)])
