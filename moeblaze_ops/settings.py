@@ -165,6 +165,11 @@ class KernelSettings:
             each output tile through shared memory by TMA copies, which run on while they
             start the next tile (where TMA can write the gradient and a program has more
             than one tile), instead of storing from registers.
+        wgrad_split_mma: the warp-specialised Gluon weight gradients with the row-ordered
+            operand by TMA (``gluon_wgrad._wgrad_rows_tma_ws_kernel``) run their two MMA
+            warpgroups as partitions of their own, each over half of every tile: each
+            releases a ring slot when its own wgmma is done, where one partition of both
+            waits at a CTA barrier every step for the slower warpgroup.
         row_tma_store: the Gluon row GEMMs (up, down, dX, where ``gluon`` runs them) write
             each output tile whose rows are all inside its expert through shared memory
             by TMA copies, which run on while the warps start the next tile, instead of
@@ -227,6 +232,7 @@ class KernelSettings:
     wgrad_band: int = 1
     wgrad_rows_tma: Mapping[str, int] = field(default_factory=lambda: {"wgrad_down": 0, "wgrad_up": 0})
     wgrad_tma_store: bool = True
+    wgrad_split_mma: bool = False
     row_tma_store: bool = True
     row_band: int = 4
     up_epilogue_activation: bool = True

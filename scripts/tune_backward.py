@@ -104,12 +104,14 @@ def variants(kind, a):
                 for b in a.row_band]
     gluon, ws, rows_tma = (settings.current().gluon, settings.current().gluon_warp_specialize,
                            settings.current().wgrad_rows_tma)
-    return [(f"gluon={v} ws={w}" + (f" rows_tma={t} tma_store={s} group={g}" if v else ""),
+    return [(f"gluon={v} ws={w}" + (f" rows_tma={t} tma_store={s} group={g}" if v else "")
+             + (f" split_mma={m}" if v and w and t else ""),
              dict(gluon=(gluon | {kind}) if v else (gluon - {kind}), small_gemm_flop=0,
                   gluon_warp_specialize={**{k: r for k, r in ws.items() if k != kind}, **({kind: 0} if w else {})},
                   wgrad_rows_tma={**{k: r for k, r in rows_tma.items() if k != kind}, **({kind: 0} if t else {})},
-                  wgrad_tma_store=bool(s), wgrad_band=g), None)
+                  wgrad_tma_store=bool(s), wgrad_band=g, wgrad_split_mma=bool(m)), None)
             for v in a.gluon for w in (a.ws if v else [0]) for t in (a.rows_tma if v else [0])
+            for m in (a.split_mma if v and w and t else [0])
             for s in (a.tma_store if v and (t or not w) else [0])
             for g in (a.wgrad_band if v else [1])]
 
@@ -140,6 +142,9 @@ def main():
     p.add_argument("--tma-store", nargs="*", type=int, default=[0],
                    help="Gluon weight gradients (all but the warp-specialised one without --rows-tma): output tiles written by TMA from "
                         "shared memory (1) or from registers (0)")
+    p.add_argument("--split-mma", nargs="*", type=int, default=[int(settings.current().wgrad_split_mma)],
+                   help="the warp-specialised rows-TMA weight gradients with each MMA warpgroup a partition of its "
+                        "own (1) or both in one (0) (settings.wgrad_split_mma)")
     p.add_argument("--row-band", nargs="*", type=int, default=[settings.current().row_band],
                    help="dh and dx: the tile order's band of row tiles (settings.row_band)")
     p.add_argument("--wgrad-band", nargs="*", type=int, default=[settings.current().wgrad_band],

@@ -37,6 +37,7 @@ def _compile_for_hopper(fn, signature, constexprs, num_warps, aligned):
 @pytest.mark.parametrize("variant", ["one_partition", "one_partition_store_mn", "one_partition_store_nm",
                                      "warp_specialized", "rows_tma", "rows_tma_store_mn", "rows_tma_store_nm",
                                      "rows_tma_ws", "rows_tma_ws_store_mn", "rows_tma_ws_store_nm",
+                                     "rows_tma_ws_split", "rows_tma_ws_split_store_mn", "rows_tma_ws_split_store_nm",
                                      "rows_tma_store_mn_whole", "rows_tma_ws_store_mn_whole",
                                      "rows_tma_ws_store_nm_whole"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -47,6 +48,7 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
 
     rows_tma, warp_specialize = variant.startswith("rows_tma"), variant == "warp_specialized" or "_ws" in variant
     tma_store = "store" in variant
+    groups = 2 if "_split" in variant else 1  # the MMA warpgroups in partitions of their own
     tile = gluon_wgrad.ROWS_TMA_TILE if rows_tma else gluon_wgrad.TILE
     # "whole": three stages leave room for a whole tile's output buffer (one store a tile).
     pieces = 1 if variant.endswith("_whole") else 2
@@ -56,11 +58,12 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
     signature = {"rows_ptr": f"*{dtype}", "gathered_ptr": f"*{dtype}", "row_ids_ptr": "*i32", "offsets_ptr": "*i32",
                  "out_ptr": f"*{dtype}", **{name: "i32" for name in ints}}
     constexprs = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
-                      BAND=band, num_warps=tile.num_warps)
+                      BAND=band, num_warps=tile.num_warps // groups)
     if not warp_specialize or rows_tma:
-        # The output descriptor's box: half an [M, N] accumulator tile or all of it, in its
-        # order ("mn") or transposed ("nm": M contiguous in the gradient).
-        m, n = (tile.block_n, tile.block_m) if rows_tma else (tile.block_m, tile.block_n)
+        # The output descriptor's box: half an [M, N] accumulator tile or all of it (of an
+        # MMA group's M rows), in its order ("mn") or transposed ("nm": M contiguous in the
+        # gradient).
+        m, n = (tile.block_n // groups, tile.block_m) if rows_tma else (tile.block_m, tile.block_n)
         transposed = "_nm" in variant
         signature["out_desc"] = _descriptor_type(dtype, [1, n // pieces, m] if transposed else [1, m, n // pieces])
         constexprs.update(TMA_STORE=tma_store, OUT_TRANSPOSED=transposed, STORE_PIECES=pieces)
@@ -70,7 +73,8 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
         signature = {"rows_desc": _descriptor_type(dtype, [tile.block_k, tile.block_m]), **signature}
         kernel_fn = gluon_wgrad._wgrad_rows_tma_kernel
         if warp_specialize:
-            constexprs.update(zip(("PRODUCER_WARPS", "PRODUCER_REGS"), gluon_wgrad.PRODUCER))
+            constexprs.update(zip(("PRODUCER_WARPS", "PRODUCER_REGS"), gluon_wgrad.PRODUCER), MMA_GROUPS=groups,
+                              MMA_REGS=gluon_wgrad.MMA_GROUP_REGS)
             kernel_fn = gluon_wgrad._wgrad_rows_tma_ws_kernel
     elif warp_specialize:
         constexprs.update(zip(("PRODUCER_WARPS", "PRODUCER_REGS"), gluon_wgrad.PRODUCER))
@@ -78,7 +82,7 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
     else:
         kernel_fn = gluon_wgrad._wgrad_kernel
     try:
-        kernel = _compile_for_hopper(kernel_fn, signature, constexprs, tile.num_warps,
+        kernel = _compile_for_hopper(kernel_fn, signature, constexprs, tile.num_warps // groups,
                                      aligned=["rows_ptr", "gathered_ptr", "row_ids_ptr", "offsets_ptr", "out_ptr", "P",
                                               "Q", "stride_rm", "stride_gm", "stride_oe", "stride_op"])
     except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
@@ -102,8 +106,8 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
     if tma_store:  # each piece by 3-D TMA copies from shared memory, waited for before its buffer is reused
         assert re.search(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx)
         waits = re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
-        # One wait before each piece's buffer is written, and the program's last.
-        assert len(waits) == pieces + 1
+        # One wait before each piece's buffer is written, and the program's last (in each MMA group).
+        assert len(waits) == (pieces + 1) * groups
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
     out_buffer = tile.block_m * tile.block_n * 2 // pieces if tma_store else 0
     assert ring + out_buffer <= kernel.metadata.shared <= MAX_SHARED

@@ -368,7 +368,7 @@ def test_index_arrays_checked_on_the_device(defect, seed):
 WGRAD_VARIANTS = ["gluon_ws", "gluon", "gluon_band3", "gluon_rows_tma", "gluon_rows_tma_band3",
                   "gluon_rows_tma_2_per_sm", "gluon_rows_tma_store", "gluon_rows_tma_store_band3", "gluon_store",
                   "gluon_rows_tma_ws", "gluon_rows_tma_ws_store", "gluon_rows_tma_store_whole",
-                  "gluon_rows_tma_ws_store_whole", "tl"]
+                  "gluon_rows_tma_ws_store_whole", "gluon_rows_tma_ws_split", "gluon_rows_tma_ws_store_split", "tl"]
 
 
 def _variant_tile(variant):
@@ -388,7 +388,7 @@ def _wgrad_settings(variant):
     return settings.override(tiles=tiles, gluon={"wgrad_up"} if variant != "tl" else set(),
                              gluon_warp_specialize={"wgrad_up"} if "ws" in variant.split("_") else set(),
                              wgrad_rows_tma={"wgrad_up"} if "rows_tma" in variant else set(),
-                             wgrad_tma_store="store" in variant,
+                             wgrad_tma_store="store" in variant, wgrad_split_mma=variant.endswith("split"),
                              wgrad_band=3 if variant.endswith("band3") else 1)
 
 

@@ -420,7 +420,7 @@ def _ws_producer(a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_re
 def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, GATHER_A: gl.constexpr,
                   B_KMAJOR: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   ONE_READY: gl.constexpr = False, A_TRANSPOSED: gl.constexpr = False,
-                  HOLD_LAST: gl.constexpr = False):
+                  HOLD_LAST: gl.constexpr = False, A_FIRST_ROW: gl.constexpr = 0):
     """An MMA warpgroup's reduction over one output tile of a warp-specialised kernel's
     ring (``_ws_producer`` fills it): for each of the tile's ``k_steps`` steps, wait for its
     copies, run the asynchronous wgmma, and release the slot of the step before once its
@@ -428,8 +428,9 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
     are (a tile of no steps releases none). ``step`` counts the ring's steps this
     warpgroup has passed; returns (acc, step). ``ONE_READY``: both copies arrive on
     ``a_ready``; ``b_ready`` is not waited on. ``A_TRANSPOSED``: a slot of ``a_ring`` holds
-    A^T ([BLOCK_K, M]), taken as a transposed view. ``HOLD_LAST``: the last slot is not
-    released (the caller uses it, then releases it)."""
+    A^T ([BLOCK_K, M]), taken as a transposed view; an ``acc`` of fewer rows than M then
+    multiplies A's rows ``A_FIRST_ROW ..`` (the part of an MMA partition that owns them).
+    ``HOLD_LAST``: the last slot is not released (the caller uses it, then releases it)."""
     NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
     for k in range(k_steps):
         slot = step % NUM_STAGES
@@ -441,7 +442,10 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
             # cp.async wrote A through the generic proxy; wgmma reads through the async one.
             fence_async_shared()
         if A_TRANSPOSED:
-            a = a_ring.index(slot).permute((1, 0))
+            a = a_ring.index(slot)
+            if acc.shape[0] < a.shape[1]:
+                a = a.slice(A_FIRST_ROW, acc.shape[0], dim=1)
+            a = a.permute((1, 0))
         else:
             a = a_ring.index(slot)
         acc = warpgroup_mma(a, _b_operand(b_ring, slot, B_KMAJOR, BLOCK_N, BLOCK_K), acc, is_async=True)

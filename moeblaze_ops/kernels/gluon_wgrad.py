@@ -58,6 +58,10 @@ REGISTERS_PER_SM = 65536
 #: (warps, registers per thread) of the warp-specialised kernel's copy warpgroup (its
 #: threads each copy 16-byte pieces of both operands and hold their row offsets).
 PRODUCER = (4, 88)
+#: Registers a thread of the second MMA partition where ``_wgrad_rows_tma_ws_kernel``
+#: runs two (a [64, 256] accumulator and its TMA-store epilogue); the first takes what the
+#: other partitions leave.
+MMA_GROUP_REGS = 208
 
 
 @gluon.jit
@@ -399,20 +403,25 @@ def _wgrad_rows_tma_ws_producer(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, 
 def _wgrad_rows_tma_ws_consumer(g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P, Q,
                                 stride_oe, stride_op, stride_oq, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
                                 BLOCK_R: gl.constexpr, BAND: gl.constexpr, TMA_STORE: gl.constexpr,
-                                OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr, num_warps: gl.constexpr):
-    """The MMA warpgroups of ``_wgrad_rows_tma_ws_kernel``: each tile's steps
+                                OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr, WARPS: gl.constexpr,
+                                GROUP: gl.constexpr = 0, GROUPS: gl.constexpr = 1):
+    """MMA warps of ``_wgrad_rows_tma_ws_kernel``: each tile's steps
     (``gluon_row_gemm.ws_tile_steps``, the gathered rows' slot as the transposed left
-    operand), then the [Q, P] tile stored (``_store_tile``)."""
-    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, num_warps)
+    operand), then the [Q, P] tile stored (``_store_tile``). With ``GROUPS`` MMA
+    partitions (2: a warpgroup each), this one, number ``GROUP``, takes the tile's
+    ``GROUP``-th part of its Q rows, its own output buffer, and releases each slot by its
+    own arrival (``empty`` counts ``GROUPS``), waiting for no other warpgroup."""
+    ROWS: gl.constexpr = BLOCK_Q // GROUPS
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, WARPS)
     step = 0
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
         e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
-        acc = gl.zeros([BLOCK_Q, BLOCK_P], gl.float32, acc_layout)
+        acc = gl.zeros([ROWS, BLOCK_P], gl.float32, acc_layout)
         # An empty expert's tile has no steps: its gradient is the zeros stored below.
         acc, step = ws_tile_steps(acc, step, gl.cdiv(hi - lo, BLOCK_R), g_ring, r_ring, ready, ready, empty, True,
-                                  False, BLOCK_P, BLOCK_R, ONE_READY=True, A_TRANSPOSED=True)
-        _store_tile(out_ptr, out_desc, out_buf, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op, TMA_STORE,
-                    OUT_TRANSPOSED, STORE_PIECES)
+                                  False, BLOCK_P, BLOCK_R, ONE_READY=True, A_TRANSPOSED=True, A_FIRST_ROW=GROUP * ROWS)
+        _store_tile(out_ptr, out_desc, out_buf, acc, e, q0 + GROUP * ROWS, p0, Q, P, stride_oe, stride_oq, stride_op,
+                    TMA_STORE, OUT_TRANSPOSED, STORE_PIECES)
     _drain(TMA_STORE)
 
 
@@ -423,14 +432,17 @@ def _wgrad_rows_tma_ws_kernel(
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
     BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr,
-    PRODUCER_WARPS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, MMA_GROUPS: gl.constexpr, MMA_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """``_wgrad_rows_tma_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the
-    gathered rows by cp.async and start the row-ordered tiles' TMA, the ``num_warps``
-    others run the wgmma and store, a tile's TMA store running beside the next tile's
-    MMAs. Each ring slot has two mbarriers: ``ready`` (every copy thread's cp.async copies
-    and the TMA bytes landed) and ``empty`` (the MMA is done with it)."""
+    gathered rows by cp.async and start the row-ordered tiles' TMA, the MMA warps run the
+    wgmma and store, a tile's TMA store running beside the next tile's MMAs. Each ring slot
+    has two mbarriers: ``ready`` (every copy thread's cp.async copies and the TMA bytes
+    landed) and ``empty`` (the MMA is done with it). ``MMA_GROUPS`` 1: the ``num_warps``
+    MMA warps are one partition; 2: two partitions of ``num_warps`` (a warpgroup each,
+    the second with ``MMA_REGS`` registers a thread), each over half the tile's Q rows
+    (``out_desc``'s box is such a half's)."""
     dtype: gl.constexpr = rows_ptr.dtype.element_ty
     g_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
@@ -439,16 +451,32 @@ def _wgrad_rows_tma_ws_kernel(
     # with the row-ordered tile: the TMA's expected bytes, or a plain arrive after the
     # masked copy of an expert's partial last step.
     ready = slot_barriers(NUM_STAGES, PRODUCER_WARPS * 32 + 1)
-    empty = slot_barriers(NUM_STAGES, 1)
+    empty = slot_barriers(NUM_STAGES, MMA_GROUPS)
     out_desc, out_buf = partition_output(out_desc, dtype, TMA_STORE, rows_desc, r_ring)
-    gl.warp_specialize([
-        (_wgrad_rows_tma_ws_consumer, (g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P, Q,
-                                       stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, BAND, TMA_STORE,
-                                       OUT_TRANSPOSED, STORE_PIECES, num_warps)),
-        (_wgrad_rows_tma_ws_producer, (rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring, r_ring,
-                                       ready, empty, E, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, BAND,
-                                       PRODUCER_WARPS)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    if MMA_GROUPS == 1:
+        gl.warp_specialize([
+            (_wgrad_rows_tma_ws_consumer, (g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P,
+                                           Q, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, BAND,
+                                           TMA_STORE, OUT_TRANSPOSED, STORE_PIECES, num_warps)),
+            (_wgrad_rows_tma_ws_producer, (rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring,
+                                           r_ring, ready, empty, E, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
+                                           BLOCK_R, BAND, PRODUCER_WARPS)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    else:
+        # The second group stores through a buffer of its own: its TMA copies run on
+        # while the first group writes its half.
+        out_desc, second_buf = partition_output(out_desc, dtype, TMA_STORE, rows_desc, r_ring)
+        gl.warp_specialize([
+            (_wgrad_rows_tma_ws_consumer, (g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P,
+                                           Q, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, BAND,
+                                           TMA_STORE, OUT_TRANSPOSED, STORE_PIECES, num_warps, 0, MMA_GROUPS)),
+            (_wgrad_rows_tma_ws_consumer, (g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, second_buf, E,
+                                           P, Q, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, BAND,
+                                           TMA_STORE, OUT_TRANSPOSED, STORE_PIECES, num_warps, 1, MMA_GROUPS)),
+            (_wgrad_rows_tma_ws_producer, (rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring,
+                                           r_ring, ready, empty, E, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
+                                           BLOCK_R, BAND, PRODUCER_WARPS)),
+        ], [num_warps, PRODUCER_WARPS], [MMA_REGS, PRODUCER_REGS])
 
 
 def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
@@ -462,15 +490,17 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
             and rows.data_ptr() % 16 == 0 and gathered.data_ptr() % 16 == 0)
 
 
-def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile, rows_tma: bool, pieces: int = 2):
+def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile, rows_tma: bool, pieces: int = 2,
+                       mma_groups: int = 1):
     """``(descriptor, transposed)`` for ``gluon_common.store_by_tma``: the weight gradient as
     the kernel's [E, M, N] accumulator tiles lie in it ([E, Q, P] for the rows-TMA kernel,
     [E, P, Q] for the others), or as [E, N, M] (``transposed``) where M is the contiguous
-    dimension, with a box of a tile's ``pieces``-th part (``gluon_common.store_pieces``);
-    ``(None, False)`` where TMA cannot write it (the kernel then stores from registers, in
-    its one compiled form for that)."""
+    dimension, with a box of a tile's ``pieces``-th part (``gluon_common.store_pieces``) of
+    an MMA group's M rows (``mma_groups``); ``(None, False)`` where TMA cannot write it (the
+    kernel then stores from registers, in its one compiled form for that)."""
     acc_view = grad_w_pq.transpose(1, 2) if rows_tma else grad_w_pq
     m, n = (tile.block_n, tile.block_m) if rows_tma else (tile.block_m, tile.block_n)
+    m //= mma_groups
     transposed = acc_view.stride(2) != 1
     view = acc_view.transpose(1, 2) if transposed else acc_view
     if view.stride(2) != 1 or view.data_ptr() % 16 or any(s * view.element_size() % 16 for s in view.stride()[:2]):
@@ -481,7 +511,7 @@ def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile, rows_tma: bool, 
 
 def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[GemmTile] = None,
                  warp_specialize: bool = False, band: Optional[int] = None, rows_tma: bool = False,
-                 tma_store: bool = False):
+                 tma_store: bool = False, split_mma: bool = False):
     """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring).
 
     ``tile`` is (P block, Q block, R block, warps, stages[, programs per SM, registers
@@ -493,7 +523,10 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     by default. ``tma_store``: the kernel (not ``_wgrad_ws_kernel``) writes its tiles by TMA
     copies that run on during the next tile (``gluon_common.store_by_tma``), where TMA
     can write the gradient and each program has a next tile; whole where the tile fits
-    beside the ring, else in halves (``gluon_common.store_pieces``)."""
+    beside the ring, else in halves (``gluon_common.store_pieces``). ``split_mma``: where
+    the kernel is ``_wgrad_rows_tma_ws_kernel`` on 8 MMA warps, its two MMA warpgroups run
+    as partitions of their own, each over half the tile, releasing the ring's slots
+    without waiting for each other."""
     if grad_w_pq.numel() == 0:
         return
     band = settings.current().wgrad_band if band is None else band
@@ -504,6 +537,7 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
         side = "block_n" if rows_tma else "block_m"
         raise ValueError(f"moeblaze gluon weight gradient: {side} must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")
+    mma_groups = 2 if split_mma and rows_tma and warp_specialize and tile.num_warps == 8 else 1
     E, P, Q = grad_w_pq.shape
     tiles = E * gg.cdiv(P, tile.block_m) * gg.cdiv(Q, tile.block_n)
     args = (gathered, row_ids, offsets, grad_w_pq, E, P, Q, rows.stride(0), gathered.stride(0), *grad_w_pq.stride())
@@ -516,7 +550,8 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     # to run its store beside.
     tma_store = tma_store and (rows_tma or not warp_specialize) and tiles > grid[0]
     pieces = store_pieces(tile, grad_w_pq.element_size(), grad_w_pq.device) if tma_store else 2
-    out_desc, out_transposed = _output_descriptor(grad_w_pq, tile, rows_tma, pieces) if tma_store else (None, False)
+    out_desc, out_transposed = (_output_descriptor(grad_w_pq, tile, rows_tma, pieces, mma_groups) if tma_store
+                                else (None, False))
     pipeline = dict(TMA_STORE=out_desc is not None, OUT_TRANSPOSED=out_transposed, STORE_PIECES=pieces)
     if rows_tma:
         block = [tile.block_k, tile.block_m]
@@ -524,7 +559,8 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
         if warp_specialize:
             warps, regs = PRODUCER
             launch(_wgrad_rows_tma_ws_kernel, grid, rows_desc, rows, *args[:4], out_desc, *args[4:],
-                   PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **pipeline, **blocks)
+                   PRODUCER_WARPS=warps, PRODUCER_REGS=regs, MMA_GROUPS=mma_groups, MMA_REGS=MMA_GROUP_REGS,
+                   **pipeline, **{**blocks, "num_warps": tile.num_warps // mma_groups})
         else:
             launch(_wgrad_rows_tma_kernel, grid, rows_desc, rows, *args[:4], out_desc, *args[4:], **pipeline,
                    **blocks)
