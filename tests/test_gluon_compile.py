@@ -250,3 +250,31 @@ def test_weight_gradient_tile_stored_whole_where_it_fits(stages, pieces, monkeyp
     assert meta["TMA_STORE"] and meta["STORE_PIECES"] == pieces
     out_desc = args[6]  # the gradient is Q-contiguous: the [Q, P] accumulator's tiles stored transposed
     assert meta["OUT_TRANSPOSED"] and list(out_desc.block_shape) == [1, tile.block_m // pieces, tile.block_n]
+
+
+@pytest.mark.parametrize("split,rows_tma,warp_specialize", [(True, True, True), (False, True, True),
+                                                            (True, True, False), (True, False, True)])
+def test_weight_gradient_split_mma_launch(split, rows_tma, warp_specialize, monkeypatch):
+    """``split_mma`` runs the warp-specialised rows-TMA kernel with two MMA partitions of a
+    warpgroup each (4 warps a partition, ``MMA_GROUPS`` 2) and a TMA box of half a tile's
+    Q rows for each; every other kernel, and the flag off, keep one MMA partition of all
+    8 warps. Stand-in kernels record their launch (no GPU)."""
+    from moeblaze_ops.kernels import gluon_wgrad
+
+    launches = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append((args, meta))
+
+    for name in ("_wgrad_kernel", "_wgrad_ws_kernel", "_wgrad_rows_tma_kernel", "_wgrad_rows_tma_ws_kernel"):
+        monkeypatch.setattr(gluon_wgrad, name, FakeKernel())
+    rows, gathered, ids, offsets, grad_w_pq = _stand_in_wgrad_operands(monkeypatch)
+    gluon_wgrad.launch_wgrad(rows, gathered, ids, offsets, grad_w_pq, warp_specialize=warp_specialize,
+                             rows_tma=rows_tma, tma_store=True, split_mma=split)
+    [(args, meta)] = launches
+    groups = 2 if split and rows_tma and warp_specialize else 1
+    assert meta["num_warps"] == 8 // groups and meta.get("MMA_GROUPS", 1) == groups
+    if rows_tma and warp_specialize:
+        tile = gluon_wgrad.ROWS_TMA_TILE  # Q-contiguous gradient: [Q, P] tiles stored transposed, half P a box
+        assert list(args[6].block_shape) == [1, tile.block_m // meta["STORE_PIECES"], tile.block_n // groups]

@@ -465,7 +465,7 @@ def _wgrad_rows_tma_ws_kernel(
     else:
         # The second group stores through a buffer of its own: its TMA copies run on
         # while the first group writes its half.
-        out_desc, second_buf = partition_output(out_desc, dtype, TMA_STORE, rows_desc, r_ring)
+        _, second_buf = partition_output(out_desc, dtype, TMA_STORE, rows_desc, r_ring)
         gl.warp_specialize([
             (_wgrad_rows_tma_ws_consumer, (g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P,
                                            Q, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, BAND,
