@@ -85,7 +85,9 @@ def _copy_h_chunk(h_slots, h_ptr, grp, row0, row_end, n0, E, I, stride_hm, j: gl
     j // chunks) into slot j % slots of ``h_slots`` ([slots * 2, CHUNK, PART_COLUMNS]).
     Masked elements land as zeros: rows past the expert's end, the sentinel group's
     rows (a zero gradient and a zero activation), columns past I. Each thread later reads
-    back the elements it copied (``_dh_tile_epilogue``), so no barrier orders the two."""
+    back the elements it copied (``_dh_tile_epilogue``), so the copies need no barrier
+    before their reads; the compiler, which cannot see that, still places CTA barriers
+    around each chunk's wait and refill."""
     CHUNKS: gl.constexpr = BLOCK_M // CHUNK
     SLOTS: gl.constexpr = h_slots.shape[0] // 2
     layout: gl.constexpr = _chunk_layout(PART_COLUMNS, WARPS)
