@@ -170,6 +170,9 @@ class KernelSettings:
             warpgroups as partitions of their own, each over half of every tile: each
             releases a ring slot when its own wgmma is done, where one partition of both
             waits at a CTA barrier every step for the slower warpgroup.
+        row_split_mma: the same split for the warp-specialised Gluon row GEMMs
+            (``gluon_row_gemm._row_gemm_ws_kernel``): two MMA partitions, each over half of
+            every tile's rows.
         row_tma_store: the Gluon row GEMMs (up, down, dX, where ``gluon`` runs them) write
             each output tile whose rows are all inside its expert through shared memory
             by TMA copies, which run on while the warps start the next tile, instead of
@@ -233,6 +236,7 @@ class KernelSettings:
     wgrad_rows_tma: Mapping[str, int] = field(default_factory=lambda: {"wgrad_down": 0, "wgrad_up": 0})
     wgrad_tma_store: bool = True
     wgrad_split_mma: bool = False
+    row_split_mma: bool = False
     row_tma_store: bool = True
     row_band: int = 4
     up_epilogue_activation: bool = True

@@ -1,6 +1,7 @@
 """The benchmark's own smoke runs on CPU: what it measures, records and writes; and the
 measuring scripts' helpers that need no GPU."""
 
+import argparse
 import csv
 import json
 import math
@@ -274,3 +275,29 @@ def test_stall_regions_splits_a_warp_specialised_kernel(tmp_path):
     assert shares == ["32.0%", "4.0%", "34.0%", "20.0%", "10.0%"]
     assert regions.summarize(lines, top=2)[2].endswith("of samples; wait 74%, math 15%")
     assert regions.epilogue_opcodes(lines).startswith("FMUL 50.0% (1), WARPGROUP 25.0% (1), SYNCS 25.0% (1)")
+
+
+def test_ab_step_times_each_variant_under_its_own_settings(monkeypatch):
+    """``scripts/ab_step.py`` interleaves the variants round by round, each timed with its
+    settings in force and the defaults back afterwards; the report's ratio is the first
+    variant's median over each one's."""
+
+    ab = _script("ab_step")
+    seen = []
+
+    def fake_time_ms(fn, device, grad_to_none=()):
+        fn()  # a real step, so the inputs and the op are exercised
+        band = settings.current().row_band
+        seen.append(band)
+        return float(band)
+
+    monkeypatch.setattr(ab, "time_ms", fake_time_ms)
+    default_band = settings.current().row_band
+    variants = [ab.parse_variant(v) for v in ("row_band=2", "row_band=8 wgrad_band=3")]
+    results = ab.run(["smoke"], variants, rounds=3, device="cpu")
+    assert seen == [2, 8] * 3 and settings.current().row_band == default_band
+    assert results == {"smoke": {0: [2.0] * 3, 1: [8.0] * 3}}
+    table = ab.report(results, ["row_band=2", "row_band=8 wgrad_band=3"])
+    assert table.splitlines()[-1].endswith("| 8.00 | 0.250x |")
+    with pytest.raises(argparse.ArgumentTypeError):
+        ab.parse_variant("no_such_setting=1")

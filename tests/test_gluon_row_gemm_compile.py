@@ -47,21 +47,24 @@ def _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path):
     assert _spill_bytes(ptx, tmp_path) == 0
 
 
-def _output_tiles(signature, constexprs, tma_store, dtype, tile):
-    """The output's TMA descriptor argument ([1, LK, N], a column half of a tile per copy),
-    or None; no activation in the epilogue (``_ACTIVATED_SCRIPT`` has one)."""
+def _output_tiles(signature, constexprs, tma_store, dtype, tile, mma_groups=1):
+    """The output's TMA descriptor argument ([1, LK, N], a column half of an MMA group's
+    rows of a tile per copy), or None; no activation in the epilogue
+    (``_ACTIVATED_SCRIPT`` has one)."""
     constexprs["TMA_STORE"] = tma_store
     if tma_store:
-        signature["out_desc"] = _descriptor_type(dtype, [1, tile.block_m, tile.block_n // 2])
+        signature["out_desc"] = _descriptor_type(dtype, [1, tile.block_m // mma_groups, tile.block_n // 2])
     else:
         constexprs["out_desc"] = None
     signature.update(alpha="fp32", limit="fp32")
     constexprs.update(GATED=None, ACT=-1, FAST_ACT=False)
 
 
-def _assert_tile_stores(ptx, tma_store):
-    """Tiles inside their expert by TMA (two column halves), the others from registers."""
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx)) == (2 if tma_store else 0)
+def _assert_tile_stores(ptx, tma_store, mma_groups=1):
+    """Tiles inside their expert by TMA (two column halves, in each MMA group), the others
+    from registers."""
+    stores = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx))
+    assert stores == (2 * mma_groups if tma_store else 0)
     assert re.search(r"st\.global(\.\w+)*\.b32", ptx)
 
 
@@ -101,13 +104,18 @@ def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, 
     _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path)
 
 
-@pytest.mark.parametrize("gather,bias,offsets_32,tma_store", [(True, True, True, False), (True, False, False, True),
-                                                              (False, True, False, True), (False, False, False, False)])
+@pytest.mark.parametrize("gather,bias,offsets_32,tma_store,split", [
+    (True, True, True, False, False), (True, False, False, True, False), (False, True, False, True, False),
+    (False, False, False, False, False), (True, False, True, True, True), (False, True, False, True, True)])
 @pytest.mark.parametrize("k_contiguous", [True, False], ids=["k_contiguous", "n_contiguous"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gather, bias, offsets_32, tma_store,
-                                                       tmp_path):
+                                                       split, tmp_path):
+    """``split``: the two MMA warpgroups as partitions of their own (``MMA_GROUPS`` 2),
+    each storing its half of a tile's rows."""
     from moeblaze_ops.kernels import gluon_row_gemm
+
+    groups = 2 if split else 1
 
     tile = gluon_row_gemm.TILE
     block = [1, tile.block_n, tile.block_k] if k_contiguous else [1, tile.block_k, tile.block_n]
@@ -120,8 +128,9 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
     constexprs = dict(GATHER_A=gather, HAS_BIAS=bias, B_KMAJOR=k_contiguous, GROUPS=16, BAND=8 if gather else 1,
                       BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PRODUCER_WARPS=warps,
-                      PRODUCER_REGS=regs, A_OFFSETS_32=offsets_32, num_warps=tile.num_warps)
-    _output_tiles(signature, constexprs, tma_store, dtype, tile)
+                      PRODUCER_REGS=regs, A_OFFSETS_32=offsets_32, MMA_GROUPS=groups,
+                      MMA_REGS=gluon_row_gemm.MMA_GROUP_REGS, num_warps=tile.num_warps // groups)
+    _output_tiles(signature, constexprs, tma_store, dtype, tile, groups)
     if not gather:
         constexprs["a_row_ids_ptr"] = None
     if not bias:
@@ -129,8 +138,8 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
     aligned = ["a_src", "bias_ptr", "a_row_ids_ptr", "offsets_ptr", "out_ptr", "N", "K", "stride_am", "stride_bias",
                "stride_om"]
     try:
-        kernel = _compile_for_hopper(gluon_row_gemm._row_gemm_ws_kernel, signature, constexprs, tile.num_warps,
-                                     aligned=[name for name in aligned if name not in constexprs
+        kernel = _compile_for_hopper(gluon_row_gemm._row_gemm_ws_kernel, signature, constexprs,
+                                     tile.num_warps // groups, aligned=[name for name in aligned if name not in constexprs
                                               and not (name == "a_src" and not gather)])
     except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
         pytest.skip(f"no ptxas: {error}")
@@ -145,7 +154,7 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
         assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
         assert "cp.async.cg" not in ptx
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx)
-    _assert_tile_stores(ptx, tma_store)
+    _assert_tile_stores(ptx, tma_store, groups)
     _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path)
 
 
@@ -253,8 +262,9 @@ from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type
 from moeblaze_ops.activations import activation_code
 from moeblaze_ops.kernels import gluon_row_gemm, triton_activations
 
-dtype, warp_specialize, tma_store, act, out = json.loads(sys.argv[1])
+dtype, warp_specialize, tma_store, act, split, out = json.loads(sys.argv[1])
 tile = gluon_row_gemm.TILE
+groups = 2 if split else 1
 a_name = "a_src" if warp_specialize else "a_ptr"
 ints = ["LK", "E", "N", "K", "stride_am", "stride_bias", "stride_om"]
 signature = {a_name: f"*{dtype}", "b_desc": _descriptor_type(dtype, [1, tile.block_n // 2, tile.block_k]),
@@ -263,19 +273,20 @@ signature = {a_name: f"*{dtype}", "b_desc": _descriptor_type(dtype, [1, tile.blo
 constexprs = dict(bias_ptr=None, GATHER_A=True, HAS_BIAS=False, B_KMAJOR=True, GROUPS=16, BAND=4,
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
                   TMA_STORE=tma_store, GATED=triton_activations.gated, ACT=int(activation_code(act)),
-                  FAST_ACT=True, num_warps=tile.num_warps)
+                  FAST_ACT=True, num_warps=tile.num_warps // groups)
 if tma_store:
-    signature["out_desc"] = _descriptor_type(dtype, [1, tile.block_m, tile.block_n // 2])
+    signature["out_desc"] = _descriptor_type(dtype, [1, tile.block_m // groups, tile.block_n // 2])
 else:
     constexprs.update(out_desc=None)
 kernel_fn = gluon_row_gemm._row_gemm_kernel
 if warp_specialize:
     warps, regs = gluon_row_gemm.PRODUCER_GATHER
-    constexprs.update(PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=True)
+    constexprs.update(PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=True, MMA_GROUPS=groups,
+                      MMA_REGS=gluon_row_gemm.MMA_GROUP_REGS)
     kernel_fn = gluon_row_gemm._row_gemm_ws_kernel
 aligned = [a_name, "a_row_ids_ptr", "offsets_ptr", "out_ptr", "N", "K", "stride_am", "stride_om"]
 try:
-    kernel = _compile_for_hopper(kernel_fn, signature, constexprs, tile.num_warps, aligned)
+    kernel = _compile_for_hopper(kernel_fn, signature, constexprs, tile.num_warps // groups, aligned)
 except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
     print("no ptxas:", error)
     sys.exit(3)
@@ -284,17 +295,19 @@ with open(out, "w") as f:
 """
 
 
-@pytest.mark.parametrize("dtype,warp_specialize,tma_store,act", [
-    ("bf16", True, True, "swiglu"), ("fp16", True, False, "clamped_swiglu"), ("bf16", False, True, "geglu")])
-def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize, tma_store, act, tmp_path):
+@pytest.mark.parametrize("dtype,warp_specialize,tma_store,act,split", [
+    ("bf16", True, True, "swiglu", False), ("fp16", True, False, "clamped_swiglu", False),
+    ("bf16", False, True, "geglu", False), ("bf16", True, True, "swiglu", True)])
+def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize, tma_store, act, split, tmp_path):
     """Both row GEMM kernels with a gated activation in the epilogue
     (``gluon_row_gemm.GatedEpilogue``): each B tile by two TMA boxes (gate columns and
     up columns), one wgmma over both, and per tile the activation alone (h is never
     stored), by TMA or from registers, with no spills: the activation goes to 16 bits
-    at once beside the accumulator."""
+    at once beside the accumulator. ``split``: two MMA partitions, each storing its own
+    rows' half of a tile."""
     from moeblaze_ops.kernels import gluon_row_gemm
 
-    compiled = _compile_in_subprocess(_ACTIVATED_SCRIPT, [dtype, warp_specialize, tma_store, act], tmp_path)
+    compiled = _compile_in_subprocess(_ACTIVATED_SCRIPT, [dtype, warp_specialize, tma_store, act, split], tmp_path)
     ptx = compiled["ptx"]
     tile = gluon_row_gemm.TILE
     loads = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
@@ -302,7 +315,7 @@ def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize
     ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
     stores = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx))
-    assert stores == (1 if tma_store else 0)  # act(h)'s half tile; h is never stored
+    assert stores == ((2 if split else 1) if tma_store else 0)  # act(h)'s half tile; h is never stored
     assert re.search(r"st\.global(\.\w+)*\.b32", ptx)  # tiles past their expert's end, from registers
     if act != "geglu":
         assert "tanh.approx.f32" in ptx
@@ -311,14 +324,16 @@ def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize
     assert _spill_bytes(ptx, tmp_path) == 0
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one_mma_partition", "split_mma"])
 @pytest.mark.parametrize("warp_specialize", [True, False], ids=["warp_specialized", "pipelined"])
 @pytest.mark.parametrize("tma_store", [True, False])
-def test_gated_epilogue_launch_arguments(warp_specialize, tma_store, monkeypatch):
+def test_gated_epilogue_launch_arguments(warp_specialize, tma_store, split, monkeypatch):
     """What ``launch_row_gemm`` hands the kernel for a ``GatedEpilogue``, by the kernel's own
     argument names: weight boxes of half a tile (two per paired tile), N the 2I columns of
     h, the activation's output [LK, I] as the output (its stride and its half-tile TMA
-    boxes), the activation's code and function. The launch is recorded, not run (no
-    GPU)."""
+    boxes), the activation's code and function; with ``split_mma`` the warp-specialised
+    kernel gets two MMA partitions of a warpgroup each, each box half a tile's rows (the
+    other kernel ignores it). The launch is recorded, not run (no GPU)."""
     pytest.importorskip("triton.experimental.gluon")
     import torch
 
@@ -338,7 +353,7 @@ def test_gated_epilogue_launch_arguments(warp_specialize, tma_store, monkeypatch
     a = torch.empty(LK, I, **meta)
     epilogue = gluon_row_gemm.GatedEpilogue(int(ActivationCode.CLAMPED_SWIGLU), 1.702, 7.0, fast=True)
     gluon_row_gemm.launch_row_gemm(x, ids, w, None, offsets, a, False, warp_specialize=warp_specialize,
-                                   tma_store=tma_store, epilogue=epilogue)
+                                   tma_store=tma_store, epilogue=epilogue, split_mma=split)
 
     (kernel, args, kwargs), = launches
     assert kernel is (gluon_row_gemm._row_gemm_ws_kernel if warp_specialize else gluon_row_gemm._row_gemm_kernel)
@@ -351,7 +366,9 @@ def test_gated_epilogue_launch_arguments(warp_specialize, tma_store, monkeypatch
     assert (bound["alpha"], bound["limit"]) == (1.702, 7.0)
     assert bound["ACT"] == int(ActivationCode.CLAMPED_SWIGLU) and bound["GATED"] is triton_activations.gated
     assert bound["FAST_ACT"] is True and bound["TMA_STORE"] is tma_store
-    half_box = (1, tile.block_m, tile.block_n // 2)
+    groups = 2 if split and warp_specialize else 1
+    assert bound["num_warps"] == tile.num_warps // groups and bound.get("MMA_GROUPS", 1) == groups
+    half_box = (1, tile.block_m // groups, tile.block_n // 2)
     assert bound["out_desc"] == (("descriptor", I, half_box) if tma_store else None)
     # Without an epilogue the same launcher runs the plain GEMM: whole boxes, no activation.
     launches.clear()

@@ -260,6 +260,8 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": settings.GLUON_KINDS},
                                     {"gluon": settings.GLUON_KINDS, "row_tma_store": True},
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": (), "row_tma_store": True},
+                                    {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": settings.GLUON_KINDS,
+                                     "row_split_mma": True},
                                     {"gluon": ()}, {"row_band": 3, "wgrad_band": 3},
                                     {"wgrad_rows_tma": ("wgrad_down", "wgrad_up")},
                                     {"wgrad_rows_tma": ()}, {"wgrad_tma_store": False},
@@ -277,7 +279,8 @@ def test_kernel_choices(choice, activation, layout, seed, triton_bwd):
     plain loads there), the approximate-tanh sigmoid or the exact one, the weight
     gradients on the Gluon kernel or the tl one, the GEMM tiles in bands of 3 row tiles
     (a short last band), of 1 (along each row) or of the default 4, the Gluon row GEMMs'
-    tiles stored by TMA or from registers, the dH epilogue whole
+    tiles stored by TMA or from registers, their MMA warpgroups in partitions of their own,
+    the dH epilogue whole
     or in slices, dH on its wide tile (4 slices, or 2 of 128 columns): forward and every
     gradient against the reference."""
     with settings.override(**choice):

@@ -62,6 +62,9 @@ TILE = GemmTile(128, 256, 64, 8, 4)
 #: rows (and hold their offsets); the MMA warpgroups get the rest of the register file.
 PRODUCER_TMA = (1, 40)
 PRODUCER_GATHER = (4, 88)
+#: Registers a thread of the second MMA partition where ``_row_gemm_ws_kernel`` runs two
+#: (a [64, 256] accumulator and its epilogue); the first takes what the others leave.
+MMA_GROUP_REGS = 208
 
 
 class GatedEpilogue(NamedTuple):
@@ -428,8 +431,8 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
     are (a tile of no steps releases none). ``step`` counts the ring's steps this
     warpgroup has passed; returns (acc, step). ``ONE_READY``: both copies arrive on
     ``a_ready``; ``b_ready`` is not waited on. ``A_TRANSPOSED``: a slot of ``a_ring`` holds
-    A^T ([BLOCK_K, M]), taken as a transposed view; an ``acc`` of fewer rows than M then
-    multiplies A's rows ``A_FIRST_ROW ..`` (the part of an MMA partition that owns them).
+    A^T ([BLOCK_K, M]), taken as a transposed view. An ``acc`` of fewer rows than the slot's
+    M multiplies A's rows ``A_FIRST_ROW ..`` (the part of an MMA partition that owns them).
     ``HOLD_LAST``: the last slot is not released (the caller uses it, then releases it)."""
     NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
     for k in range(k_steps):
@@ -441,13 +444,13 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
         if GATHER_A:
             # cp.async wrote A through the generic proxy; wgmma reads through the async one.
             fence_async_shared()
+        a = a_ring.index(slot)
         if A_TRANSPOSED:
-            a = a_ring.index(slot)
             if acc.shape[0] < a.shape[1]:
                 a = a.slice(A_FIRST_ROW, acc.shape[0], dim=1)
             a = a.permute((1, 0))
-        else:
-            a = a_ring.index(slot)
+        elif acc.shape[0] < a.shape[0]:
+            a = a.slice(A_FIRST_ROW, acc.shape[0], dim=0)
         acc = warpgroup_mma(a, _b_operand(b_ring, slot, B_KMAJOR, BLOCK_N, BLOCK_K), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         cta_barrier()  # every MMA warp's wgmma of the step before is done: release its slot
@@ -464,26 +467,31 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
 def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf, LK, E,
                  N, K, stride_bias, stride_om, alpha, limit, GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr,
                  B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, num_warps: gl.constexpr, TMA_STORE: gl.constexpr,
-                 GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr):
-    """The MMA warpgroups: each tile's steps (``ws_tile_steps``), then the bias and the
-    store of the tile's rows inside the expert (``_store_output``)."""
-    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
+                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, TMA_STORE: gl.constexpr,
+                 GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr, MMA_GROUP: gl.constexpr = 0,
+                 MMA_GROUPS: gl.constexpr = 1):
+    """MMA warps: each tile's steps (``ws_tile_steps``), then the bias and the store of the
+    tile's rows inside the expert (``_store_output``). With ``MMA_GROUPS`` MMA partitions
+    (2: a warpgroup each), this one, number ``MMA_GROUP``, takes that part of the tile's
+    rows, stores through its own ``out_buf``, and releases each slot by its own arrival
+    (``empty`` counts ``MMA_GROUPS``), waiting for no other warpgroup."""
+    ROWS: gl.constexpr = BLOCK_M // MMA_GROUPS
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, WARPS)
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
-                                                  num_warps)
+                                                  WARPS)
     step = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
         if grp < E:  # sentinel tiles store zeros
             if HAS_BIAS:
-                bias = _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N, num_warps)
+                bias = _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N, WARPS)
             acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, GATHER_A, B_KMAJOR,
-                                      BLOCK_N, BLOCK_K)
+                                      BLOCK_N, BLOCK_K, A_FIRST_ROW=MMA_GROUP * ROWS)
             if HAS_BIAS:
                 acc = _add_bias(acc, bias)
-        _store_output(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, alpha, limit, TMA_STORE,
-                      GATED, ACT, FAST_ACT)
+        _store_output(out_ptr, out_desc, out_buf, acc, row0 + MMA_GROUP * ROWS, row_end, n0, N, stride_om, alpha,
+                      limit, TMA_STORE, GATED, ACT, FAST_ACT)
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -497,13 +505,15 @@ def _row_gemm_ws_kernel(
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     A_OFFSETS_32: gl.constexpr, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-    FAST_ACT: gl.constexpr, num_warps: gl.constexpr,
+    FAST_ACT: gl.constexpr, MMA_GROUPS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``_row_gemm_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the A and B
     tiles into the ring (``a_src`` a TMA descriptor of A, or A's pointer when its rows are
-    gathered), the ``num_warps`` others run the wgmma and the epilogue. Each ring slot has
-    three mbarriers: ``a_ready`` and ``b_ready`` (its copies landed) and ``empty`` (the
-    MMA is done with it)."""
+    gathered), the MMA warps run the wgmma and the epilogue. Each ring slot has three
+    mbarriers: ``a_ready`` and ``b_ready`` (its copies landed) and ``empty`` (the MMA is
+    done with it). ``MMA_GROUPS`` 1: the ``num_warps`` MMA warps are one partition; 2: two
+    partitions of ``num_warps`` (a warpgroup each, the second with ``MMA_REGS`` registers a
+    thread), each over half the tile's rows (``out_desc``'s box is such a half's)."""
     dtype: gl.constexpr = out_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_layout)
@@ -512,16 +522,34 @@ def _row_gemm_ws_kernel(
     # Gathered, every copy thread arrives on a_ready once its cp.async copies land.
     a_ready = slot_barriers(NUM_STAGES, PRODUCER_WARPS * 32 if GATHER_A else 1)
     b_ready = slot_barriers(NUM_STAGES, 1)
-    empty = slot_barriers(NUM_STAGES, 1)
+    empty = slot_barriers(NUM_STAGES, MMA_GROUPS)
     out_desc, out_buf = partition_output(out_desc, dtype, TMA_STORE, b_desc, b_ring)
-    gl.warp_specialize([
-        (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf,
-                        LK, E, N, K, stride_bias, stride_om, alpha, limit, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS,
-                        BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, TMA_STORE, GATED, ACT, FAST_ACT)),
-        (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E,
-                        N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K,
-                        PRODUCER_WARPS, True, True, A_OFFSETS_32, ACT >= 0)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    if MMA_GROUPS == 1:
+        gl.warp_specialize([
+            (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc,
+                            out_buf, LK, E, N, K, stride_bias, stride_om, alpha, limit, GATHER_A, HAS_BIAS, B_KMAJOR,
+                            GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, TMA_STORE, GATED, ACT, FAST_ACT)),
+            (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK,
+                            E, N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K,
+                            PRODUCER_WARPS, True, True, A_OFFSETS_32, ACT >= 0)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    else:
+        # The second group stores through a buffer of its own: its TMA copies run on
+        # while the first group writes its half.
+        out_desc, second_buf = partition_output(out_desc, dtype, TMA_STORE, b_desc, b_ring)
+        gl.warp_specialize([
+            (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc,
+                            out_buf, LK, E, N, K, stride_bias, stride_om, alpha, limit, GATHER_A, HAS_BIAS, B_KMAJOR,
+                            GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, TMA_STORE, GATED, ACT, FAST_ACT, 0,
+                            MMA_GROUPS)),
+            (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc,
+                            second_buf, LK, E, N, K, stride_bias, stride_om, alpha, limit, GATHER_A, HAS_BIAS,
+                            B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, TMA_STORE, GATED, ACT,
+                            FAST_ACT, 1, MMA_GROUPS)),
+            (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK,
+                            E, N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K,
+                            PRODUCER_WARPS, True, True, A_OFFSETS_32, ACT >= 0)),
+        ], [num_warps, PRODUCER_WARPS], [MMA_REGS, PRODUCER_REGS])
 
 
 def _weight_view(b: torch.Tensor, transposed: bool):
@@ -566,7 +594,7 @@ def applies_gated_epilogue(a: torch.Tensor, b: torch.Tensor, bias, out: torch.Te
 
 def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmTile = TILE,
                     warp_specialize: bool = True, band: Optional[int] = None, tma_store: bool = True,
-                    epilogue: Optional[GatedEpilogue] = None):
+                    epilogue: Optional[GatedEpilogue] = None, split_mma: bool = False):
     """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) over every routed row, B an expert
     weight stack in ``transposed`` layout (``layouts``), as
     ``triton_experts.launch_gathered_gemm``; ``tile`` is (M, N, K block, warps, stages)
@@ -574,7 +602,10 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     tile order's band of m-tiles (``grouped_gemm.banded``), ``settings.row_band`` by
     default; ``tma_store``: tiles whose rows are all inside their expert are stored by TMA
     (``_store_tile``). With an ``epilogue`` (where ``applies_gated_epilogue``) out is
-    act(A @ B_e), half the GEMM's columns."""
+    act(A @ B_e), half the GEMM's columns. ``split_mma``: where the kernel is
+    ``_row_gemm_ws_kernel`` on 8 MMA warps, its two MMA warpgroups run as partitions of
+    their own, each over half the tile's rows, releasing the ring's slots without waiting
+    for each other."""
     band = settings.current().row_band if band is None else band
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
         raise ValueError(f"moeblaze gluon row GEMM: block_m must be 16 * num_warps and num_stages at least 3, "
@@ -583,6 +614,7 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     LK = out.shape[0]
     if LK * N == 0:
         return
+    mma_groups = 2 if split_mma and warp_specialize and tile.num_warps == 8 else 1
     view, kmajor = _weight_view(b, transposed)
     # A paired tile's weights come as two boxes of half its columns (``_copy_weight_tile``).
     box_n = tile.block_n // 2 if epilogue is not None else tile.block_n
@@ -591,13 +623,14 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(N, tile.block_n)
     grid = (gg.num_programs(a.device, max_tiles),)
     # Tiles are stored a column half at a time (a paired tile's act(h) is one half).
-    out_desc = host_descriptor(out.unsqueeze(0), [1, tile.block_m, tile.block_n // 2]) if tma_store else None
+    out_box = [1, tile.block_m // mma_groups, tile.block_n // 2]
+    out_desc = host_descriptor(out.unsqueeze(0), out_box) if tma_store else None
     act_scalars = (float(epilogue.alpha), float(epilogue.limit)) if epilogue is not None else (0.0, 0.0)
     common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=gg.next_power_of_2(E + 1), BAND=band,
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
                   TMA_STORE=tma_store, GATED=acts.gated if epilogue is not None else None,
                   ACT=int(epilogue.activation) if epilogue is not None else -1,
-                  FAST_ACT=bool(epilogue.fast) if epilogue is not None else False, num_warps=tile.num_warps)
+                  FAST_ACT=bool(epilogue.fast) if epilogue is not None else False)
     strides = (a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0))
     if warp_specialize:
         gather = a_row_ids is not None
@@ -610,10 +643,11 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
         launch(
             _row_gemm_ws_kernel, grid,
             a_src, b_desc, bias, a_row_ids, offsets, out, out_desc, LK, E, N, K, *strides, *act_scalars,
-            GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=a.numel() < 2**31, **common)
+            GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=a.numel() < 2**31,
+            MMA_GROUPS=mma_groups, MMA_REGS=MMA_GROUP_REGS, num_warps=tile.num_warps // mma_groups, **common)
         return
     launch(
         _row_gemm_kernel, grid,
         a, b_desc, bias, a_row_ids, offsets, out, out_desc, LK, E, N, K, *strides, *act_scalars,
-        GATHER_A=a_row_ids is not None, **common,
+        GATHER_A=a_row_ids is not None, num_warps=tile.num_warps, **common,
     )
