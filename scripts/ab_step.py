@@ -1,7 +1,7 @@
 """Kernel settings A/B on moeblaze's forward + backward, interleaved in one process.
 
-    python scripts/ab_step.py --configs olmoe mixtral --variant wgrad_split_mma=False \
-        --variant wgrad_split_mma=True [--variant "a=1 b=2" ...] [--rounds 4] [--device cuda|cpu]
+    python scripts/ab_step.py --configs olmoe mixtral --variant "" \
+        --variant "wgrad_split_mma={'wgrad_up'}" [--variant "a=1 b=2" ...] [--rounds 4] [--device cuda|cpu]
 
 Each ``--variant`` is a space-separated list of ``NAME=VALUE`` (``bench --set``'s syntax;
 an empty string is the defaults). Every round times each variant once, in turn, on the

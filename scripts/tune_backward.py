@@ -109,9 +109,10 @@ def variants(kind, a):
              dict(gluon=(gluon | {kind}) if v else (gluon - {kind}), small_gemm_flop=0,
                   gluon_warp_specialize={**{k: r for k, r in ws.items() if k != kind}, **({kind: 0} if w else {})},
                   wgrad_rows_tma={**{k: r for k, r in rows_tma.items() if k != kind}, **({kind: 0} if t else {})},
-                  wgrad_tma_store=bool(s), wgrad_band=g, wgrad_split_mma=bool(m)), None)
+                  wgrad_tma_store=bool(s), wgrad_band=g, wgrad_split_mma={kind} if m else set()), None)
             for v in a.gluon for w in (a.ws if v else [0]) for t in (a.rows_tma if v else [0])
-            for m in (a.split_mma if v and w and t else [0])
+            for m in ((a.split_mma if a.split_mma is not None else [int(kind in settings.current().wgrad_split_mma)])
+                      if v and w and t else [0])
             for s in (a.tma_store if v and (t or not w) else [0])
             for g in (a.wgrad_band if v else [1])]
 
@@ -142,9 +143,9 @@ def main():
     p.add_argument("--tma-store", nargs="*", type=int, default=[0],
                    help="Gluon weight gradients (all but the warp-specialised one without --rows-tma): output tiles written by TMA from "
                         "shared memory (1) or from registers (0)")
-    p.add_argument("--split-mma", nargs="*", type=int, default=[int(settings.current().wgrad_split_mma)],
+    p.add_argument("--split-mma", nargs="*", type=int, default=None,
                    help="the warp-specialised rows-TMA weight gradients with each MMA warpgroup a partition of its "
-                        "own (1) or both in one (0) (settings.wgrad_split_mma)")
+                        "own (1) or both in one (0) (default: as settings.wgrad_split_mma has the kind)")
     p.add_argument("--row-band", nargs="*", type=int, default=[settings.current().row_band],
                    help="dh and dx: the tile order's band of row tiles (settings.row_band)")
     p.add_argument("--wgrad-band", nargs="*", type=int, default=[settings.current().wgrad_band],

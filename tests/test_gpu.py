@@ -261,7 +261,7 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                                     {"gluon": settings.GLUON_KINDS, "row_tma_store": True},
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": (), "row_tma_store": True},
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": settings.GLUON_KINDS,
-                                     "row_split_mma": True},
+                                     "row_split_mma": settings.ROW_GEMM_KINDS},
                                     {"gluon": ()}, {"row_band": 3, "wgrad_band": 3},
                                     {"wgrad_rows_tma": ("wgrad_down", "wgrad_up")},
                                     {"wgrad_rows_tma": ()}, {"wgrad_tma_store": False},
@@ -391,7 +391,7 @@ def _wgrad_settings(variant):
     return settings.override(tiles=tiles, gluon={"wgrad_up"} if variant != "tl" else set(),
                              gluon_warp_specialize={"wgrad_up"} if "ws" in variant.split("_") else set(),
                              wgrad_rows_tma={"wgrad_up"} if "rows_tma" in variant else set(),
-                             wgrad_tma_store="store" in variant, wgrad_split_mma=variant.endswith("split"),
+                             wgrad_tma_store="store" in variant, wgrad_split_mma={"wgrad_up"} if variant.endswith("split") else set(),
                              wgrad_band=3 if variant.endswith("band3") else 1)
 
 

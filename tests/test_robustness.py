@@ -307,6 +307,16 @@ def test_settings_override_reaches_other_threads():
     assert seen_from_another_thread() == default
 
 
+@pytest.mark.parametrize("name,kinds,bad", [("wgrad_split_mma", {"wgrad_up"}, {"up"}),
+                                            ("row_split_mma", {"up", "dx"}, {"wgrad_up"})])
+def test_split_mma_settings_take_their_kinds_only(name, kinds, bad):
+    """The split-MMA settings are sets of the GEMM kinds their kernels run; any other kind
+    is refused by name, and a set of good ones is kept as a frozenset."""
+    assert getattr(settings.KernelSettings(**{name: kinds}), name) == frozenset(kinds)
+    with pytest.raises(ValueError, match=f"{name} names the kinds"):
+        settings.KernelSettings(**{name: bad})
+
+
 def test_tiles_are_pruned_by_shared_memory(monkeypatch):
     """The tile table's prune: a device with 64 KB of shared memory per block gets the first
     16-bit tile that fits, and autotuning's candidates are exactly the fitting tiles, once

@@ -232,7 +232,7 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
         gluon.launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, config.tiles.get(kind),
                            config.from_rows("gluon_warp_specialize", kind, rows.shape[0], E),
                            rows_tma=config.from_rows("wgrad_rows_tma", kind, rows.shape[0], E),
-                           tma_store=config.wgrad_tma_store, split_mma=config.wgrad_split_mma)
+                           tma_store=config.wgrad_tma_store, split_mma=kind in config.wgrad_split_mma)
         return
     tile = gg.tile_config(kind, rows)
     tiles = E * gg.cdiv(P, tile.block_m) * gg.cdiv(Q, tile.block_n)
