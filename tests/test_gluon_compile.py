@@ -71,6 +71,7 @@ def test_weight_gradient_kernels_compile_for_hopper(dtype, variant, band, tmp_pa
             constexprs["out_desc"] = None
     if rows_tma:
         signature = {"rows_desc": _descriptor_type(dtype, [tile.block_k, tile.block_m]), **signature}
+        constexprs["G_OFFSETS_32"] = band == 1  # both widths of the gathered rows' offsets
         kernel_fn = gluon_wgrad._wgrad_rows_tma_kernel
         if warp_specialize:
             constexprs.update(zip(("PRODUCER_WARPS", "PRODUCER_REGS"), gluon_wgrad.PRODUCER), MMA_GROUPS=groups,

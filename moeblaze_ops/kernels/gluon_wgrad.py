@@ -73,6 +73,18 @@ def _load_ids(row_ids_ptr, r0, hi, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr,
 
 
 @gluon.jit
+def _gathered_offsets(row_ids_ptr, r0, hi, stride_gm, OFFSETS_32: gl.constexpr, BLOCK_Q: gl.constexpr,
+                      BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
+    """Element offsets of reduction step [r0, r0 + BLOCK_R)'s gathered rows (``_load_ids``;
+    row 0 past ``hi``), in 32 bits where ``OFFSETS_32`` (half the registers and
+    instructions a row)."""
+    ids = _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, num_warps)
+    if OFFSETS_32:
+        ids = ids.to(gl.int32)
+    return ids * stride_gm
+
+
+@gluon.jit
 def _copy_rows(slot, rows_ptr, r0, hi, p0, P, stride_rm, BLOCK_P: gl.constexpr, BLOCK_R: gl.constexpr,
                num_warps: gl.constexpr):
     """Starts the cp.async copy of the row-ordered operand's [BLOCK_R, BLOCK_P] tile at
@@ -213,20 +225,35 @@ def _wgrad_kernel(
 
 
 @gluon.jit
-def _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, ids, g_slot, r_slot, bar, r0, hi, p0, q0, P, Q,
-                         stride_rm, stride_gm, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr,
-                         num_warps: gl.constexpr):
+def _gathered_columns(gathered_ptr, q0, Q, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
+    """What every reduction step of a tile at gathered columns ``q0 ..`` shares: the
+    pointers to its first gathered row's columns ([1, BLOCK_Q]) and the columns' mask in
+    the copy's full [BLOCK_R, BLOCK_Q] shape (for ``_issue_rows_tma_step``)."""
+    layout: gl.constexpr = copy_layout(BLOCK_Q, num_warps)
+    qb = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, layout))
+    steps_rows = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, layout))
+    return gathered_ptr + qb[None, :], (steps_rows >= 0)[:, None] & (qb < Q)[None, :]
+
+
+@gluon.jit
+def _issue_rows_tma_step(rows_desc, rows_ptr, g_src, g_offs, g_cols, g_slot, r_slot, bar, r0, hi, p0, P, stride_rm,
+                         BLOCK_P: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
     """Starts the copies of reduction step [r0, r0 + BLOCK_R) into one ring slot: the
-    gathered rows ``ids`` [BLOCK_R, BLOCK_Q] by cp.async, and the row-ordered [BLOCK_R,
-    BLOCK_P] by TMA onto ``bar`` where the step lies inside the expert, else by masked
-    cp.async (then ``bar`` completes its phase with a plain arrive)."""
+    gathered rows by cp.async, at row offsets ``g_offs`` (``_gathered_offsets``) from the
+    tile's ``g_src`` within its columns ``g_cols`` (``_gathered_columns``), and the
+    row-ordered [BLOCK_R, BLOCK_P] by TMA onto ``bar`` where the step lies inside the
+    expert, else by masked cp.async (then ``bar`` completes its phase with a plain
+    arrive). The copy threads issue one instruction after another with nothing to hide
+    their latencies: what the tile's steps share is made once a tile."""
     if r0 + BLOCK_R <= hi:
         mbarrier.expect(bar, rows_desc.block_type.nbytes)
         tma_load(rows_desc, [r0, p0], bar, r_slot)
-    else:
+        async_load(g_slot, g_src + g_offs[:, None], mask=g_cols)
+    else:  # the expert's last, partial step
         _copy_rows(r_slot, rows_ptr, r0, hi, p0, P, stride_rm, BLOCK_P, BLOCK_R, num_warps)
         mbarrier.arrive(bar)
-    _copy_gathered(g_slot, gathered_ptr, ids, r0, hi, q0, Q, stride_gm, BLOCK_Q, BLOCK_R, num_warps)
+        steps_rows = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, g_cols.type.layout))
+        async_load(g_slot, g_src + g_offs[:, None], mask=g_cols & (r0 + steps_rows < hi)[:, None])
 
 
 @gluon.jit
@@ -236,8 +263,9 @@ def _wgrad_rows_tma_kernel(
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
     BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr,
-    num_warps: gl.constexpr,
+    G_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
 ):
+    # G_OFFSETS_32: the gathered operand's element offsets fit in 32 bits.
     # The ring as in _wgrad_kernel (step i in the MMA, i - 1 possibly still in it, i + 1 ..
     # i + AHEAD landing); each slot also has an mbarrier for its TMA bytes. ``step`` counts
     # this program's steps over all its tiles: a slot's phase is how often it was filled.
@@ -252,16 +280,19 @@ def _wgrad_rows_tma_kernel(
         e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
         cta_barrier()  # the previous tile's MMAs (every warpgroup's) are done before its slots are refilled
         steps = gl.cdiv(hi - lo, BLOCK_R)
+        g_src, g_cols = _gathered_columns(gathered_ptr, q0, Q, BLOCK_Q, BLOCK_R, num_warps)
         for i in gl.static_range(AHEAD):
             if i < steps:
                 r0 = lo + i * BLOCK_R
                 slot = (step + i) % NUM_STAGES
-                _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr,
-                                     _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, num_warps), g_ring.index(slot),
-                                     r_ring.index(slot), bars.index(slot), r0, hi, p0, q0, P, Q, stride_rm, stride_gm,
-                                     BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
+                _issue_rows_tma_step(rows_desc, rows_ptr, g_src,
+                                     _gathered_offsets(row_ids_ptr, r0, hi, stride_gm, G_OFFSETS_32, BLOCK_Q, BLOCK_R,
+                                                       num_warps),
+                                     g_cols, g_ring.index(slot), r_ring.index(slot), bars.index(slot), r0, hi, p0, P,
+                                     stride_rm, BLOCK_P, BLOCK_R, num_warps)
             cp.commit_group()
-        ids = _load_ids(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
+        offs = _gathered_offsets(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, stride_gm, G_OFFSETS_32, BLOCK_Q, BLOCK_R,
+                                 num_warps)
         acc = gl.zeros([BLOCK_Q, BLOCK_P], gl.float32, acc_layout)
         for i in range(steps):
             slot = step % NUM_STAGES
@@ -274,11 +305,12 @@ def _wgrad_rows_tma_kernel(
             nxt = i + AHEAD
             if nxt < steps:
                 ns = (step + AHEAD) % NUM_STAGES
-                _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, ids, g_ring.index(ns), r_ring.index(ns),
-                                     bars.index(ns), lo + nxt * BLOCK_R, hi, p0, q0, P, Q, stride_rm, stride_gm,
-                                     BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
+                _issue_rows_tma_step(rows_desc, rows_ptr, g_src, offs, g_cols, g_ring.index(ns), r_ring.index(ns),
+                                     bars.index(ns), lo + nxt * BLOCK_R, hi, p0, P, stride_rm, BLOCK_P, BLOCK_R,
+                                     num_warps)
             cp.commit_group()
-            ids = _load_ids(row_ids_ptr, lo + (nxt + 1) * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
+            offs = _gathered_offsets(row_ids_ptr, lo + (nxt + 1) * BLOCK_R, hi, stride_gm, G_OFFSETS_32, BLOCK_Q,
+                                     BLOCK_R, num_warps)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         # acc is this tile's [Q, P] block: stored through out's strides in that order.
@@ -375,27 +407,29 @@ def _wgrad_ws_kernel(
 @gluon.jit
 def _wgrad_rows_tma_ws_producer(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring, r_ring, ready,
                                 empty, E, P, Q, stride_rm, stride_gm, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
-                                BLOCK_R: gl.constexpr, BAND: gl.constexpr, WARPS: gl.constexpr):
+                                BLOCK_R: gl.constexpr, BAND: gl.constexpr, WARPS: gl.constexpr,
+                                G_OFFSETS_32: gl.constexpr):
     """The copy warpgroup of ``_wgrad_rows_tma_ws_kernel``: for every reduction step of this
     program's tiles, wait until the MMA has released the step's ring slot, then start its
     copies (``_issue_rows_tma_step``), each thread arriving on the slot's ``ready`` once its
-    cp.async copies have landed. The next step's gathered row ids load while this step's
-    copies are issued."""
+    cp.async copies have landed. The next step's gathered row offsets are made while this
+    step's copies are issued."""
     NUM_STAGES: gl.constexpr = g_ring.type.shape[0]
     step = 0
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
         _, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
-        ids = _load_ids(row_ids_ptr, lo, hi, BLOCK_Q, BLOCK_R, WARPS)
+        g_src, g_cols = _gathered_columns(gathered_ptr, q0, Q, BLOCK_Q, BLOCK_R, WARPS)
+        offs = _gathered_offsets(row_ids_ptr, lo, hi, stride_gm, G_OFFSETS_32, BLOCK_Q, BLOCK_R, WARPS)
         for r0 in range(lo, hi, BLOCK_R):
-            next_ids = _load_ids(row_ids_ptr, r0 + BLOCK_R, hi, BLOCK_Q, BLOCK_R, WARPS)
+            next_offs = _gathered_offsets(row_ids_ptr, r0 + BLOCK_R, hi, stride_gm, G_OFFSETS_32, BLOCK_Q, BLOCK_R,
+                                          WARPS)
             slot = step % NUM_STAGES
             # A fresh barrier has completed no phase: the first pass over the ring waits for nothing.
             mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
-            _issue_rows_tma_step(rows_desc, rows_ptr, gathered_ptr, ids, g_ring.index(slot), r_ring.index(slot),
-                                 ready.index(slot), r0, hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
-                                 BLOCK_R, WARPS)
+            _issue_rows_tma_step(rows_desc, rows_ptr, g_src, offs, g_cols, g_ring.index(slot), r_ring.index(slot),
+                                 ready.index(slot), r0, hi, p0, P, stride_rm, BLOCK_P, BLOCK_R, WARPS)
             cp.mbarrier_arrive(ready.index(slot), increment_count=False)
-            ids = next_ids
+            offs = next_offs
             step += 1
 
 
@@ -433,7 +467,7 @@ def _wgrad_rows_tma_ws_kernel(
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
     BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, MMA_GROUPS: gl.constexpr, MMA_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    G_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``_wgrad_rows_tma_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the
     gathered rows by cp.async and start the row-ordered tiles' TMA, the MMA warps run the
@@ -460,7 +494,7 @@ def _wgrad_rows_tma_ws_kernel(
                                            TMA_STORE, OUT_TRANSPOSED, STORE_PIECES, num_warps)),
             (_wgrad_rows_tma_ws_producer, (rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring,
                                            r_ring, ready, empty, E, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
-                                           BLOCK_R, BAND, PRODUCER_WARPS)),
+                                           BLOCK_R, BAND, PRODUCER_WARPS, G_OFFSETS_32)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
     else:
         # The second group stores through a buffer of its own: its TMA copies run on
@@ -475,7 +509,7 @@ def _wgrad_rows_tma_ws_kernel(
                                            TMA_STORE, OUT_TRANSPOSED, STORE_PIECES, num_warps, 1, MMA_GROUPS)),
             (_wgrad_rows_tma_ws_producer, (rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring,
                                            r_ring, ready, empty, E, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
-                                           BLOCK_R, BAND, PRODUCER_WARPS)),
+                                           BLOCK_R, BAND, PRODUCER_WARPS, G_OFFSETS_32)),
         ], [num_warps, PRODUCER_WARPS], [MMA_REGS, PRODUCER_REGS])
 
 
@@ -556,14 +590,16 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     if rows_tma:
         block = [tile.block_k, tile.block_m]
         rows_desc = host_descriptor(rows, block)
+        # The largest gathered element offset, a row's start plus its columns, under 2^31.
+        g_offsets_32 = gathered.shape[0] * gathered.stride(0) < 2**31
         if warp_specialize:
             warps, regs = PRODUCER
             launch(_wgrad_rows_tma_ws_kernel, grid, rows_desc, rows, *args[:4], out_desc, *args[4:],
                    PRODUCER_WARPS=warps, PRODUCER_REGS=regs, MMA_GROUPS=mma_groups, MMA_REGS=MMA_GROUP_REGS,
-                   **pipeline, **{**blocks, "num_warps": tile.num_warps // mma_groups})
+                   G_OFFSETS_32=g_offsets_32, **pipeline, **{**blocks, "num_warps": tile.num_warps // mma_groups})
         else:
             launch(_wgrad_rows_tma_kernel, grid, rows_desc, rows, *args[:4], out_desc, *args[4:], **pipeline,
-                   **blocks)
+                   G_OFFSETS_32=g_offsets_32, **blocks)
     elif warp_specialize:
         warps, regs = PRODUCER
         launch(_wgrad_ws_kernel, grid, rows, *args, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **blocks)
