@@ -6,9 +6,9 @@
 Each ``--variant`` is a space-separated list of ``NAME=VALUE`` (``bench --set``'s syntax;
 an empty string is the defaults). Every round times each variant once, in turn, on the
 same inputs (the benchmark's ``make_inputs`` and timer), so the GPU's clock and power
-drift lands on every variant alike; run-to-run spread between processes on the H200 has
-been up to 15% at Mixtral-like, larger than most kernel changes. Prints each round's
-milliseconds and, per variant, the median and its ratio to the first variant's median.
+drift lands on every variant alike: between processes the spread can exceed a kernel
+change's effect (docs/perf-notes.md). Prints each round's milliseconds and, per variant,
+the median and its ratio to the first variant's median.
 """
 
 import argparse

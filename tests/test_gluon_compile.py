@@ -279,3 +279,18 @@ def test_weight_gradient_split_mma_launch(split, rows_tma, warp_specialize, monk
     if rows_tma and warp_specialize:
         tile = gluon_wgrad.ROWS_TMA_TILE  # Q-contiguous gradient: [Q, P] tiles stored transposed, half P a box
         assert list(args[6].block_shape) == [1, tile.block_m // meta["STORE_PIECES"], tile.block_n // groups]
+
+
+def test_row_offsets_fit_32_bounds_views_by_their_row_stride():
+    """The 32-bit offsets the Gluon kernels take for gathered rows: a view whose rows lie
+    wider apart than its columns (a column slice) reaches offsets its element count does
+    not bound, and must get 64-bit ones."""
+    import torch
+
+    from moeblaze_ops.kernels.gluon_common import row_offsets_fit_32
+
+    whole = torch.empty(2**20, 4096, device="meta")
+    assert not row_offsets_fit_32(whole)
+    view = whole[:, :64]
+    assert view.numel() < 2**31 and not row_offsets_fit_32(view)
+    assert row_offsets_fit_32(torch.empty(2**20, 2047, device="meta"))

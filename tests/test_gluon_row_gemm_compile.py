@@ -139,7 +139,8 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
                "stride_om"]
     try:
         kernel = _compile_for_hopper(gluon_row_gemm._row_gemm_ws_kernel, signature, constexprs,
-                                     tile.num_warps // groups, aligned=[name for name in aligned if name not in constexprs
+                                     tile.num_warps // groups,
+                                     aligned=[name for name in aligned if name not in constexprs
                                               and not (name == "a_src" and not gather)])
     except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
         pytest.skip(f"no ptxas: {error}")

@@ -185,3 +185,11 @@ def is_hopper(index: int) -> bool:
 def on_hopper(t: torch.Tensor) -> bool:
     """Whether ``t`` lives on a Hopper GPU."""
     return t.is_cuda and is_hopper(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def row_offsets_fit_32(t: torch.Tensor) -> bool:
+    """Whether every element offset a kernel forms into the rows of ``t`` (a row's start,
+    row index times ``t.stride(0)``, plus a column under the row stride) fits in 32 bits.
+    ``numel`` would not bound them for a view whose rows are wider apart than its
+    columns."""
+    return t.shape[0] * t.stride(0) < 2**31

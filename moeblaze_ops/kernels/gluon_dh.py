@@ -40,7 +40,7 @@ from ..settings import GemmTile
 from . import grouped_gemm as gg
 from . import triton_activations as acts
 from .gluon_common import (SPARE_SHARED_BYTES, async_load, cta_barrier, host_descriptor, on_hopper,
-                           reinterpret_shared, slot_barriers, wgmma_acc_layout)
+                           reinterpret_shared, row_offsets_fit_32, slot_barriers, wgmma_acc_layout)
 from .gluon_row_gemm import PRODUCER_GATHER, _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
 from .gluon_row_gemm import applies as row_gemm_applies
 from .launch import launch
@@ -323,5 +323,5 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
         GROUPS=gg.next_power_of_2(E + 1), BAND=band, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PART_COLUMNS=PART_COLUMNS, CHUNK=CHUNK, H_SLOTS=slots,
         STAGE_IN_RING=stage_in_ring(tile), PRODUCER_WARPS=warps, PRODUCER_REGS=regs,
-        A_OFFSETS_32=grad_out.numel() < 2**31, num_warps=tile.num_warps,
+        A_OFFSETS_32=row_offsets_fit_32(grad_out), num_warps=tile.num_warps,
     )

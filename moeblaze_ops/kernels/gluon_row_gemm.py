@@ -50,7 +50,7 @@ from ..settings import GemmTile
 from . import grouped_gemm as gg
 from . import triton_activations as acts
 from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
-                           on_hopper, output_buffer, partition_output, slot_barriers, store_by_tma,
+                           on_hopper, output_buffer, partition_output, row_offsets_fit_32, slot_barriers, store_by_tma,
                            store_tile_by_tma, tma_load, tma_slot_shape, wgmma_acc_layout)
 from .launch import launch
 
@@ -643,7 +643,7 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
         launch(
             _row_gemm_ws_kernel, grid,
             a_src, b_desc, bias, a_row_ids, offsets, out, out_desc, LK, E, N, K, *strides, *act_scalars,
-            GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=a.numel() < 2**31,
+            GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=row_offsets_fit_32(a),
             MMA_GROUPS=mma_groups, MMA_REGS=MMA_GROUP_REGS, num_warps=tile.num_warps // mma_groups, **common)
         return
     launch(

@@ -41,8 +41,8 @@ from .. import settings
 from ..settings import GemmTile
 from . import grouped_gemm as gg
 from .gluon_common import (async_load, banded, copy_layout, copy_tma_ring, cta_barrier, host_descriptor, on_hopper,
-                           output_buffer, partition_output, slot_barriers, store_pieces, store_tile_by_tma, tma_load,
-                           wgmma_acc_layout)
+                           output_buffer, partition_output, row_offsets_fit_32, slot_barriers, store_pieces,
+                           store_tile_by_tma, tma_load, wgmma_acc_layout)
 from .gluon_row_gemm import ws_tile_steps
 from .launch import launch
 
@@ -590,8 +590,7 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     if rows_tma:
         block = [tile.block_k, tile.block_m]
         rows_desc = host_descriptor(rows, block)
-        # The largest gathered element offset, a row's start plus its columns, under 2^31.
-        g_offsets_32 = gathered.shape[0] * gathered.stride(0) < 2**31
+        g_offsets_32 = row_offsets_fit_32(gathered)
         if warp_specialize:
             warps, regs = PRODUCER
             launch(_wgrad_rows_tma_ws_kernel, grid, rows_desc, rows, *args[:4], out_desc, *args[4:],
