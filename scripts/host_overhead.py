@@ -1,5 +1,5 @@
 """Where the host time of a small forward + backward goes: wall time per step, then the
-Python functions by own time under cProfile.
+Python functions by own time (or ``--sort cumulative``) under cProfile.
 
     python scripts/host_overhead.py [--config qwen3_100m] [--steps 200] [--rows 30]
     python scripts/host_overhead.py --no-kernels --device cpu --config tiny
@@ -315,6 +315,8 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rows", type=int, default=30)
+    p.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"],
+                   help="the cProfile table's order: own time, or time with callees")
     p.add_argument("--no-kernels", action="store_true", help="time moeblaze's Python alone (see above)")
     p.add_argument("--compile", action="store_true", help="the layer compiled (torch.compile, fullgraph)")
     p.add_argument("--op-calls", action="store_true",
@@ -386,7 +388,7 @@ def run(a):
     if a.rows > 0:
         prof = cProfile.Profile()
         prof.runcall(steps, a.steps)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(a.rows)
+        pstats.Stats(prof).sort_stats(a.sort).print_stats(a.rows)
 
 
 if __name__ == "__main__":
