@@ -391,7 +391,8 @@ def _wgrad_settings(variant):
     return settings.override(tiles=tiles, gluon={"wgrad_up"} if variant != "tl" else set(),
                              gluon_warp_specialize={"wgrad_up"} if "ws" in variant.split("_") else set(),
                              wgrad_rows_tma={"wgrad_up"} if "rows_tma" in variant else set(),
-                             wgrad_tma_store="store" in variant, wgrad_split_mma={"wgrad_up"} if variant.endswith("split") else set(),
+                             wgrad_tma_store="store" in variant,
+                             wgrad_split_mma={"wgrad_up"} if variant.endswith("split") else set(),
                              wgrad_band=3 if variant.endswith("band3") else 1)
 
 
