@@ -65,23 +65,18 @@ MMA_GROUP_REGS = 208
 
 
 @gluon.jit
-def _load_ids(row_ids_ptr, r0, hi, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
-    """The gathered rows of reduction step [r0, r0 + BLOCK_R) (0 past ``hi``), laid out as
-    the B copy needs them."""
-    rb = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, copy_layout(BLOCK_Q, num_warps)))
-    return gl.load(row_ids_ptr + rb, mask=rb < hi, other=0).to(gl.int64)
-
-
-@gluon.jit
 def _gathered_offsets(row_ids_ptr, r0, hi, stride_gm, OFFSETS_32: gl.constexpr, BLOCK_Q: gl.constexpr,
                       BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
-    """Element offsets of reduction step [r0, r0 + BLOCK_R)'s gathered rows (``_load_ids``;
-    row 0 past ``hi``), in 32 bits where ``OFFSETS_32`` (half the registers and
-    instructions a row)."""
-    ids = _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, num_warps)
+    """Element offsets of reduction step [r0, r0 + BLOCK_R)'s gathered rows (row 0 past
+    ``hi``), laid out as the gathered copy needs them; in 32 bits where ``OFFSETS_32``
+    (half the registers and instructions a row)."""
+    rb = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, copy_layout(BLOCK_Q, num_warps)))
+    ids = gl.load(row_ids_ptr + rb, mask=rb < hi, other=0)
     if OFFSETS_32:
-        ids = ids.to(gl.int32)
-    return ids * stride_gm
+        offs = ids * stride_gm
+    else:
+        offs = ids.to(gl.int64) * stride_gm
+    return offs
 
 
 @gluon.jit
@@ -97,24 +92,34 @@ def _copy_rows(slot, rows_ptr, r0, hi, p0, P, stride_rm, BLOCK_P: gl.constexpr, 
 
 
 @gluon.jit
-def _copy_gathered(slot, gathered_ptr, ids, r0, hi, q0, Q, stride_gm, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr,
-                   num_warps: gl.constexpr):
-    """Starts the cp.async copy of the gathered rows ``ids`` (``_load_ids``) of reduction
-    step [r0, r0 + BLOCK_R), columns from q0, into ``slot`` (zeros past ``hi`` and Q)."""
+def _gathered_columns(gathered_ptr, q0, Q, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
+    """What every reduction step of a tile at gathered columns ``q0 ..`` shares: the
+    pointers to its first gathered row's columns ([1, BLOCK_Q]) and the columns' mask in
+    the copy's full [BLOCK_R, BLOCK_Q] shape."""
     layout: gl.constexpr = copy_layout(BLOCK_Q, num_warps)
-    rb = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, layout))
     qb = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, layout))
-    async_load(slot, gathered_ptr + ids[:, None] * stride_gm + qb[None, :],
-                mask=(rb < hi)[:, None] & (qb < Q)[None, :])
+    steps_rows = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, layout))
+    return gathered_ptr + qb[None, :], (steps_rows >= 0)[:, None] & (qb < Q)[None, :]
 
 
 @gluon.jit
-def _issue_step(rows_ptr, gathered_ptr, ids, a_slot, b_slot, r0, hi, p0, q0, P, Q, stride_rm, stride_gm,
+def _copy_gathered(slot, g_src, g_offs, g_cols, r0, hi, BLOCK_R: gl.constexpr):
+    """Starts the cp.async copy of reduction step [r0, r0 + BLOCK_R)'s gathered rows into
+    ``slot``: row offsets ``g_offs`` (``_gathered_offsets``) from the tile's ``g_src``
+    within its columns ``g_cols`` (``_gathered_columns``), zeros past ``hi``."""
+    steps_rows = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, g_cols.type.layout))
+    async_load(slot, g_src + g_offs[:, None], mask=g_cols & (r0 + steps_rows < hi)[:, None])
+
+
+@gluon.jit
+def _issue_step(rows_ptr, gathered_ptr, g_offs, a_slot, b_slot, r0, hi, p0, q0, P, Q, stride_rm,
                 BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
     """Starts the copies of reduction step [r0, r0 + BLOCK_R) into one ring slot: A
-    [BLOCK_R, BLOCK_P] and B [BLOCK_R, BLOCK_Q], B's rows ``ids`` (``_load_ids``)."""
+    [BLOCK_R, BLOCK_P] and B [BLOCK_R, BLOCK_Q], B's rows at offsets ``g_offs``
+    (``_gathered_offsets``)."""
     _copy_rows(a_slot, rows_ptr, r0, hi, p0, P, stride_rm, BLOCK_P, BLOCK_R, num_warps)
-    _copy_gathered(b_slot, gathered_ptr, ids, r0, hi, q0, Q, stride_gm, BLOCK_Q, BLOCK_R, num_warps)
+    g_src, g_cols = _gathered_columns(gathered_ptr, q0, Q, BLOCK_Q, BLOCK_R, num_warps)
+    _copy_gathered(b_slot, g_src, g_offs, g_cols, r0, hi, BLOCK_R)
 
 
 @gluon.jit
@@ -191,13 +196,15 @@ def _wgrad_kernel(
         for i in gl.static_range(AHEAD):
             if i < steps:
                 r0 = lo + i * BLOCK_R
-                _issue_step(rows_ptr, gathered_ptr, _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, num_warps),
-                            a_ring.index(i), b_ring.index(i), r0, hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P,
-                            BLOCK_Q, BLOCK_R, num_warps)
+                _issue_step(rows_ptr, gathered_ptr,
+                            _gathered_offsets(row_ids_ptr, r0, hi, stride_gm, False, BLOCK_Q, BLOCK_R, num_warps),
+                            a_ring.index(i), b_ring.index(i), r0, hi, p0, q0, P, Q, stride_rm, BLOCK_P, BLOCK_Q,
+                            BLOCK_R, num_warps)
             cp.commit_group()
         # The gathered rows are loaded one step before their copies start, so the load's
         # latency hides behind an MMA instead of stalling the copies.
-        ids = _load_ids(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
+        offs = _gathered_offsets(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, stride_gm, False, BLOCK_Q, BLOCK_R,
+                                 num_warps)
         acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
         for i in range(steps):
             cp.wait_group(AHEAD - 1)  # this thread's copies of step i have landed
@@ -211,10 +218,11 @@ def _wgrad_kernel(
             nxt = i + AHEAD
             if nxt < steps:
                 ns = nxt % NUM_STAGES
-                _issue_step(rows_ptr, gathered_ptr, ids, a_ring.index(ns), b_ring.index(ns), lo + nxt * BLOCK_R, hi,
-                            p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
+                _issue_step(rows_ptr, gathered_ptr, offs, a_ring.index(ns), b_ring.index(ns), lo + nxt * BLOCK_R,
+                            hi, p0, q0, P, Q, stride_rm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
             cp.commit_group()
-            ids = _load_ids(row_ids_ptr, lo + (nxt + 1) * BLOCK_R, hi, BLOCK_Q, BLOCK_R, num_warps)
+            offs = _gathered_offsets(row_ids_ptr, lo + (nxt + 1) * BLOCK_R, hi, stride_gm, False, BLOCK_Q, BLOCK_R,
+                                     num_warps)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         _store_tile(out_ptr, out_desc, out_buf, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq, TMA_STORE,
                     OUT_TRANSPOSED, STORE_PIECES)
@@ -222,17 +230,6 @@ def _wgrad_kernel(
 
 
 # --------------------------------------------------------------------------- row-ordered operand by TMA
-
-
-@gluon.jit
-def _gathered_columns(gathered_ptr, q0, Q, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
-    """What every reduction step of a tile at gathered columns ``q0 ..`` shares: the
-    pointers to its first gathered row's columns ([1, BLOCK_Q]) and the columns' mask in
-    the copy's full [BLOCK_R, BLOCK_Q] shape (for ``_issue_rows_tma_step``)."""
-    layout: gl.constexpr = copy_layout(BLOCK_Q, num_warps)
-    qb = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, layout))
-    steps_rows = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, layout))
-    return gathered_ptr + qb[None, :], (steps_rows >= 0)[:, None] & (qb < Q)[None, :]
 
 
 @gluon.jit
@@ -252,8 +249,7 @@ def _issue_rows_tma_step(rows_desc, rows_ptr, g_src, g_offs, g_cols, g_slot, r_s
     else:  # the expert's last, partial step
         _copy_rows(r_slot, rows_ptr, r0, hi, p0, P, stride_rm, BLOCK_P, BLOCK_R, num_warps)
         mbarrier.arrive(bar)
-        steps_rows = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, g_cols.type.layout))
-        async_load(g_slot, g_src + g_offs[:, None], mask=g_cols & (r0 + steps_rows < hi)[:, None])
+        _copy_gathered(g_slot, g_src, g_offs, g_cols, r0, hi, BLOCK_R)
 
 
 @gluon.jit
@@ -338,9 +334,10 @@ def _wgrad_ws_producer(rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, a_ring,
             slot = step % NUM_STAGES
             # A fresh barrier has completed no phase: the first pass over the ring waits for nothing.
             mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
-            _issue_step(rows_ptr, gathered_ptr, _load_ids(row_ids_ptr, r0, hi, BLOCK_Q, BLOCK_R, WARPS),
-                        a_ring.index(slot), b_ring.index(slot), r0, hi, p0, q0, P, Q, stride_rm, stride_gm, BLOCK_P,
-                        BLOCK_Q, BLOCK_R, WARPS)
+            _issue_step(rows_ptr, gathered_ptr,
+                        _gathered_offsets(row_ids_ptr, r0, hi, stride_gm, False, BLOCK_Q, BLOCK_R, WARPS),
+                        a_ring.index(slot), b_ring.index(slot), r0, hi, p0, q0, P, Q, stride_rm, BLOCK_P, BLOCK_Q,
+                        BLOCK_R, WARPS)
             cp.mbarrier_arrive(ready.index(slot), increment_count=False)
             step += 1
 
