@@ -39,7 +39,8 @@
 # SONICMOE=1, in the call right after `bash scripts/sonicmoe_peer.sh stash` and carrying
 # .peer-sonicmoe-2: installs SonicMoE and runs the train benchmark at OLMoE- and
 # Mixtral-like beside it (moeblaze eager and compiled, compiled grouped_mm) into
-# $OUT/train_sonicmoe/; its JIT takes minutes a shape, so leave the call to it.
+# $OUT/train_sonicmoe/, then profiles both steps kernel by kernel (scripts/profile_step.py);
+# its JIT takes minutes a shape, so leave the call to it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -103,7 +104,9 @@ if [ "${SONICMOE:-0}" = 1 ]; then
   bash scripts/sonicmoe_peer.sh install 2>&1 | tail -1 | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train_sonicmoe" --peer-site /tmp/peer-site \
     --skip hf_eager hf_grouped_mm moeblaze_recompute moeblaze_recompute_compiled --configs olmoe mixtral \
-    2>>"$LOG" | tee -a "$LOG"
+    2>>"$LOG" | tee -a "$LOG"  echo "== the step kernel by kernel, SonicMoE beside moeblaze" | tee -a "$LOG"
+  timeout 240 python3 scripts/profile_step.py --peer-site /tmp/peer-site --configs olmoe mixtral \
+    --peers sonicmoe moeblaze --steps 3 --rows 24 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${HOST_ROUNDS:-0}" = 1 ]; then
   echo "== the 100M example's layer by harness, alternating rounds" | tee -a "$LOG"

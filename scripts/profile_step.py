@@ -3,7 +3,7 @@ peer (kernels by device time, and the host time of the whole step).
 
     python scripts/profile_step.py [--configs qwen3_100m olmoe] [--peers moeblaze hf_grouped_mm_compiled]
         [--steps 5] [--device cuda|cpu] [--rows 25] [--cudagraphs] [--host-rows 25] [--trace DIR]
-        [--gaps 15] [--set NAME=VALUE ...]
+        [--gaps 15] [--set NAME=VALUE ...] [--peer-site DIR]
 
 Small layers (the 100M example) are where the host side shows: compare "host ms per
 step" with "device ms per step". ``--host-rows`` adds a table sorted by host (self CPU) time, and ``--trace`` writes
@@ -16,6 +16,7 @@ and the N longest gaps with the activity on either side.
 import argparse
 import json
 import os
+import site
 import tempfile
 import time
 
@@ -42,7 +43,11 @@ def main():
     p.add_argument("--gaps", type=int, default=0, help="print the GPU's idle time and this many longest gaps")
     p.add_argument("--set", dest="settings", metavar="NAME=VALUE", action="append", type=parse_setting, default=[],
                    help="change a kernel setting for the whole run (repeatable), as the benchmark's --set")
+    p.add_argument("--peer-site", metavar="DIR", action="append", default=[],
+                   help="a site directory a peer is installed into (SonicMoE: see scripts/sonicmoe_peer.sh)")
     a = p.parse_args()
+    for directory in a.peer_site:
+        site.addsitedir(directory)
     with settings.override(**dict(a.settings)):
         _profile(a)
 
@@ -59,6 +64,9 @@ def _profile(a):
         grad = torch.randn_like(x)
         fns = peers(x, ids, w, w_gate_up, w_down, train=True, cuda_graphs=a.cudagraphs)
         for peer in a.peers:
+            if peer not in fns:
+                print(f"\n## {name} {peer}: not available here (peers: {', '.join(fns)})", flush=True)
+                continue
             fn = fns[peer]
 
             def step():
