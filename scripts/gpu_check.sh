@@ -104,7 +104,8 @@ if [ "${SONICMOE:-0}" = 1 ]; then
   bash scripts/sonicmoe_peer.sh install 2>&1 | tail -1 | tee -a "$LOG"
   python3 -m moeblaze_ops.bench --mode train --no-dispatch --out "$OUT/train_sonicmoe" --peer-site /tmp/peer-site \
     --skip hf_eager hf_grouped_mm moeblaze_recompute moeblaze_recompute_compiled --configs olmoe mixtral \
-    2>>"$LOG" | tee -a "$LOG"  echo "== the step kernel by kernel, SonicMoE beside moeblaze" | tee -a "$LOG"
+    2>>"$LOG" | tee -a "$LOG"
+  echo "== the step kernel by kernel, SonicMoE beside moeblaze" | tee -a "$LOG"
   timeout 240 python3 scripts/profile_step.py --peer-site /tmp/peer-site --configs olmoe mixtral \
     --peers sonicmoe moeblaze --steps 3 --rows 24 2>>"$LOG" | tee -a "$LOG"
 fi
