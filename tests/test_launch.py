@@ -17,7 +17,8 @@ if not hasattr(jit, "native_specialize_impl"):
 from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-from moeblaze_ops.kernels.launch import _Signature, _Unplannable, argument_kind, plan_key  # noqa: E402
+from moeblaze_ops.kernels.launch import (_Signature, _Unplannable, argument_kind, kernel_signature,  # noqa: E402
+                                         plan_key)
 
 
 def triton_specialisation(value):
@@ -25,10 +26,25 @@ def triton_specialisation(value):
     return jit.native_specialize_impl(BaseBackend, value, False, True, True)
 
 
+def _one_argument(value):
+    """A kernel's signature of one argument (never launched)."""
+
+
+_ONE_ARGUMENT = _Signature(jit.JITFunction(_one_argument))
+
+
+def kind_of(value):
+    """The kind a launch plan's key gives ``value`` (``plan_key``'s binder, which computes
+    the common kinds inline and calls ``argument_kind`` for the rest)."""
+    key, _ = plan_key(_ONE_ARGUMENT, 0, (value,), {})
+    return key[2]
+
+
 def assert_refines(values):
     specialisations = {}
     for value in values:
-        specialisations.setdefault(argument_kind(value), set()).add(triton_specialisation(value))
+        specialisations.setdefault(kind_of(value), set()).add(triton_specialisation(value))
+        specialisations.setdefault(("argument_kind", argument_kind(value)), set()).add(triton_specialisation(value))
     split = {kind: spec for kind, spec in specialisations.items() if len(spec) > 1}
     assert not split, f"one key, several Triton specialisations: {split}"
 
@@ -45,7 +61,7 @@ def test_int_keys_refine_triton(values):
 
 def test_scalar_and_none_keys_refine_triton():
     assert_refines([True, False, 0.0, 1.5, -3e38, 1e300, float("inf"), float("nan"), None])
-    assert len({argument_kind(v) for v in (True, 1, 1.0, None)}) == 4
+    assert len({kind_of(v) for v in (True, 1, 1.0, None)}) == 4
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.int8])
@@ -55,7 +71,7 @@ def test_tensor_keys_refine_triton(dtype):
              base[offset:offset + 64 * dtype.itemsize].view(dtype) for offset in range(0, 64, dtype.itemsize)]
     views += [torch.nn.Parameter(v.float(), requires_grad=False) for v in views[:2]]
     assert_refines(views)
-    assert {argument_kind(v)[1] for v in views} == {True, False}  # alignment is part of the key
+    assert {kind_of(v)[1] for v in views} == {True, False}  # alignment is part of the key
 
 
 def test_descriptor_keys_refine_triton():
@@ -82,7 +98,7 @@ def test_gluon_descriptor_keys_refine_triton():
 @pytest.mark.parametrize("value", [[1, 2], (3,), torch.tensor(1).numpy(), "tf32", object()])
 def test_unknown_argument_kinds_take_the_jit_path(value):
     with pytest.raises(_Unplannable):
-        argument_kind(value)
+        kind_of(value)
 
 
 def _kernel_source(src_ptr, dst_ptr, n, scale, BLOCK: "tl.constexpr", FLAG: "tl.constexpr" = False):
@@ -111,3 +127,23 @@ def test_plan_keys_bind_arguments_in_parameter_order():
         plan_key(sig, 0, (src, dst, 17), dict(n=17, scale=0.5, BLOCK=64))
     with pytest.raises(_Unplannable):  # a required argument missing
         plan_key(sig, 0, (src, dst), dict(scale=0.5, BLOCK=64))
+
+
+def _shadowing_source(type, tuple, n, BLOCK: "tl.constexpr"):
+    """A kernel's signature whose parameters are named as builtins (never launched)."""
+
+
+def _reserved_source(_plan_kind, BLOCK: "tl.constexpr"):
+    """A kernel's signature with a parameter named as a binder's own helper (never launched)."""
+
+
+def test_plan_keys_of_parameters_named_as_builtins():
+    """The binder's code reaches its helpers under names of its own: parameters named
+    ``type`` or ``tuple`` get their kinds as any other; a parameter named as a helper
+    sends the kernel down the JIT's path."""
+    sig = _Signature(jit.JITFunction(_shadowing_source))
+    src = torch.zeros(64)
+    key, values = plan_key(sig, 0, (src, 17, 16), dict(BLOCK=32))
+    assert values == [src, 17, 16, 32]
+    assert key[2:] == (kind_of(src), kind_of(17), kind_of(16), 32)
+    assert kernel_signature(jit.JITFunction(_reserved_source)) is None

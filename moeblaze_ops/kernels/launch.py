@@ -56,15 +56,52 @@ def argument_kind(value):
 
 
 class _Signature:
-    """One kernel's parameters, as the launch path needs them."""
+    """One kernel's parameters, as the launch path needs them: ``bind`` (``_binder``) and
+    the plans made so far."""
 
     def __init__(self, kernel):
         params = list(inspect.signature(kernel.fn).parameters.values())
         self.names = [p.name for p in params]
-        self.index = {name: i for i, name in enumerate(self.names)}
         self.constexpr = [p.is_constexpr for p in kernel.params]
-        self.defaults = [p.default for p in params]
+        self.bind = _binder(self.names, self.constexpr, [p.default for p in params])
         self.plans = {}
+
+
+#: What the generated binders' code names beside the kernel's parameters, under names no
+#: kernel parameter has (a parameter named ``type`` must not hide the builtin).
+_BINDER_SCOPE = {"_plan_kind": argument_kind, "_plan_tensor": torch.Tensor, "_plan_type": type, "_plan_int": int,
+                 "_plan_tuple": tuple}
+
+
+def _binder(names, constexpr, defaults):
+    """A function ``bind(device, *args, **kwargs) -> (key, values)`` for a kernel with these
+    parameters, made once per kernel (as Triton's JIT makes its own binder): Python binds
+    the call's arguments to the parameters (a keyword that is none of them is a launch
+    option, such as num_warps), then one expression builds the plan's key (the device,
+    the options, each constexpr's value and each other parameter's kind,
+    ``_inline_kind``) and the values in parameter order. A call Python cannot bind
+    (missing, repeated or surplus arguments) raises TypeError."""
+    reserved = set(_BINDER_SCOPE) | {"_plan_device", "_plan_options", "_plan_defaults"}
+    if reserved & set(names):
+        raise _Unplannable(f"parameter names {sorted(reserved & set(names))}")
+    params = [name if default is inspect.Parameter.empty else f"{name}=_plan_defaults[{i}]"
+              for i, (name, default) in enumerate(zip(names, defaults))]
+    kinds = [name if const else _inline_kind(name) for name, const in zip(names, constexpr)]
+    source = (f"def bind(_plan_device, /, {', '.join(params + ['**_plan_options'])}):\n"
+              f"    return (_plan_device, _plan_tuple(_plan_options.items()), {', '.join(kinds)}), "
+              f"[{', '.join(names)}]\n")
+    scope = dict(_BINDER_SCOPE, _plan_defaults=tuple(defaults))
+    exec(source, scope)  # noqa: S102 - the source is built from the kernel's parameter names alone
+    return scope["bind"]
+
+
+def _inline_kind(name):
+    """An expression for parameter ``name``'s kind, as ``argument_kind`` gives it, without
+    its call for the common arguments: a plain tensor, and an int in 32 bits (whose key
+    leaves out the width; every wider int keeps ``argument_kind``'s three-part key)."""
+    return (f"(({name}.dtype, {name}.data_ptr() % 16 == 0) if _plan_type({name}) is _plan_tensor else "
+            f"({name} == 1, {name} % 16 == 0) if _plan_type({name}) is _plan_int and "
+            f"{_I32_MIN} <= {name} <= {_I32_MAX} else _plan_kind({name}))")
 
 
 _signatures: dict = {}
@@ -96,7 +133,10 @@ def kernel_signature(kernel):
     if sig is False:
         from triton.runtime.jit import JITFunction
 
-        sig = _Signature(kernel) if isinstance(kernel, JITFunction) else None
+        try:
+            sig = _Signature(kernel) if isinstance(kernel, JITFunction) else None
+        except _Unplannable:  # parameter names the binder cannot take
+            sig = None
         _signatures[kernel] = sig
     return sig
 
@@ -104,21 +144,10 @@ def kernel_signature(kernel):
 def plan_key(sig: _Signature, device: int, args, kwargs):
     """``(key, values)``: the key of a call's plan and its arguments in the kernel's
     parameter order (defaults filled in), as the launcher takes them."""
-    if len(args) > len(sig.names):
-        raise _Unplannable("too many arguments")  # the JIT's path says so properly
-    values = list(args)
-    values.extend(sig.defaults[len(args):])
-    options = []
-    for name, value in kwargs.items():
-        i = sig.index.get(name)
-        if i is None:
-            options.append((name, value))  # num_warps, num_stages, ...
-        elif i < len(args):
-            raise _Unplannable(f"{name} given twice")
-        else:
-            values[i] = value
-    kinds = [v if const else argument_kind(v) for v, const in zip(values, sig.constexpr)]
-    return (device, tuple(options), *kinds), values
+    try:
+        return sig.bind(device, *args, **kwargs)
+    except TypeError as e:  # missing, repeated or surplus arguments: the JIT's path says so properly
+        raise _Unplannable(str(e)) from None
 
 
 def launch(kernel, grid, *args, **kwargs):
