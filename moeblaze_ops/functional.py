@@ -135,8 +135,9 @@ def moe_experts(
         out = calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)
     else:
         up = (x2, w_gate_up, b_gate_up) if overwrite_h else None
-        h = _UpNode.apply(x2, w_gate_up, b_gate_up, eti, offsets, tim, transposed, calls)
-        out = _DownNode.apply(h, w_down, b_down, tw, eti, offsets, tim, args, calls, up)
+        # act(h) comes beside h where settings.activation_beside_h makes it (else None).
+        h, a = _UpNode.apply(x2, w_gate_up, b_gate_up, eti, offsets, tim, args, calls)
+        out = _DownNode.apply(h, w_down, b_down, tw, eti, offsets, tim, args, calls, up, a)
     return out.reshape(*lead, d)
 
 
@@ -168,6 +169,10 @@ class _OpCalls:
     @staticmethod
     def up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed):
         return torch.ops.moeblaze.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+
+    @staticmethod
+    def up_with_activation(x, w_gate_up, eti, offsets, tim, b_gate_up, args):
+        return _OpCalls.up(x, w_gate_up, eti, offsets, tim, b_gate_up, args[1]), None  # the op makes h alone
 
     @staticmethod
     def down(h, w_down, eti, offsets, tim, tw, b_down, args):
@@ -216,9 +221,21 @@ class _KernelCalls:
             return forward_backend(x).expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
 
     @staticmethod
+    def up_with_activation(x, w_gate_up, eti, offsets, tim, b_gate_up, args):
+        activation, transposed, interleaved, alpha, limit = args
+        with _profiled("moeblaze::expert_up"):
+            return forward_backend(x).expert_up_with_activation(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed,
+                                                                activation, interleaved, alpha, limit)
+
+    @staticmethod
     def down(h, w_down, eti, offsets, tim, tw, b_down, args):
         with _profiled("moeblaze::expert_down"):
             return forward_backend(h).expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args)
+
+    @staticmethod
+    def down_activated(a, w_down, eti, offsets, tim, tw, b_down, transposed):
+        with _profiled("moeblaze::expert_down"):
+            return forward_backend(a).expert_down_activated(a, w_down, eti, offsets, tim, tw, b_down, transposed)
 
     @staticmethod
     def layer(x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, args):
@@ -272,18 +289,23 @@ def _backward_calls(ctx):
 
 
 class _UpNode(torch.autograd.Function):
-    """``expert_up`` in eager autograd, through ``calls``. Its own node, apart from the
-    down projection's: the down weight gradients are accumulated before its backward
-    allocates the up projection's."""
+    """``expert_up`` in eager autograd, through ``calls``: ``(h, a)``, a = act(h) where
+    the backend makes it beside h (``settings.activation_beside_h``; not differentiable:
+    the down projection's node differentiates through h), else None. Its own node, apart
+    from the down projection's: the down weight gradients are accumulated before its
+    backward allocates the up projection's."""
 
     @staticmethod
-    def forward(ctx, x, w_gate_up, b_gate_up, eti, offsets, tim, transposed, calls):
+    def forward(ctx, x, w_gate_up, b_gate_up, eti, offsets, tim, args, calls):
         ctx.save_for_backward(x, w_gate_up, eti, offsets, tim)
-        ctx.has_bias, ctx.transposed, ctx.calls = b_gate_up is not None, transposed, calls
-        return calls.up(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+        ctx.has_bias, ctx.transposed, ctx.calls = b_gate_up is not None, args[1], calls
+        h, a = calls.up_with_activation(x, w_gate_up, eti, offsets, tim, b_gate_up, args)
+        if a is not None:
+            ctx.mark_non_differentiable(a)
+        return h, a
 
     @staticmethod
-    def backward(ctx, grad_h):
+    def backward(ctx, grad_h, grad_a):
         x, w_gate_up, eti, offsets, tim = ctx.saved_tensors
         need = ctx.needs_input_grad  # x, w_gate_up, b_gate_up, ...
         grads = _up_backward(_backward_calls(ctx), grad_h, x, w_gate_up, eti, offsets, tim, ctx.has_bias,
@@ -292,7 +314,8 @@ class _UpNode(torch.autograd.Function):
 
 
 class _DownNode(torch.autograd.Function):
-    """``expert_down`` in eager autograd, through ``calls``. Given ``up`` (the up
+    """``expert_down`` in eager autograd, through ``calls``, on ``a`` = act(h) where the
+    up projection made it (``expert_down_activated``: no activation pass). Given ``up`` (the up
     projection's x, w_gate_up and b_gate_up: ``overwrite_h``), its backward writes dH over
     the h it kept, which is the layer's own: the gradient for h is h itself, afterwards.
 
@@ -302,9 +325,11 @@ class _DownNode(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, w_down, b_down, tw, eti, offsets, tim, args, calls, up):
+    def forward(ctx, h, w_down, b_down, tw, eti, offsets, tim, args, calls, up, a):
         ctx.save_for_backward(h, w_down, b_down, tw, eti, offsets, tim)
         ctx.args, ctx.calls, ctx.up, ctx.overwritten = args, calls, up, False
+        if a is not None:
+            return calls.down_activated(a, w_down, eti, offsets, tim, tw, b_down, args[1])
         return calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)
 
     @staticmethod
@@ -329,7 +354,7 @@ class _DownNode(torch.autograd.Function):
                                                                       b_down, ctx.args, need_w, True)
             ctx.overwritten = True
         return (grad_h if need[0] else None, grad_w if need[1] else None, grad_b if has_b and need[2] else None,
-                grad_tw if need[3] else None, None, None, None, None, None, None)
+                grad_tw if need[3] else None, None, None, None, None, None, None, None)
 
 
 class _RecomputedLayer(torch.autograd.Function):

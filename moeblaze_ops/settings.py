@@ -185,8 +185,12 @@ class KernelSettings:
             down GEMM to read, no activation pass run: on Hopper in the
             Gluon up GEMM's epilogue (``gluon_row_gemm.GatedEpilogue``) where it
             applies, elsewhere as the GEMM then the pass. h is not made at all. (The
-            default mode's backward needs h, and writing both measured no faster, with
-            a higher peak: docs/perf-notes.md.)
+            default mode's backward needs h: see ``activation_beside_h``.)
+        activation_beside_h: where eager ``moe_experts`` with a gated activation keeps h
+            for backward, the up GEMM's epilogue writes act(h) beside h (on Hopper, where
+            ``gluon_row_gemm.GatedEpilogue`` applies), and the down projection reads it
+            instead of running the activation pass; elsewhere, and in compiled graphs,
+            h alone and the pass. Off until measured faster (docs/perf-notes.md).
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the
             activation pass and the up GEMM's gated epilogue.
         dh_fast_activation: the same in the dH epilogue.
@@ -242,6 +246,7 @@ class KernelSettings:
     row_tma_store: bool = True
     row_band: int = 4
     up_epilogue_activation: bool = True
+    activation_beside_h: bool = False
     fast_activation: bool = True
     dh_fast_activation: bool = True
     dh_epilogue_columns: Optional[int] = 64

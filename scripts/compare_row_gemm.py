@@ -8,8 +8,9 @@ expert's end (what the part-filled tiles cost, against ``random``).
 
 ``up_act`` times the up projection and its SwiGLU together: the Gluon GEMM then the
 activation pass (what the layer runs), against the GEMM with the activation in its
-epilogue (``gluon_row_gemm.GatedEpilogue``: act(h) alone, h never stored); the
-differences are to the first's act(h).
+epilogue (``gluon_row_gemm.GatedEpilogue``: act(h) alone, h never stored, or beside h:
+``settings.activation_beside_h``'s kernel, rows ``epilogue_h``); the differences are to
+the first's act(h).
 
     python3 scripts/compare_row_gemm.py [--configs olmoe mixtral] [--kinds up down dx up_act]
         [--kernels gluon_tma_store ...] [--routing random balanced]
@@ -95,11 +96,11 @@ def _up_and_activation(name, routing, x, eti, offsets, w_gate_up, I):
         gluon_row_gemm.launch_row_gemm(x, eti, w_gate_up, None, offsets, h, False, warp_specialize=ws)
         triton_experts.launch_activation(h, a, swiglu, False, 0.0, 0.0, True)
 
-    def fused(warp_specialize, split_mma=False):
+    def fused(warp_specialize, split_mma=False, h_beside=None):
         epilogue = gluon_row_gemm.GatedEpilogue(swiglu, 0.0, 0.0, True)
         return lambda a: gluon_row_gemm.launch_row_gemm(x, eti, w_gate_up, None, offsets, a, False,
                                                         warp_specialize=warp_specialize, epilogue=epilogue,
-                                                        split_mma=split_mma)
+                                                        split_mma=split_mma, h=h_beside)
 
     a_probe = torch.empty(LK, I, device="cuda", dtype=x.dtype)
     if not gluon_row_gemm.applies_gated_epilogue(x, w_gate_up, None, a_probe, False, swiglu, False):
@@ -110,7 +111,8 @@ def _up_and_activation(name, routing, x, eti, offsets, w_gate_up, I):
     for label, run in {f"gluon{'_ws' if ws else ''} + activation pass": separate,
                        f"epilogue{'_ws' if ws else ''}": fused(ws),
                        f"epilogue{'' if ws else '_ws'}": fused(not ws),
-                       "epilogue_ws_split": fused(True, True)}.items():
+                       "epilogue_ws_split": fused(True, True),
+                       f"epilogue_h{'_ws' if ws else ''}": fused(ws, h_beside=h)}.items():
         a = torch.full((LK, I), float("nan"), device="cuda", dtype=x.dtype)
         ms = triton.testing.do_bench(lambda: run(a), warmup=10, rep=50)
         a_ref = a.double() if a_ref is None else a_ref

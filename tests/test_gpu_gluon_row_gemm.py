@@ -116,6 +116,7 @@ def test_gluon_row_gemm_column_slab(transposed, kernel, seed):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a capability 9 GPU")
+@pytest.mark.parametrize("h_beside", [False, True], ids=["act_only", "h_beside"])
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("activation,dtype", [("swiglu", torch.bfloat16), ("geglu", torch.float16),
                                               ("clamped_swiglu", torch.bfloat16)])
@@ -124,9 +125,11 @@ def test_gluon_row_gemm_column_slab(transposed, kernel, seed):
     ([0, 0, 0], 33, 64, 128),  # only sentinel rows
     ([1, 2, 3], 5, 16, 256),  # a single step, a single partial tile each
 ])
-def test_gluon_row_gemm_gated_epilogue_matches_float64(counts, sentinels, K, I, activation, dtype, kernel, seed):
+def test_gluon_row_gemm_gated_epilogue_matches_float64(counts, sentinels, K, I, activation, dtype, kernel, h_beside,
+                                                       seed):
     """The up projection with its activation in the epilogue (``GatedEpilogue``): act(h)
-    against float64, from gate and up columns paired in each tile."""
+    against float64, from gate and up columns paired in each tile; with ``h_beside``, h
+    itself too, every column of it (``launch_row_gemm``'s ``h``)."""
     from moeblaze_ops.activations import activation_code, activation_forward, clamped_swiglu_defaults
     from moeblaze_ops.kernels import gluon_row_gemm
 
@@ -137,15 +140,18 @@ def test_gluon_row_gemm_gated_epilogue_matches_float64(counts, sentinels, K, I, 
     ids = torch.randint(0, T, (LK,), device="cuda", dtype=torch.int32, generator=g)
     w = torch.randn(E, 2 * I, K, device="cuda", dtype=dtype, generator=g) / K ** 0.5
     a = torch.full((LK, I), float("nan"), device="cuda", dtype=dtype)  # unwritten rows show
+    h = torch.full((LK, 2 * I), float("nan"), device="cuda", dtype=dtype) if h_beside else None
     alpha, limit = clamped_swiglu_defaults()
-    assert gluon_row_gemm.applies_gated_epilogue(x, w, None, a, False, int(activation_code(activation)), False)
+    assert gluon_row_gemm.applies_gated_epilogue(x, w, None, a, False, int(activation_code(activation)), False, h=h)
 
     epilogue = gluon_row_gemm.GatedEpilogue(int(activation_code(activation)), alpha, limit, fast=True)
-    gluon_row_gemm.launch_row_gemm(x, ids, w, None, offsets, a, False, epilogue=epilogue, **KERNELS[kernel])
+    gluon_row_gemm.launch_row_gemm(x, ids, w, None, offsets, a, False, epilogue=epilogue, h=h, **KERNELS[kernel])
     torch.cuda.synchronize()
 
     bounds = offsets.tolist()
     assert not a.isnan().any() and (a[bounds[E]:] == 0).all()
+    if h_beside:
+        assert not h.isnan().any() and (h[bounds[E]:] == 0).all()
     rows = x[ids.long()].double()
     for e in range(E):
         lo, hi = bounds[e], bounds[e + 1]
@@ -154,6 +160,8 @@ def test_gluon_row_gemm_gated_epilogue_matches_float64(counts, sentinels, K, I, 
         h_ref = rows[lo:hi] @ w[e].double().T
         a_ref = activation_forward(h_ref, activation, alpha, limit, interleaved=False)
         assert rel_err(a[lo:hi], a_ref) < 1e-2, f"act(h), expert {e}"
+        if h_beside:
+            assert rel_err(h[lo:hi], h_ref) < 1e-2, f"h, expert {e}"
 
 
 @pytest.mark.gpu
@@ -172,6 +180,9 @@ def test_gluon_row_gemm_gated_epilogue_applies():
     assert not gluon_row_gemm.applies_gated_epilogue(x, w, torch.zeros(4, 768, **meta), a, False, swiglu, False)
     assert not gluon_row_gemm.applies_gated_epilogue(x, w.transpose(1, 2).contiguous(), None, a, True, swiglu, False)
     assert not gluon_row_gemm.applies_gated_epilogue(x, w, None, a, False, int(activation_code("silu")), False)
+    assert gluon_row_gemm.applies_gated_epilogue(x, w, None, a, False, swiglu, False, h=torch.zeros(32, 768, **meta))
+    assert not gluon_row_gemm.applies_gated_epilogue(x, w, None, a, False, swiglu, False,
+                                                     h=torch.zeros(32, 776, **meta)[:, :768])  # h's stride
     odd = torch.zeros(32, 320, **meta)  # I = 320: a paired tile would reach the up columns
     assert not gluon_row_gemm.applies_gated_epilogue(x, torch.zeros(4, 640, 256, **meta), None, odd, False, swiglu,
                                                      False)

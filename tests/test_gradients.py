@@ -342,6 +342,7 @@ def test_up_epilogue_activation_route(activation, layout, seed, monkeypatch):
 
     monkeypatch.setattr(kernels, "TORCH", dataclasses.replace(
         kernels.TORCH, expert_up=spied("up", kernels.TORCH.expert_up),
+        expert_up_with_activation=spied("up", kernels.TORCH.expert_up_with_activation),
         expert_up_activated=spied("up_activated", kernels.TORCH.expert_up_activated),
         expert_down=spied("down", kernels.TORCH.expert_down),
         expert_down_activated=spied("down_activated", kernels.TORCH.expert_down_activated)))
@@ -375,3 +376,57 @@ def test_up_epilogue_activation_route(activation, layout, seed, monkeypatch):
         assert mode.ops == ({"dispatch", "expert_layer"} if is_gated(activation)
                             else {"dispatch", "expert_up", "expert_down"})
         assert seen == (["up_activated", "down_activated"] if is_gated(activation) else ["up", "down"])
+
+
+@pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
+                                               ("gelu", "concatenated")])
+def test_activation_beside_h_route(activation, layout, seed, monkeypatch):
+    """``settings.activation_beside_h``: with gradients, a gated layer's up projection
+    hands act(h) beside h to the down projection, which then runs no activation of its
+    own (``expert_down_activated``); outputs and gradients as without it (float32, where
+    act(h) rounds to nothing). Non-gated layers keep h and the down projection's
+    activation."""
+    import dataclasses
+
+    from moeblaze_ops import kernels, settings
+
+    seen = []
+
+    def spied(name, fn):
+        def call(*args, **kwargs):
+            seen.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(kernels, "TORCH", dataclasses.replace(
+        kernels.TORCH, expert_up_with_activation=spied("up", kernels.TORCH.expert_up_with_activation),
+        expert_down=spied("down", kernels.TORCH.expert_down),
+        expert_down_activated=spied("down_activated", kernels.TORCH.expert_down_activated)))
+    layer = make_layer(41, 8, 4, 5, 3, dtype=torch.float32, routing="skewed", bias=True, seed=seed,
+                       activation=activation, layout=layout)
+    names = _grad_inputs(layer)
+    g = torch.randn(41, 8, generator=torch.Generator().manual_seed(seed + 1))
+    runs = []
+    for beside in (False, True):
+        inputs = {k: (v.clone().requires_grad_(True) if k in names else v) for k, v in layer.items()}
+        seen.clear()
+        with settings.override(activation_beside_h=beside):
+            out = moe_experts(**inputs)
+            grads = torch.autograd.grad(out, [inputs[k] for k in names], g)
+        runs.append((out, *grads))
+        assert seen == (["up", "down_activated"] if beside and is_gated(activation) else ["up", "down"])
+    for a, b in zip(*runs):
+        assert rel_err(b, a) <= 1e-6
+
+
+@pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved")])
+def test_activation_beside_h_parity_with_reference(activation, layout, seed):
+    """The same route in bfloat16, where the down projection reads act(h) rounded to 16
+    bits rather than computed from h in float32: output and every gradient still within
+    the reference's tolerance."""
+    from moeblaze_ops import settings
+
+    layer = make_layer(64, 32, 24, 8, 2, dtype=torch.bfloat16, activation=activation, layout=layout,
+                       bias=LAYOUTS[layout][0], seed=seed, requires_grad=True)
+    with settings.override(activation_beside_h=True):
+        _parity(layer, seed, TOL[torch.bfloat16], limit=7.0)

@@ -39,6 +39,9 @@ class Backend:
     #: act(h) of ``expert_up``'s rows, h never kept where the kernels allow
     #: (``settings.up_epilogue_activation``): ``expert_layer``'s up projection.
     expert_up_activated: Callable
+    #: ``(h, act(h) or None)``: ``expert_up``'s h and, where ``settings.activation_beside_h``
+    #: makes it, act(h) beside it (the activation's arguments follow ``transposed``).
+    expert_up_with_activation: Callable
     expert_down: Callable
     #: ``expert_down`` of rows ``expert_up_activated`` activated (no activation arguments).
     expert_down_activated: Callable
@@ -58,6 +61,7 @@ TORCH = Backend(
     dispatch=torch_dispatch.dispatch,
     expert_up=torch_experts.expert_up,
     expert_up_activated=torch_experts.expert_up_activated,
+    expert_up_with_activation=torch_experts.expert_up_with_activation,
     expert_down=torch_experts.expert_down,
     expert_down_activated=torch_experts.expert_down_activated,
     expert_up_backward=torch_experts.expert_up_backward,
@@ -103,6 +107,7 @@ def triton_backend() -> Backend:
         dispatch=triton_dispatch.dispatch_checked,
         expert_up=triton_experts.expert_up,
         expert_up_activated=triton_experts.expert_up_activated,
+        expert_up_with_activation=triton_experts.expert_up_with_activation,
         expert_down=triton_experts.expert_down,
         expert_down_activated=triton_experts.expert_down_activated,
         expert_up_backward=triton_experts_backward.expert_up_backward,

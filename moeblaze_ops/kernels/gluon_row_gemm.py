@@ -228,38 +228,53 @@ def _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om
 
 
 @gluon.jit
-def _store_activated_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, alpha, limit,
-                          TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr):
+def _store_activated_tile(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end, n0, N, stride_om, stride_hm,
+                          alpha, limit, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
+                          FAST_ACT: gl.constexpr, STORE_H: gl.constexpr):
     """The epilogue of a paired tile (``_copy_weight_tile``'s ``PAIRED``): the accumulator's
     first column half is gate columns ``n0 / 2 ..`` of h, its second the same up columns
     (``N / 2 + n0 / 2 ..``); it writes ``act(gate, up)`` at columns ``n0 / 2 ..`` of the
-    output ([L*K, N / 2]). Each thread holds the gate and up values of the same columns,
-    so the activation needs no data movement. Stores go as ``_store_tile``'s: by TMA
-    through ``out_buf`` where every row is inside the expert, else from registers.
+    output ([L*K, N / 2]) and, with ``STORE_H``, both halves at their columns of h
+    ([L*K, N], ``h_ptr`` / ``h_desc``). Each thread holds the gate and up values of the
+    same columns, so the activation needs no data movement. Stores go as
+    ``_store_tile``'s: by TMA through ``out_buf`` (one half tile at a time) where every row
+    is inside the expert, else from registers.
     ``GATED`` is ``triton_activations.gated``, passed in: a ``tl`` function a kernel names
     is one the JIT resolves on every compile, and under ``TRITON_INTERPRET=1`` Gluon cannot
     compile it."""
     gate, up = column_halves(acc)
+    if STORE_H:  # before act(h) is made: its registers then need not live beside h's stores
+        _store_half(h_ptr, h_desc, out_buf, gate, row0, row_end, n0 // 2, N, stride_hm, TMA_STORE)
+        _store_half(h_ptr, h_desc, out_buf, up, row0, row_end, N // 2 + n0 // 2, N, stride_hm, TMA_STORE)
     # In the output's 16 bits at once: half the registers beside the accumulator's.
     a = GATED(gate, up, ACT, alpha, limit, FAST_ACT).to(out_ptr.dtype.element_ty)
-    if TMA_STORE:
-        if row0 + acc.shape[0] <= row_end:
-            store_by_tma(out_desc, out_buf, a, 0, row0, n0 // 2, False)
-        else:
-            _store_rows(out_ptr, a, row0, row_end, n0 // 2, N // 2, stride_om)
-    else:
-        _store_rows(out_ptr, a, row0, row_end, n0 // 2, N // 2, stride_om)
+    _store_half(out_ptr, out_desc, out_buf, a, row0, row_end, n0 // 2, N // 2, stride_om, TMA_STORE)
 
 
 @gluon.jit
-def _store_output(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, alpha, limit,
-                  TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr):
+def _store_half(out_ptr, out_desc, out_buf, piece, row0, row_end, c0, N, stride_om, TMA_STORE: gl.constexpr):
+    """Stores ``piece`` (a column half of a tile) at rows ``row0 ..`` and columns ``c0 ..``
+    of an output of N columns, as ``_store_tile`` stores a tile: by TMA through ``out_buf``
+    where every row is inside the expert, else from registers."""
+    if TMA_STORE:
+        if row0 + piece.shape[0] <= row_end:
+            store_by_tma(out_desc, out_buf, piece, 0, row0, c0, False)
+        else:
+            _store_rows(out_ptr, piece, row0, row_end, c0, N, stride_om)
+    else:
+        _store_rows(out_ptr, piece, row0, row_end, c0, N, stride_om)
+
+
+@gluon.jit
+def _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end, n0, N, stride_om, stride_hm, alpha,
+                  limit, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr,
+                  STORE_H: gl.constexpr):
     """A tile's epilogue: ``_store_activated_tile`` where the kernel applies activation
-    ``ACT`` (a gated ``ActivationCode``, computed by ``GATED``) to paired tiles, else
-    ``_store_tile`` (``ACT`` -1, ``GATED`` None)."""
+    ``ACT`` (a gated ``ActivationCode``, computed by ``GATED``) to paired tiles, h beside
+    act(h) where ``STORE_H``; else ``_store_tile`` (``ACT`` -1, ``GATED`` None)."""
     if ACT >= 0:
-        _store_activated_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, alpha, limit,
-                              TMA_STORE, GATED, ACT, FAST_ACT)
+        _store_activated_tile(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end, n0, N, stride_om,
+                              stride_hm, alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H)
     else:
         _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, TMA_STORE)
 
@@ -293,16 +308,17 @@ def _produce(a_ptr, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, bars, sl
 
 @gluon.jit
 def _row_gemm_kernel(
-    a_ptr, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc,
+    a_ptr, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc, h_ptr, h_desc,
     LK, E, N, K,
-    stride_am, stride_bias, stride_om, alpha, limit,
+    stride_am, stride_bias, stride_om, stride_hm, alpha, limit,
     GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-    FAST_ACT: gl.constexpr, num_warps: gl.constexpr,
+    FAST_ACT: gl.constexpr, STORE_H: gl.constexpr, num_warps: gl.constexpr,
 ):
     # ACT >= 0: the tiles are paired (gate and up columns, ``_copy_weight_tile``) and the
-    # epilogue writes act(h), [LK, N / 2], in place of h (``_store_output``).
+    # epilogue writes act(h), [LK, N / 2], in place of h, or beside it (to ``h_ptr``, by
+    # ``h_desc``) where STORE_H (``_store_output``).
     # Ring of NUM_STAGES slots: step c in the MMA, step c - 1 possibly still in it (one
     # asynchronous wgmma stays in flight), steps c + 1 .. c + AHEAD landing.
     AHEAD: gl.constexpr = NUM_STAGES - 2
@@ -355,8 +371,8 @@ def _row_gemm_kernel(
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if HAS_BIAS:
                 acc = _add_bias(acc, bias)
-        _store_output(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, alpha, limit, TMA_STORE,
-                      GATED, ACT, FAST_ACT)
+        _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end, n0, N, stride_om, stride_hm,
+                      alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H)
     cp.wait_group(0)
     if TMA_STORE:
         tma.store_wait(0)  # the last copy has read its buffer before the program's shared memory goes
@@ -464,12 +480,12 @@ def ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, G
 
 
 @gluon.jit
-def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf, LK, E,
-                 N, K, stride_bias, stride_om, alpha, limit, GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, TMA_STORE: gl.constexpr,
-                 GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr, MMA_GROUP: gl.constexpr = 0,
-                 MMA_GROUPS: gl.constexpr = 1):
+def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf, h_ptr,
+                 h_desc, LK, E, N, K, stride_bias, stride_om, stride_hm, alpha, limit, GATHER_A: gl.constexpr,
+                 HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr,
+                 TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr,
+                 STORE_H: gl.constexpr, MMA_GROUP: gl.constexpr = 0, MMA_GROUPS: gl.constexpr = 1):
     """MMA warps: each tile's steps (``ws_tile_steps``), then the bias and the store of the
     tile's rows inside the expert (``_store_output``). With ``MMA_GROUPS`` MMA partitions
     (2: a warpgroup each), this one, number ``MMA_GROUP``, takes that part of the tile's
@@ -490,22 +506,23 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
                                       BLOCK_N, BLOCK_K, A_FIRST_ROW=MMA_GROUP * ROWS)
             if HAS_BIAS:
                 acc = _add_bias(acc, bias)
-        _store_output(out_ptr, out_desc, out_buf, acc, row0 + MMA_GROUP * ROWS, row_end, n0, N, stride_om, alpha,
-                      limit, TMA_STORE, GATED, ACT, FAST_ACT)
+        _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0 + MMA_GROUP * ROWS, row_end, n0, N,
+                      stride_om, stride_hm, alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H)
     if TMA_STORE:
         tma.store_wait(0)
 
 
 @gluon.jit
 def _row_gemm_ws_kernel(
-    a_src, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc,
+    a_src, b_desc, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr, out_desc, h_ptr, h_desc,
     LK, E, N, K,
-    stride_am, stride_bias, stride_om, alpha, limit,
+    stride_am, stride_bias, stride_om, stride_hm, alpha, limit,
     GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     A_OFFSETS_32: gl.constexpr, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-    FAST_ACT: gl.constexpr, MMA_GROUPS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
+    FAST_ACT: gl.constexpr, STORE_H: gl.constexpr, MMA_GROUPS: gl.constexpr, MMA_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """``_row_gemm_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the A and B
     tiles into the ring (``a_src`` a TMA descriptor of A, or A's pointer when its rows are
@@ -524,11 +541,22 @@ def _row_gemm_ws_kernel(
     b_ready = slot_barriers(NUM_STAGES, 1)
     empty = slot_barriers(NUM_STAGES, MMA_GROUPS)
     out_desc, out_buf = partition_output(out_desc, dtype, TMA_STORE, b_desc, b_ring)
+    # h's pointer and descriptor where the epilogue writes h beside act(h), else stand-ins
+    # it never writes through: a partition's arguments cannot be None.
+    if STORE_H:
+        h_out = h_ptr
+    else:
+        h_out = out_ptr
+    if STORE_H and TMA_STORE:
+        h_out_desc = h_desc
+    else:
+        h_out_desc = out_desc
     if MMA_GROUPS == 1:
         gl.warp_specialize([
             (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc,
-                            out_buf, LK, E, N, K, stride_bias, stride_om, alpha, limit, GATHER_A, HAS_BIAS, B_KMAJOR,
-                            GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, TMA_STORE, GATED, ACT, FAST_ACT)),
+                            out_buf, h_out, h_out_desc, LK, E, N, K, stride_bias, stride_om, stride_hm, alpha, limit,
+                            GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+                            TMA_STORE, GATED, ACT, FAST_ACT, STORE_H)),
             (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK,
                             E, N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K,
                             PRODUCER_WARPS, True, True, A_OFFSETS_32, ACT >= 0)),
@@ -539,13 +567,13 @@ def _row_gemm_ws_kernel(
         out_desc, second_buf = partition_output(out_desc, dtype, TMA_STORE, b_desc, b_ring)
         gl.warp_specialize([
             (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc,
-                            out_buf, LK, E, N, K, stride_bias, stride_om, alpha, limit, GATHER_A, HAS_BIAS, B_KMAJOR,
-                            GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, TMA_STORE, GATED, ACT, FAST_ACT, 0,
-                            MMA_GROUPS)),
+                            out_buf, h_out, h_out_desc, LK, E, N, K, stride_bias, stride_om, stride_hm, alpha, limit,
+                            GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+                            TMA_STORE, GATED, ACT, FAST_ACT, STORE_H, 0, MMA_GROUPS)),
             (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc,
-                            second_buf, LK, E, N, K, stride_bias, stride_om, alpha, limit, GATHER_A, HAS_BIAS,
-                            B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, TMA_STORE, GATED, ACT,
-                            FAST_ACT, 1, MMA_GROUPS)),
+                            second_buf, h_out, h_out_desc, LK, E, N, K, stride_bias, stride_om, stride_hm, alpha,
+                            limit, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+                            TMA_STORE, GATED, ACT, FAST_ACT, STORE_H, 1, MMA_GROUPS)),
             (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK,
                             E, N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K,
                             PRODUCER_WARPS, True, True, A_OFFSETS_32, ACT >= 0)),
@@ -581,20 +609,24 @@ def applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, transposed: boo
 
 
 def applies_gated_epilogue(a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, transposed: bool,
-                           activation: int, interleaved: bool, tile: GemmTile = TILE) -> bool:
+                           activation: int, interleaved: bool, tile: GemmTile = TILE,
+                           h: Optional[torch.Tensor] = None) -> bool:
     """Whether ``launch_row_gemm`` takes a ``GatedEpilogue`` for these operands, ``out``
-    being act(h) [L*K, I]: where it takes the GEMM (``applies``) and the activation is
-    gated, the layout concatenated, K the weights' contiguous dimension (two half boxes
-    a tile), no bias, and I a multiple of half a tile (a paired tile never reaches the
-    other half's columns)."""
+    being act(h) [L*K, I] (and ``h``, where given, h [L*K, 2I] beside it): where it takes
+    the GEMM (``applies``, for ``h`` too) and the activation is gated, the layout
+    concatenated, K the weights' contiguous dimension (two half boxes a tile), no bias,
+    and I a multiple of half a tile (a paired tile never reaches the other half's
+    columns)."""
     _, N, _ = linear_dims(b, transposed)
     return (activation < int(acts.NUM_GATED) and not interleaved and bias is None and N % tile.block_n == 0
-            and out.shape[1] * 2 == N and _weight_view(b, transposed)[1] and applies(a, b, out, transposed))
+            and out.shape[1] * 2 == N and _weight_view(b, transposed)[1] and applies(a, b, out, transposed)
+            and (h is None or (h.shape == (out.shape[0], N) and applies(a, b, h, transposed))))
 
 
 def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmTile = TILE,
                     warp_specialize: bool = True, band: Optional[int] = None, tma_store: bool = True,
-                    epilogue: Optional[GatedEpilogue] = None, split_mma: bool = False):
+                    epilogue: Optional[GatedEpilogue] = None, split_mma: bool = False,
+                    h: Optional[torch.Tensor] = None):
     """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) over every routed row, B an expert
     weight stack in ``transposed`` layout (``layouts``), as
     ``triton_experts.launch_gathered_gemm``; ``tile`` is (M, N, K block, warps, stages)
@@ -602,11 +634,14 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     tile order's band of m-tiles (``grouped_gemm.banded``), ``settings.row_band`` by
     default; ``tma_store``: tiles whose rows are all inside their expert are stored by TMA
     (``_store_tile``). With an ``epilogue`` (where ``applies_gated_epilogue``) out is
-    act(A @ B_e), half the GEMM's columns. ``split_mma``: where the kernel is
+    act(A @ B_e), half the GEMM's columns, and ``h``, where given, receives A @ B_e
+    itself (all N columns) from the same epilogue. ``split_mma``: where the kernel is
     ``_row_gemm_ws_kernel`` on 8 MMA warps, its two MMA warpgroups run as partitions of
     their own, each over half the tile's rows, releasing the ring's slots without waiting
     for each other."""
     band = settings.current().row_band if band is None else band
+    if h is not None and epilogue is None:
+        raise ValueError("moeblaze gluon row GEMM: h beside the output needs a gated epilogue")
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
         raise ValueError(f"moeblaze gluon row GEMM: block_m must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")
@@ -625,13 +660,15 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     # Tiles are stored a column half at a time (a paired tile's act(h) is one half).
     out_box = [1, tile.block_m // mma_groups, tile.block_n // 2]
     out_desc = host_descriptor(out.unsqueeze(0), out_box) if tma_store else None
+    h_desc = host_descriptor(h.unsqueeze(0), out_box) if tma_store and h is not None else None
     act_scalars = (float(epilogue.alpha), float(epilogue.limit)) if epilogue is not None else (0.0, 0.0)
     common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=gg.next_power_of_2(E + 1), BAND=band,
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
                   TMA_STORE=tma_store, GATED=acts.gated if epilogue is not None else None,
                   ACT=int(epilogue.activation) if epilogue is not None else -1,
-                  FAST_ACT=bool(epilogue.fast) if epilogue is not None else False)
-    strides = (a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0))
+                  FAST_ACT=bool(epilogue.fast) if epilogue is not None else False, STORE_H=h is not None)
+    strides = (a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0),
+               h.stride(0) if h is not None else 0)
     if warp_specialize:
         gather = a_row_ids is not None
         if gather:
@@ -642,12 +679,12 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
         warps, regs = PRODUCER_GATHER if gather else PRODUCER_TMA
         launch(
             _row_gemm_ws_kernel, grid,
-            a_src, b_desc, bias, a_row_ids, offsets, out, out_desc, LK, E, N, K, *strides, *act_scalars,
+            a_src, b_desc, bias, a_row_ids, offsets, out, out_desc, h, h_desc, LK, E, N, K, *strides, *act_scalars,
             GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=row_offsets_fit_32(a),
             MMA_GROUPS=mma_groups, MMA_REGS=MMA_GROUP_REGS, num_warps=tile.num_warps // mma_groups, **common)
         return
     launch(
         _row_gemm_kernel, grid,
-        a, b_desc, bias, a_row_ids, offsets, out, out_desc, LK, E, N, K, *strides, *act_scalars,
+        a, b_desc, bias, a_row_ids, offsets, out, out_desc, h, h_desc, LK, E, N, K, *strides, *act_scalars,
         GATHER_A=a_row_ids is not None, num_warps=tile.num_warps, **common,
     )

@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from ..activations import activation_backward, activation_forward
+from .. import settings
+from ..activations import activation_backward, activation_forward, is_gated
 from ..layouts import expert_matrix, linear_dims
 
 
@@ -90,6 +91,17 @@ def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, toke
     """act(h) of ``expert_up``'s rows, in h's dtype, for ``expert_down_activated``."""
     h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
     return activation_forward(h.to(_acc_dtype(h.dtype)), activation, alpha, limit, interleaved).to(h.dtype)
+
+
+def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
+                              transposed, activation, interleaved, alpha, limit):
+    """``(h, a)``: ``expert_up``'s h and, for a gated activation where
+    ``settings.activation_beside_h`` is on, a = act(h) in h's dtype (as the Triton
+    backend's epilogue writes it), else None."""
+    h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
+    if not (settings.current().activation_beside_h and is_gated(activation)):
+        return h, None
+    return h, activation_forward(h.to(_acc_dtype(h.dtype)), activation, alpha, limit, interleaved).to(h.dtype)
 
 
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,

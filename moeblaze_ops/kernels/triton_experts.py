@@ -9,7 +9,8 @@
   it without a gather, every operand from memory (faster than activating the A tiles in
   the GEMM as they load: docs/perf-notes.md). Where no h
   is needed after the forward, the up projection writes act(h) instead of h
-  (``expert_up_activated``). The rows are then combined per token (``triton_combine``).
+  (``expert_up_activated``); with ``settings.activation_beside_h``, beside it
+  (``expert_up_with_activation``). The rows are then combined per token (``triton_combine``).
 """
 
 from __future__ import annotations
@@ -127,16 +128,17 @@ def _gluon_tile(gluon, kind):
     return settings.current().tiles.get(kind, gluon.TILE)
 
 
-def _launch_on_gluon(gluon, kind, a, a_row_ids, b, bias, offsets, out, transposed, epilogue=None):
+def _launch_on_gluon(gluon, kind, a, a_row_ids, b, bias, offsets, out, transposed, epilogue=None, h=None):
     """``gluon.launch_row_gemm`` in the variant the settings pick for GEMM ``kind``: its
     tile, warp-specialised by rows per expert, tiles stored by TMA or not. With an
-    ``epilogue`` (``gluon_row_gemm.GatedEpilogue``) ``out`` is act(h)."""
+    ``epilogue`` (``gluon_row_gemm.GatedEpilogue``) ``out`` is act(h), and ``h``, where
+    given, receives h beside it."""
     config = settings.current()
     E = linear_dims(b, transposed)[0]
     gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, _gluon_tile(gluon, kind),
                           config.from_rows("gluon_warp_specialize", kind, out.shape[0], E),
                           tma_store=config.row_tma_store, epilogue=epilogue,
-                          split_mma=kind in config.row_split_mma)
+                          split_mma=kind in config.row_split_mma, h=h)
 
 
 def launch_activation(h, a, act, interleaved, alpha, limit, fast):
@@ -183,6 +185,31 @@ def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, toke
     h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
     launch_activation(h, a, act, interleaved, alpha, limit, fast)
     return a
+
+
+def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
+                              transposed, activation, interleaved, alpha, limit):
+    """``(h, a)``: ``expert_up``'s h and, where ``settings.activation_beside_h`` is on and
+    the Gluon up GEMM's gated epilogue applies, ``a = act(h)`` ([L*K, I]) written by the
+    same epilogue, for ``expert_down_activated``; elsewhere a is None (``expert_down``
+    then runs the activation pass)."""
+    act = activation_code(activation)
+    _, N, K = linear_dims(w_gate_up, transposed)
+    LK = expert_token_indices.shape[0]
+    gluon = gg.gluon_kernels("up", x, 2 * LK * N * K)
+    if LK == 0 or not settings.current().activation_beside_h or gluon is None or int(act) >= int(NUM_GATED):
+        return expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
+                         transposed), None
+    h = gg.empty(LK, N, dtype=x.dtype, device=x.device)
+    a = gg.empty(LK, N // 2, dtype=x.dtype, device=x.device)
+    if not gluon.applies_gated_epilogue(x, w_gate_up, b_gate_up, a, transposed, int(act), interleaved,
+                                        _gluon_tile(gluon, "up"), h=h):
+        launch_gathered_gemm(x, expert_token_indices, w_gate_up, b_gate_up, expert_offsets, h, transposed, "up")
+        return h, None
+    fast = gg.fast_sigmoid(a, settings.current().fast_activation)
+    _launch_on_gluon(gluon, "up", x, expert_token_indices, w_gate_up, None, expert_offsets, a, transposed,
+                     gluon.GatedEpilogue(int(act), float(alpha), float(limit), fast), h=h)
+    return h, a
 
 
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
