@@ -17,14 +17,18 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 
 
 def check_forward(L, d, I, E, K, *, dtype, device, seed, activation="swiglu", layout="concatenated",
-                  bias=False, routing="uniform", sentinel_frac=0.0, tw_dtype=None):
-    """Triton forward vs the float64 reference; outputs poisoned; two runs bitwise equal."""
+                  bias=False, routing="uniform", sentinel_frac=0.0, tw_dtype=None, differentiated=False):
+    """Triton forward vs the float64 reference; outputs poisoned; two runs bitwise equal.
+    ``differentiated``: x requires grad, so the forward is the training route (h kept for
+    backward) rather than the one without gradients."""
     layer = make_layer(L, d, I, E, K, dtype=dtype, activation=activation, layout=layout,
                        bias=bias, routing=routing, sentinel_frac=sentinel_frac, seed=seed, tw_dtype=tw_dtype)
     on_dev = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in layer.items()}
-    out = moe_experts(**on_dev, limit=1.5 if dtype == torch.float32 else 7.0)
-    again = moe_experts(**on_dev, limit=1.5 if dtype == torch.float32 else 7.0)
-    ref = reference_moe(**{k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v)
+    if differentiated:
+        on_dev["x"] = on_dev["x"].detach().requires_grad_(True)
+    out = moe_experts(**on_dev, limit=1.5 if dtype == torch.float32 else 7.0).detach()
+    again = moe_experts(**on_dev, limit=1.5 if dtype == torch.float32 else 7.0).detach()
+    ref = reference_moe(**{k: (v.detach().double() if torch.is_tensor(v) and v.is_floating_point() else v)
                            for k, v in on_dev.items()}, limit=1.5 if dtype == torch.float32 else 7.0)
     assert out.dtype == dtype and out.shape == (L, d)
     assert not torch.isnan(out).any(), f"unwritten output (poisoned NaN) seed={seed}"

@@ -304,6 +304,29 @@ def test_forward_activation_routes(activation, route, seed):
                       tw_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("route", ["warp_specialized", "pipelined"])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "clamped_swiglu"])
+def test_activation_beside_h(activation, route, seed, triton_bwd, monkeypatch):
+    """``settings.activation_beside_h`` on: the Gluon up GEMM's epilogue writes h and
+    act(h) (each kernel; small_gemm_flop 0 puts this size on Gluon) and the down
+    projection reads act(h), running no activation pass; the forward of a differentiated
+    layer and every gradient against the reference."""
+    from moeblaze_ops.kernels import triton_experts
+
+    passes = []
+    pass_kernel = triton_experts.launch_activation
+    monkeypatch.setattr(triton_experts, "launch_activation", lambda *args: (passes.append(args), pass_kernel(*args)))
+    rows = {k: v for k, v in settings.current().gluon_warp_specialize.items() if k != "up"}
+    with settings.override(activation_beside_h=True, small_gemm_flop=0,
+                           gluon_warp_specialize={**rows, "up": 0} if route == "warp_specialized" else rows):
+        check_forward(777, 512, 384, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, activation=activation,
+                      tw_dtype=torch.float32, differentiated=True)
+        assert not passes
+        check_backward(777, 256, 384, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, activation=activation,
+                       tw_dtype=torch.float32)
+        assert not passes
+
+
 @pytest.mark.parametrize("slab", [1024, None], ids=["slabs_1024", "no_slabs"])
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
 def test_column_slabs(layout, slab, seed, triton_bwd):
