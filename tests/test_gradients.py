@@ -320,17 +320,12 @@ def test_meta_and_fake_tensors_take_the_op_route(kind, seed):
         assert inputs[k].grad is not None and inputs[k].grad.shape == layer[k].shape, k
 
 
-@pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
-                                               ("silu", "concatenated")])
-def test_up_epilogue_activation_route(activation, layout, seed, monkeypatch):
-    """``settings.up_epilogue_activation``: with nothing to differentiate, a gated layer
-    gets act(h) from the up projection (no h) and hands it to the down projection, which
-    then activates nothing itself; output bit for bit as without it. The op route (a
-    dispatch mode) calls ``expert_layer``, which does the same. With gradients and for
-    non-gated layers, h and the down projection's activation as before."""
+def _spy_on_torch_backend(monkeypatch, **labels):
+    """Wraps the portable backend's functions named in ``labels`` (field name -> label) so
+    that each call appends its label to the returned list."""
     import dataclasses
 
-    from moeblaze_ops import kernels, settings
+    from moeblaze_ops import kernels
 
     seen = []
 
@@ -341,24 +336,45 @@ def test_up_epilogue_activation_route(activation, layout, seed, monkeypatch):
         return call
 
     monkeypatch.setattr(kernels, "TORCH", dataclasses.replace(
-        kernels.TORCH, expert_up=spied("up", kernels.TORCH.expert_up),
-        expert_up_with_activation=spied("up", kernels.TORCH.expert_up_with_activation),
-        expert_up_activated=spied("up_activated", kernels.TORCH.expert_up_activated),
-        expert_down=spied("down", kernels.TORCH.expert_down),
-        expert_down_activated=spied("down_activated", kernels.TORCH.expert_down_activated)))
+        kernels.TORCH, **{field: spied(label, getattr(kernels.TORCH, field)) for field, label in labels.items()}))
+    return seen
+
+
+def _step_under(layer, grad_out, seen, **changes):
+    """One forward + backward of ``layer`` under the settings ``changes``: ``((output,
+    *gradients), the labels added to seen meanwhile)``."""
+    from moeblaze_ops import settings
+
+    names = _grad_inputs(layer)
+    inputs = {k: (v.clone().requires_grad_(True) if k in names else v) for k, v in layer.items()}
+    seen.clear()
+    with settings.override(**changes):
+        out = moe_experts(**inputs)
+        grads = torch.autograd.grad(out, [inputs[k] for k in names], grad_out)
+    return (out, *grads), list(seen)
+
+
+@pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
+                                               ("silu", "concatenated")])
+def test_up_epilogue_activation_route(activation, layout, seed, monkeypatch):
+    """``settings.up_epilogue_activation``: with nothing to differentiate, a gated layer
+    gets act(h) from the up projection (no h) and hands it to the down projection, which
+    then activates nothing itself; output bit for bit as without it. The op route (a
+    dispatch mode) calls ``expert_layer``, which does the same. With gradients and for
+    non-gated layers, h and the down projection's activation as before."""
+    from moeblaze_ops import settings
+
+    seen = _spy_on_torch_backend(monkeypatch, expert_up="up", expert_up_with_activation="up",
+                                 expert_up_activated="up_activated", expert_down="down",
+                                 expert_down_activated="down_activated")
     layer = make_layer(41, 8, 4, 5, 3, dtype=torch.float32, routing="skewed", bias=True, seed=seed,
                        activation=activation, layout=layout)
-    names = _grad_inputs(layer)
     g = torch.randn(41, 8, generator=torch.Generator().manual_seed(seed + 1))
     runs = []
     for fused in (False, True):  # gradients: h either way
-        inputs = {k: (v.clone().requires_grad_(True) if k in names else v) for k, v in layer.items()}
-        seen.clear()
-        with settings.override(up_epilogue_activation=fused):
-            out = moe_experts(**inputs)
-            grads = torch.autograd.grad(out, [inputs[k] for k in names], g)
-        runs.append((out, *grads))
-        assert seen == ["up", "down"]
+        run, called = _step_under(layer, g, seen, up_epilogue_activation=fused)
+        runs.append(run)
+        assert called == ["up", "down"]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
     with torch.no_grad():  # nothing to differentiate: no h
@@ -386,35 +402,16 @@ def test_activation_beside_h_route(activation, layout, seed, monkeypatch):
     own (``expert_down_activated``); outputs and gradients as without it (float32, where
     act(h) rounds to nothing). Non-gated layers keep h and the down projection's
     activation."""
-    import dataclasses
-
-    from moeblaze_ops import kernels, settings
-
-    seen = []
-
-    def spied(name, fn):
-        def call(*args, **kwargs):
-            seen.append(name)
-            return fn(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(kernels, "TORCH", dataclasses.replace(
-        kernels.TORCH, expert_up_with_activation=spied("up", kernels.TORCH.expert_up_with_activation),
-        expert_down=spied("down", kernels.TORCH.expert_down),
-        expert_down_activated=spied("down_activated", kernels.TORCH.expert_down_activated)))
+    seen = _spy_on_torch_backend(monkeypatch, expert_up_with_activation="up", expert_down="down",
+                                 expert_down_activated="down_activated")
     layer = make_layer(41, 8, 4, 5, 3, dtype=torch.float32, routing="skewed", bias=True, seed=seed,
                        activation=activation, layout=layout)
-    names = _grad_inputs(layer)
     g = torch.randn(41, 8, generator=torch.Generator().manual_seed(seed + 1))
     runs = []
     for beside in (False, True):
-        inputs = {k: (v.clone().requires_grad_(True) if k in names else v) for k, v in layer.items()}
-        seen.clear()
-        with settings.override(activation_beside_h=beside):
-            out = moe_experts(**inputs)
-            grads = torch.autograd.grad(out, [inputs[k] for k in names], g)
-        runs.append((out, *grads))
-        assert seen == (["up", "down_activated"] if beside and is_gated(activation) else ["up", "down"])
+        run, called = _step_under(layer, g, seen, activation_beside_h=beside)
+        runs.append(run)
+        assert called == (["up", "down_activated"] if beside and is_gated(activation) else ["up", "down"])
     for a, b in zip(*runs):
         assert rel_err(b, a) <= 1e-6
 
