@@ -16,7 +16,6 @@ and the N longest gaps with the activity on either side.
 import argparse
 import json
 import os
-import site
 import tempfile
 import time
 
@@ -26,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from moeblaze_ops import settings
 from moeblaze_ops.bench import CONFIGS, make_inputs, peers
-from moeblaze_ops.bench.cli import parse_setting
+from moeblaze_ops.bench.cli import add_peer_sites, parse_setting
 
 
 def main():
@@ -46,8 +45,7 @@ def main():
     p.add_argument("--peer-site", metavar="DIR", action="append", default=[],
                    help="a site directory a peer is installed into (SonicMoE: see scripts/sonicmoe_peer.sh)")
     a = p.parse_args()
-    for directory in a.peer_site:
-        site.addsitedir(directory)
+    add_peer_sites(p, a.peer_site)
     with settings.override(**dict(a.settings)):
         _profile(a)
 

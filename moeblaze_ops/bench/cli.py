@@ -39,7 +39,7 @@ from .console import note
 from .measure import BenchContext, bench_dispatch, bench_forward, bench_train
 from .report import dispatch_table, forward_table, plot, title, train_table
 
-__all__ = ["main", "parse_setting"]
+__all__ = ["add_peer_sites", "main", "parse_setting"]
 
 _SETTING_NAMES = tuple(f.name for f in dataclasses.fields(settings.KernelSettings))
 
@@ -139,6 +139,15 @@ def _measure(args, ctx, changes):
     return result, text
 
 
+def add_peer_sites(parser, directories):
+    """Adds each of ``directories`` (``--peer-site``) as a site directory, reading its
+    ``.pth`` files; a missing one is ``parser``'s error."""
+    for directory in directories:
+        if not Path(directory).is_dir():
+            parser.error(f"--peer-site: no directory {directory!r}")
+        site.addsitedir(directory)
+
+
 def main(argv=None):
     """Runs the benchmark with command-line arguments ``argv`` (``sys.argv[1:]`` by default)."""
     parser = _parser()
@@ -146,10 +155,7 @@ def main(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA GPU here: --device cpu runs the smoke check")
     changes = _setting_changes(parser, args)
-    for directory in args.peer_site:
-        if not Path(directory).is_dir():
-            parser.error(f"--peer-site: no directory {directory!r}")
-        site.addsitedir(directory)
+    add_peer_sites(parser, args.peer_site)
     if args.cudagraphs and args.device != "cuda":
         parser.error("--cudagraphs needs --device cuda")
     ctx = BenchContext(device=args.device, skip=frozenset(args.skip), cuda_graphs=args.cudagraphs)

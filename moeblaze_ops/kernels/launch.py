@@ -61,9 +61,8 @@ class _Signature:
 
     def __init__(self, kernel):
         params = list(inspect.signature(kernel.fn).parameters.values())
-        self.names = [p.name for p in params]
-        self.constexpr = [p.is_constexpr for p in kernel.params]
-        self.bind = _binder(self.names, self.constexpr, [p.default for p in params])
+        self.bind = _binder([p.name for p in params], [p.is_constexpr for p in kernel.params],
+                            [p.default for p in params])
         self.plans = {}
 
 

@@ -90,6 +90,11 @@ def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, toke
                         activation, interleaved, alpha, limit):
     """act(h) of ``expert_up``'s rows, in h's dtype, for ``expert_down_activated``."""
     h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
+    return _activated(h, activation, alpha, limit, interleaved)
+
+
+def _activated(h, activation, alpha, limit, interleaved):
+    """act(h), computed in the accumulation dtype and stored in h's."""
     return activation_forward(h.to(_acc_dtype(h.dtype)), activation, alpha, limit, interleaved).to(h.dtype)
 
 
@@ -101,7 +106,7 @@ def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets
     h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
     if not (settings.current().activation_beside_h and is_gated(activation)):
         return h, None
-    return h, activation_forward(h.to(_acc_dtype(h.dtype)), activation, alpha, limit, interleaved).to(h.dtype)
+    return h, _activated(h, activation, alpha, limit, interleaved)
 
 
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,

@@ -169,22 +169,34 @@ def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, toke
     ``expert_down_activated``. In one Gluon GEMM whose epilogue pairs each tile's gate and
     up columns and never stores h, where that applies
     (``gluon_row_gemm.applies_gated_epilogue``), else the GEMM then the activation pass."""
-    _, N, K = linear_dims(w_gate_up, transposed)
+    _, N, _ = linear_dims(w_gate_up, transposed)
     act = activation_code(activation)
     LK = expert_token_indices.shape[0]
     a = gg.empty(LK, N // 2 if int(act) < int(NUM_GATED) else N, dtype=x.dtype, device=x.device)
     if LK == 0:
         return a
     fast = gg.fast_sigmoid(a, settings.current().fast_activation)
-    gluon = gg.gluon_kernels("up", x, 2 * LK * N * K)
-    if gluon is not None and gluon.applies_gated_epilogue(x, w_gate_up, b_gate_up, a, transposed, int(act),
-                                                          interleaved, _gluon_tile(gluon, "up")):
-        _launch_on_gluon(gluon, "up", x, expert_token_indices, w_gate_up, None, expert_offsets, a, transposed,
-                         gluon.GatedEpilogue(int(act), float(alpha), float(limit), fast))
+    if _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert_offsets, a, transposed, act,
+                              interleaved, alpha, limit, fast):
         return a
     h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
     launch_activation(h, a, act, interleaved, alpha, limit, fast)
     return a
+
+
+def _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert_offsets, a, transposed, act,
+                           interleaved, alpha, limit, fast, h=None) -> bool:
+    """The up GEMM on Gluon with the activation ``act`` in its epilogue (act(h) into ``a``,
+    h into ``h`` where given), where that applies (``gluon_row_gemm.applies_gated_epilogue``);
+    returns whether it launched."""
+    _, N, K = linear_dims(w_gate_up, transposed)
+    gluon = gg.gluon_kernels("up", x, 2 * a.shape[0] * N * K)
+    if gluon is None or not gluon.applies_gated_epilogue(x, w_gate_up, b_gate_up, a, transposed, int(act),
+                                                         interleaved, _gluon_tile(gluon, "up"), h=h):
+        return False
+    _launch_on_gluon(gluon, "up", x, expert_token_indices, w_gate_up, None, expert_offsets, a, transposed,
+                     gluon.GatedEpilogue(int(act), float(alpha), float(limit), fast), h=h)
+    return True
 
 
 def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
@@ -194,22 +206,19 @@ def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets
     same epilogue, for ``expert_down_activated``; elsewhere a is None (``expert_down``
     then runs the activation pass)."""
     act = activation_code(activation)
-    _, N, K = linear_dims(w_gate_up, transposed)
     LK = expert_token_indices.shape[0]
-    gluon = gg.gluon_kernels("up", x, 2 * LK * N * K)
-    if LK == 0 or not settings.current().activation_beside_h or gluon is None or int(act) >= int(NUM_GATED):
+    if not settings.current().activation_beside_h or LK == 0 or int(act) >= int(NUM_GATED):
         return expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                          transposed), None
+    _, N, _ = linear_dims(w_gate_up, transposed)
     h = gg.empty(LK, N, dtype=x.dtype, device=x.device)
     a = gg.empty(LK, N // 2, dtype=x.dtype, device=x.device)
-    if not gluon.applies_gated_epilogue(x, w_gate_up, b_gate_up, a, transposed, int(act), interleaved,
-                                        _gluon_tile(gluon, "up"), h=h):
-        launch_gathered_gemm(x, expert_token_indices, w_gate_up, b_gate_up, expert_offsets, h, transposed, "up")
-        return h, None
-    fast = gg.fast_sigmoid(a, settings.current().fast_activation)
-    _launch_on_gluon(gluon, "up", x, expert_token_indices, w_gate_up, None, expert_offsets, a, transposed,
-                     gluon.GatedEpilogue(int(act), float(alpha), float(limit), fast), h=h)
-    return h, a
+    if _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert_offsets, a, transposed, act,
+                              interleaved, alpha, limit, gg.fast_sigmoid(a, settings.current().fast_activation),
+                              h=h):
+        return h, a
+    launch_gathered_gemm(x, expert_token_indices, w_gate_up, b_gate_up, expert_offsets, h, transposed, "up")
+    return h, None
 
 
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
