@@ -112,7 +112,8 @@ def _up_and_activation(name, routing, x, eti, offsets, w_gate_up, I):
                        f"epilogue{'_ws' if ws else ''}": fused(ws),
                        f"epilogue{'' if ws else '_ws'}": fused(not ws),
                        "epilogue_ws_split": fused(True, True),
-                       f"epilogue_h{'_ws' if ws else ''}": fused(ws, h_beside=h)}.items():
+                       f"epilogue_h{'_ws' if ws else ''}": fused(ws, h_beside=h),
+                       "epilogue_h_ws_split": fused(True, True, h_beside=h)}.items():
         a = torch.full((LK, I), float("nan"), device="cuda", dtype=x.dtype)
         ms = triton.testing.do_bench(lambda: run(a), warmup=10, rep=50)
         a_ref = a.double() if a_ref is None else a_ref
