@@ -332,6 +332,9 @@ def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize
     stores = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx))
     # act(h)'s half tile, after h's two halves where h is stored, in each MMA partition
     assert stores == ((2 if split else 1) * (3 if store_h else 1) if tma_store else 0)
+    held = store_h and warp_specialize and not split  # h's up half through the held ring slot
+    if held and tma_store:  # act(h)'s copy and h's up half's wait for the copy before last only
+        assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)
     assert re.search(r"st\.global(\.\w+)*\.b32", ptx)  # tiles past their expert's end, from registers
     if act != "geglu":
         assert "tanh.approx.f32" in ptx

@@ -121,7 +121,7 @@ def test_gluon_row_gemm_column_slab(transposed, kernel, seed):
 @pytest.mark.parametrize("activation,dtype", [("swiglu", torch.bfloat16), ("geglu", torch.float16),
                                               ("clamped_swiglu", torch.bfloat16)])
 @pytest.mark.parametrize("counts,sentinels,K,I", [
-    ([300, 0, 1, 129, 0, 1000, 64, 0], 77, 2880, 384),  # ragged, empty experts, sentinels
+    ([300, 0, 1, 129, 0, 1000, 64, 0], 333, 2880, 384),  # ragged, empty experts, whole sentinel tiles
     ([0, 0, 0], 33, 64, 128),  # only sentinel rows
     ([1, 2, 3], 5, 16, 256),  # a single step, a single partial tile each
 ])

@@ -130,12 +130,14 @@ def partition_output(out_desc, dtype: gl.constexpr, TMA_STORE: gl.constexpr, sta
 
 
 @gluon.jit
-def store_by_tma(out_desc, out_buf, piece, e, m0, n0, TRANSPOSED: gl.constexpr):
+def store_by_tma(out_desc, out_buf, piece, e, m0, n0, TRANSPOSED: gl.constexpr, PENDING: gl.constexpr = 0):
     """Stores ``piece`` ([M, N'] of an accumulator tile: all of it, or a column half) at
     (m0, n0) of block ``e`` of ``out_desc`` (a 3-D descriptor: [E, M, N], or [E, N, M] where
     ``TRANSPOSED``) through the shared buffer ``out_buf`` by a TMA copy, which then runs on
-    while the warps go on; the copy engine clips it at the descriptor's edges."""
-    tma.store_wait(0)  # the buffer's last copy has read it (the issuing thread's wait) ...
+    while the warps go on; the copy engine clips it at the descriptor's edges. ``PENDING``:
+    how many of the latest copies may still be reading when ``out_buf`` is written (1 where
+    the copy before went from another buffer)."""
+    tma.store_wait(PENDING)  # the buffer's last copy has read it (the issuing thread's wait) ...
     cta_barrier()  # ... before any thread writes it again
     if TRANSPOSED:
         out_buf.reshape([piece.shape[1], piece.shape[0]]).permute((1, 0)).store(piece.to(out_desc.dtype))

@@ -50,8 +50,8 @@ from ..settings import GemmTile
 from . import grouped_gemm as gg
 from . import triton_activations as acts
 from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
-                           on_hopper, output_buffer, partition_output, row_offsets_fit_32, slot_barriers, store_by_tma,
-                           store_tile_by_tma, tma_load, tma_slot_shape, wgmma_acc_layout)
+                           on_hopper, output_buffer, partition_output, reinterpret_shared, row_offsets_fit_32,
+                           slot_barriers, store_by_tma, store_tile_by_tma, tma_load, tma_slot_shape, wgmma_acc_layout)
 from .launch import launch
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 of K per
@@ -228,9 +228,9 @@ def _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om
 
 
 @gluon.jit
-def _store_activated_tile(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end, n0, N, stride_om, stride_hm,
-                          alpha, limit, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                          FAST_ACT: gl.constexpr, STORE_H: gl.constexpr):
+def _store_activated_tile(out_ptr, out_desc, out_buf, h_ptr, h_desc, h_buf, acc, row0, row_end, n0, N, stride_om,
+                          stride_hm, alpha, limit, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
+                          FAST_ACT: gl.constexpr, STORE_H: gl.constexpr, H_BUF_APART: gl.constexpr, by_tma=True):
     """The epilogue of a paired tile (``_copy_weight_tile``'s ``PAIRED``): the accumulator's
     first column half is gate columns ``n0 / 2 ..`` of h, its second the same up columns
     (``N / 2 + n0 / 2 ..``); it writes ``act(gate, up)`` at columns ``n0 / 2 ..`` of the
@@ -238,27 +238,33 @@ def _store_activated_tile(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, 
     ([L*K, N], ``h_ptr`` / ``h_desc``). Each thread holds the gate and up values of the
     same columns, so the activation needs no data movement. Stores go as
     ``_store_tile``'s: by TMA through ``out_buf`` (one half tile at a time) where every row
-    is inside the expert, else from registers.
+    is inside the expert (and ``by_tma``), else from registers. ``H_BUF_APART``: h's up
+    half goes through ``h_buf``, a buffer of its own, so that no store waits for the copy
+    just started.
     ``GATED`` is ``triton_activations.gated``, passed in: a ``tl`` function a kernel names
     is one the JIT resolves on every compile, and under ``TRITON_INTERPRET=1`` Gluon cannot
     compile it."""
     gate, up = column_halves(acc)
+    PENDING: gl.constexpr = 1 if H_BUF_APART else 0
     if STORE_H:  # before act(h) is made: its registers then need not live beside h's stores
-        _store_half(h_ptr, h_desc, out_buf, gate, row0, row_end, n0 // 2, N, stride_hm, TMA_STORE)
-        _store_half(h_ptr, h_desc, out_buf, up, row0, row_end, N // 2 + n0 // 2, N, stride_hm, TMA_STORE)
+        _store_half(h_ptr, h_desc, out_buf, gate, row0, row_end, n0 // 2, N, stride_hm, TMA_STORE, 0, by_tma)
+        _store_half(h_ptr, h_desc, h_buf, up, row0, row_end, N // 2 + n0 // 2, N, stride_hm, TMA_STORE, PENDING,
+                    by_tma)
     # In the output's 16 bits at once: half the registers beside the accumulator's.
     a = GATED(gate, up, ACT, alpha, limit, FAST_ACT).to(out_ptr.dtype.element_ty)
-    _store_half(out_ptr, out_desc, out_buf, a, row0, row_end, n0 // 2, N // 2, stride_om, TMA_STORE)
+    _store_half(out_ptr, out_desc, out_buf, a, row0, row_end, n0 // 2, N // 2, stride_om, TMA_STORE, PENDING, by_tma)
 
 
 @gluon.jit
-def _store_half(out_ptr, out_desc, out_buf, piece, row0, row_end, c0, N, stride_om, TMA_STORE: gl.constexpr):
+def _store_half(out_ptr, out_desc, out_buf, piece, row0, row_end, c0, N, stride_om, TMA_STORE: gl.constexpr,
+                PENDING: gl.constexpr = 0, by_tma=True):
     """Stores ``piece`` (a column half of a tile) at rows ``row0 ..`` and columns ``c0 ..``
     of an output of N columns, as ``_store_tile`` stores a tile: by TMA through ``out_buf``
-    where every row is inside the expert, else from registers."""
+    (``store_by_tma``'s ``PENDING``) where every row is inside the expert and ``by_tma``,
+    else from registers."""
     if TMA_STORE:
-        if row0 + piece.shape[0] <= row_end:
-            store_by_tma(out_desc, out_buf, piece, 0, row0, c0, False)
+        if by_tma and row0 + piece.shape[0] <= row_end:
+            store_by_tma(out_desc, out_buf, piece, 0, row0, c0, False, PENDING)
         else:
             _store_rows(out_ptr, piece, row0, row_end, c0, N, stride_om)
     else:
@@ -268,13 +274,18 @@ def _store_half(out_ptr, out_desc, out_buf, piece, row0, row_end, c0, N, stride_
 @gluon.jit
 def _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end, n0, N, stride_om, stride_hm, alpha,
                   limit, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr,
-                  STORE_H: gl.constexpr):
+                  STORE_H: gl.constexpr, h_buf=None, H_BUF_APART: gl.constexpr = False, by_tma=True):
     """A tile's epilogue: ``_store_activated_tile`` where the kernel applies activation
     ``ACT`` (a gated ``ActivationCode``, computed by ``GATED``) to paired tiles, h beside
-    act(h) where ``STORE_H``; else ``_store_tile`` (``ACT`` -1, ``GATED`` None)."""
+    act(h) where ``STORE_H`` (h's up half through ``h_buf`` where ``H_BUF_APART``, no
+    copies where not ``by_tma``); else ``_store_tile`` (``ACT`` -1, ``GATED`` None)."""
     if ACT >= 0:
-        _store_activated_tile(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end, n0, N, stride_om,
-                              stride_hm, alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H)
+        if H_BUF_APART:
+            spare = h_buf
+        else:
+            spare = out_buf
+        _store_activated_tile(out_ptr, out_desc, out_buf, h_ptr, h_desc, spare, acc, row0, row_end, n0, N, stride_om,
+                              stride_hm, alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H, H_BUF_APART, by_tma)
     else:
         _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, TMA_STORE)
 
@@ -490,8 +501,13 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
     tile's rows inside the expert (``_store_output``). With ``MMA_GROUPS`` MMA partitions
     (2: a warpgroup each), this one, number ``MMA_GROUP``, takes that part of the tile's
     rows, stores through its own ``out_buf``, and releases each slot by its own arrival
-    (``empty`` counts ``MMA_GROUPS``), waiting for no other warpgroup."""
+    (``empty`` counts ``MMA_GROUPS``), waiting for no other warpgroup. Where one partition
+    writes h beside act(h) by TMA, h's up half goes through the B slot of the tile's last
+    step (as big as ``out_buf`` where BLOCK_K is half BLOCK_M), held back from the copies
+    until that store has read it: three stores then never wait for the copy just started."""
     ROWS: gl.constexpr = BLOCK_M // MMA_GROUPS
+    NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
+    HOLD: gl.constexpr = STORE_H and TMA_STORE and MMA_GROUPS == 1 and 2 * BLOCK_K == BLOCK_M
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, WARPS)
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
                                                   WARPS)
@@ -503,11 +519,21 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
             if HAS_BIAS:
                 bias = _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N, WARPS)
             acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, GATHER_A, B_KMAJOR,
-                                      BLOCK_N, BLOCK_K, A_FIRST_ROW=MMA_GROUP * ROWS)
+                                      BLOCK_N, BLOCK_K, HOLD_LAST=HOLD, A_FIRST_ROW=MMA_GROUP * ROWS)
             if HAS_BIAS:
                 acc = _add_bias(acc, bias)
-        _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0 + MMA_GROUP * ROWS, row_end, n0, N,
-                      stride_om, stride_hm, alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H)
+        if HOLD:
+            held = (step + NUM_STAGES - 1) % NUM_STAGES
+            h_buf = reinterpret_shared(b_ring.index(held), out_buf.dtype, out_buf.shape, out_buf.layout)
+            # A sentinel tile has no step, so no slot held: it stores from registers.
+            _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end, n0, N, stride_om,
+                          stride_hm, alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H, h_buf, True, grp < E)
+            tma.store_wait(1)  # h's up half is read (act(h)'s copy may run on) ...
+            cta_barrier()  # ... before the slot goes back to the copies
+            mbarrier.arrive(empty.index(held), pred=(grp < E) & (k_steps > 0))
+        else:
+            _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0 + MMA_GROUP * ROWS, row_end, n0, N,
+                          stride_om, stride_hm, alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H)
     if TMA_STORE:
         tma.store_wait(0)
 
