@@ -185,12 +185,13 @@ class KernelSettings:
             down GEMM to read, no activation pass run: on Hopper in the
             Gluon up GEMM's epilogue (``gluon_row_gemm.GatedEpilogue``) where it
             applies, elsewhere as the GEMM then the pass. h is not made at all. (The
-            default mode's backward needs h: see ``activation_beside_h``.)
-        activation_beside_h: where eager ``moe_experts`` with a gated activation keeps h
-            for backward, the up GEMM's epilogue writes act(h) beside h (on Hopper, where
+            default mode's backward needs h: see ``activation_beside_h_max_columns``.)
+        activation_beside_h_max_columns: where eager ``moe_experts`` with a gated
+            activation keeps h for backward, in layers of at most this many intermediate
+            columns (I), the up GEMM's epilogue writes act(h) beside h (on Hopper, where
             ``gluon_row_gemm.GatedEpilogue`` applies), and the down projection reads it
-            instead of running the activation pass; elsewhere, and in compiled graphs,
-            h alone and the pass. Off until measured faster (docs/perf-notes.md).
+            instead of running the activation pass; in wider layers, elsewhere, and in
+            compiled graphs, h alone and the pass. None: never.
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the
             activation pass and the up GEMM's gated epilogue.
         dh_fast_activation: the same in the dH epilogue.
@@ -246,7 +247,7 @@ class KernelSettings:
     row_tma_store: bool = True
     row_band: int = 4
     up_epilogue_activation: bool = True
-    activation_beside_h: bool = False
+    activation_beside_h_max_columns: Optional[int] = 8192
     fast_activation: bool = True
     dh_fast_activation: bool = True
     dh_epilogue_columns: Optional[int] = 64
@@ -264,6 +265,12 @@ class KernelSettings:
         over ``rows`` routed rows of ``experts`` experts."""
         min_rows = getattr(self, name).get(kind)
         return min_rows is not None and rows >= min_rows * experts
+
+    def activation_beside_h(self, columns: int) -> bool:
+        """Whether a gated layer of ``columns`` intermediate columns (I) keeps act(h)
+        beside h (``activation_beside_h_max_columns``)."""
+        limit = self.activation_beside_h_max_columns
+        return limit is not None and columns <= limit
 
     def __post_init__(self):
         if self.backend not in ("auto", "triton", "torch"):

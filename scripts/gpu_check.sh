@@ -41,9 +41,10 @@
 # Mixtral-like beside it (moeblaze eager and compiled, compiled grouped_mm) into
 # $OUT/train_sonicmoe/, then profiles both steps kernel by kernel (scripts/profile_step.py);
 # its JIT takes minutes a shape, so leave the call to it.
-# BESIDE_H=1 runs settings.activation_beside_h's GPU tests (h beside act(h) from the up GEMM's
-# epilogue), times that kernel against the GEMM and the activation pass, and the training
-# step with the setting against the defaults, interleaved in one process (scripts/ab_step.py).
+# BESIDE_H=1 runs the GPU tests of act(h) beside h (settings.activation_beside_h_max_columns:
+# both from the up GEMM's epilogue), times that kernel against the GEMM and the activation
+# pass, and the training step with the defaults against the setting off, interleaved in one
+# process (scripts/ab_step.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -177,8 +178,8 @@ if [ "${BESIDE_H:-0}" = 1 ]; then
     -k "activation_beside_h or gated_epilogue" 2>&1 | tail -3 | tee -a "$LOG"
   python3 scripts/compare_row_gemm.py --kinds up_act --configs olmoe qwen3_a3b conf4 mixtral \
     2>>"$LOG" | tee -a "$LOG"
-  python3 scripts/ab_step.py --configs olmoe qwen3_a3b conf4 mixtral --rounds 5 --variant "" \
-    --variant "activation_beside_h=True" 2>>"$LOG" | tee -a "$LOG"
+  python3 scripts/ab_step.py --configs olmoe qwen3_a3b conf4 mixtral deepseek_v3 --rounds 5 --variant "" \
+    --variant "activation_beside_h_max_columns=None" 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ "${WGRAD:-0}" = 1 ]; then
   echo "== weight gradients: row-ordered operand by cp.async (128x256 tiles) or TMA (256x128); tiles stored" \

@@ -371,8 +371,8 @@ def test_up_epilogue_activation_route(activation, layout, seed, monkeypatch):
                        activation=activation, layout=layout)
     g = torch.randn(41, 8, generator=torch.Generator().manual_seed(seed + 1))
     runs = []
-    for fused in (False, True):  # gradients: h either way
-        run, called = _step_under(layer, g, seen, up_epilogue_activation=fused)
+    for fused in (False, True):  # gradients: h either way (and, act(h) beside it off, the pass)
+        run, called = _step_under(layer, g, seen, up_epilogue_activation=fused, activation_beside_h_max_columns=None)
         runs.append(run)
         assert called == ["up", "down"]
     for a, b in zip(*runs):
@@ -397,10 +397,11 @@ def test_up_epilogue_activation_route(activation, layout, seed, monkeypatch):
 @pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
                                                ("gelu", "concatenated")])
 def test_activation_beside_h_route(activation, layout, seed, monkeypatch):
-    """``settings.activation_beside_h``: with gradients, a gated layer's up projection
-    hands act(h) beside h to the down projection, which then runs no activation of its
-    own (``expert_down_activated``); outputs and gradients as without it (float32, where
-    act(h) rounds to nothing). Non-gated layers keep h and the down projection's
+    """``settings.activation_beside_h_max_columns`` at or above the layer's I: with
+    gradients, a gated layer's up projection hands act(h) beside h to the down
+    projection, which then runs no activation of its own (``expert_down_activated``);
+    outputs and gradients as without it (float32, where act(h) rounds to nothing).
+    Below I, None, and in non-gated layers: h alone and the down projection's
     activation."""
     seen = _spy_on_torch_backend(monkeypatch, expert_up_with_activation="up", expert_down="down",
                                  expert_down_activated="down_activated")
@@ -408,12 +409,14 @@ def test_activation_beside_h_route(activation, layout, seed, monkeypatch):
                        activation=activation, layout=layout)
     g = torch.randn(41, 8, generator=torch.Generator().manual_seed(seed + 1))
     runs = []
-    for beside in (False, True):
-        run, called = _step_under(layer, g, seen, activation_beside_h=beside)
+    for limit in (None, 3, 4):  # I is 4
+        run, called = _step_under(layer, g, seen, activation_beside_h_max_columns=limit)
         runs.append(run)
-        assert called == (["up", "down_activated"] if beside and is_gated(activation) else ["up", "down"])
-    for a, b in zip(*runs):
-        assert rel_err(b, a) <= 1e-6
+        beside = limit == 4 and is_gated(activation)
+        assert called == (["up", "down_activated"] if beside else ["up", "down"])
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert rel_err(b, a) <= 1e-6
 
 
 @pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved")])
@@ -425,5 +428,5 @@ def test_activation_beside_h_parity_with_reference(activation, layout, seed):
 
     layer = make_layer(64, 32, 24, 8, 2, dtype=torch.bfloat16, activation=activation, layout=layout,
                        bias=LAYOUTS[layout][0], seed=seed, requires_grad=True)
-    with settings.override(activation_beside_h=True):
+    with settings.override(activation_beside_h_max_columns=24):
         _parity(layer, seed, TOL[torch.bfloat16], limit=7.0)

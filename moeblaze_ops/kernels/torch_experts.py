@@ -101,10 +101,10 @@ def _activated(h, activation, alpha, limit, interleaved):
 def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                               transposed, activation, interleaved, alpha, limit):
     """``(h, a)``: ``expert_up``'s h and, for a gated activation where
-    ``settings.activation_beside_h`` is on, a = act(h) in h's dtype (as the Triton
+    ``settings.activation_beside_h`` says so, a = act(h) in h's dtype (as the Triton
     backend's epilogue writes it), else None."""
     h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
-    if not (settings.current().activation_beside_h and is_gated(activation)):
+    if not (is_gated(activation) and settings.current().activation_beside_h(h.shape[1] // 2)):
         return h, None
     return h, _activated(h, activation, alpha, limit, interleaved)
 

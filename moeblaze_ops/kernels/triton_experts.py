@@ -201,16 +201,16 @@ def _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert
 
 def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                               transposed, activation, interleaved, alpha, limit):
-    """``(h, a)``: ``expert_up``'s h and, where ``settings.activation_beside_h`` is on and
-    the Gluon up GEMM's gated epilogue applies, ``a = act(h)`` ([L*K, I]) written by the
+    """``(h, a)``: ``expert_up``'s h and, where ``settings.activation_beside_h`` says so
+    and the Gluon up GEMM's gated epilogue applies, ``a = act(h)`` ([L*K, I]) written by the
     same epilogue, for ``expert_down_activated``; elsewhere a is None (``expert_down``
     then runs the activation pass)."""
     act = activation_code(activation)
     LK = expert_token_indices.shape[0]
-    if not settings.current().activation_beside_h or LK == 0 or int(act) >= int(NUM_GATED):
+    _, N, _ = linear_dims(w_gate_up, transposed)
+    if LK == 0 or int(act) >= int(NUM_GATED) or not settings.current().activation_beside_h(N // 2):
         return expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                          transposed), None
-    _, N, _ = linear_dims(w_gate_up, transposed)
     h = gg.empty(LK, N, dtype=x.dtype, device=x.device)
     a = gg.empty(LK, N // 2, dtype=x.dtype, device=x.device)
     if _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert_offsets, a, transposed, act,
