@@ -188,10 +188,14 @@ class KernelSettings:
             default mode's backward needs h: see ``activation_beside_h_max_columns``.)
         activation_beside_h_max_columns: where eager ``moe_experts`` with a gated
             activation keeps h for backward, in layers of at most this many intermediate
-            columns (I), the up GEMM's epilogue writes act(h) beside h (on Hopper, where
-            ``gluon_row_gemm.GatedEpilogue`` applies), and the down projection reads it
-            instead of running the activation pass; in wider layers, elsewhere, and in
-            compiled graphs, h alone and the pass. None: never.
+            columns (I) and at least ``activation_beside_h_min_rows`` routed rows per
+            expert on average, the up GEMM's epilogue writes act(h) beside h (on Hopper,
+            where ``gluon_row_gemm.GatedEpilogue`` applies), and the down projection
+            reads it instead of running the activation pass; in other layers, elsewhere,
+            and in compiled graphs, h alone and the pass. None: never.
+        activation_beside_h_min_rows: see ``activation_beside_h_max_columns``. (Few rows
+            per expert make many tiles that run past their expert's end, whose three
+            stores go from registers.)
         fast_activation: the approximate-tanh sigmoid for 16-bit CUDA tensors in the
             activation pass and the up GEMM's gated epilogue.
         dh_fast_activation: the same in the dH epilogue.
@@ -248,6 +252,7 @@ class KernelSettings:
     row_band: int = 4
     up_epilogue_activation: bool = True
     activation_beside_h_max_columns: Optional[int] = 8192
+    activation_beside_h_min_rows: int = 2048
     fast_activation: bool = True
     dh_fast_activation: bool = True
     dh_epilogue_columns: Optional[int] = 64
@@ -266,11 +271,12 @@ class KernelSettings:
         min_rows = getattr(self, name).get(kind)
         return min_rows is not None and rows >= min_rows * experts
 
-    def activation_beside_h(self, columns: int) -> bool:
-        """Whether a gated layer of ``columns`` intermediate columns (I) keeps act(h)
-        beside h (``activation_beside_h_max_columns``)."""
+    def activation_beside_h(self, columns: int, rows: int, experts: int) -> bool:
+        """Whether a gated layer of ``columns`` intermediate columns (I) and ``rows``
+        routed rows over ``experts`` experts keeps act(h) beside h
+        (``activation_beside_h_max_columns``)."""
         limit = self.activation_beside_h_max_columns
-        return limit is not None and columns <= limit
+        return limit is not None and columns <= limit and rows >= self.activation_beside_h_min_rows * experts
 
     def __post_init__(self):
         if self.backend not in ("auto", "triton", "torch"):

@@ -307,8 +307,8 @@ def test_forward_activation_routes(activation, route, seed):
 @pytest.mark.parametrize("route", ["warp_specialized", "pipelined"])
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "clamped_swiglu"])
 def test_activation_beside_h(activation, route, seed, triton_bwd, monkeypatch):
-    """``settings.activation_beside_h`` on (I = 384): the Gluon up GEMM's epilogue writes h and
-    act(h) (each kernel; small_gemm_flop 0 puts this size on Gluon) and the down
+    """``settings.activation_beside_h`` on (I = 384, 194 rows an expert): the Gluon up
+    GEMM's epilogue writes h and act(h) (each kernel; small_gemm_flop 0 puts this size on Gluon) and the down
     projection reads act(h), running no activation pass; the forward of a differentiated
     layer and every gradient against the reference."""
     from moeblaze_ops.kernels import triton_experts
@@ -317,7 +317,7 @@ def test_activation_beside_h(activation, route, seed, triton_bwd, monkeypatch):
     pass_kernel = triton_experts.launch_activation
     monkeypatch.setattr(triton_experts, "launch_activation", lambda *args: (passes.append(args), pass_kernel(*args)))
     rows = {k: v for k, v in settings.current().gluon_warp_specialize.items() if k != "up"}
-    with settings.override(activation_beside_h_max_columns=384, small_gemm_flop=0,
+    with settings.override(activation_beside_h_max_columns=384, activation_beside_h_min_rows=0, small_gemm_flop=0,
                            gluon_warp_specialize={**rows, "up": 0} if route == "warp_specialized" else rows):
         check_forward(777, 512, 384, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, activation=activation,
                       tw_dtype=torch.float32, differentiated=True)

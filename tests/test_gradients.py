@@ -397,11 +397,12 @@ def test_up_epilogue_activation_route(activation, layout, seed, monkeypatch):
 @pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
                                                ("gelu", "concatenated")])
 def test_activation_beside_h_route(activation, layout, seed, monkeypatch):
-    """``settings.activation_beside_h_max_columns`` at or above the layer's I: with
+    """``settings.activation_beside_h_max_columns`` at or above the layer's I and
+    ``activation_beside_h_min_rows`` at or below its routed rows per expert: with
     gradients, a gated layer's up projection hands act(h) beside h to the down
     projection, which then runs no activation of its own (``expert_down_activated``);
     outputs and gradients as without it (float32, where act(h) rounds to nothing).
-    Below I, None, and in non-gated layers: h alone and the down projection's
+    Past either edge, None, and in non-gated layers: h alone and the down projection's
     activation."""
     seen = _spy_on_torch_backend(monkeypatch, expert_up_with_activation="up", expert_down="down",
                                  expert_down_activated="down_activated")
@@ -409,10 +410,12 @@ def test_activation_beside_h_route(activation, layout, seed, monkeypatch):
                        activation=activation, layout=layout)
     g = torch.randn(41, 8, generator=torch.Generator().manual_seed(seed + 1))
     runs = []
-    for limit in (None, 3, 4):  # I is 4
-        run, called = _step_under(layer, g, seen, activation_beside_h_max_columns=limit)
+    # I is 4; 123 routed rows over 5 experts: 24.6 a expert
+    for limit, min_rows in ((None, 0), (3, 0), (4, 0), (4, 24), (4, 25)):
+        run, called = _step_under(layer, g, seen, activation_beside_h_max_columns=limit,
+                                  activation_beside_h_min_rows=min_rows)
         runs.append(run)
-        beside = limit == 4 and is_gated(activation)
+        beside = limit == 4 and min_rows <= 24 and is_gated(activation)
         assert called == (["up", "down_activated"] if beside else ["up", "down"])
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
@@ -428,5 +431,5 @@ def test_activation_beside_h_parity_with_reference(activation, layout, seed):
 
     layer = make_layer(64, 32, 24, 8, 2, dtype=torch.bfloat16, activation=activation, layout=layout,
                        bias=LAYOUTS[layout][0], seed=seed, requires_grad=True)
-    with settings.override(activation_beside_h_max_columns=24):
+    with settings.override(activation_beside_h_max_columns=24, activation_beside_h_min_rows=0):
         _parity(layer, seed, TOL[torch.bfloat16], limit=7.0)

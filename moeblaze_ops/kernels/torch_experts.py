@@ -104,7 +104,8 @@ def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets
     ``settings.activation_beside_h`` says so, a = act(h) in h's dtype (as the Triton
     backend's epilogue writes it), else None."""
     h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
-    if not (is_gated(activation) and settings.current().activation_beside_h(h.shape[1] // 2)):
+    E = linear_dims(w_gate_up, transposed)[0]
+    if not (is_gated(activation) and settings.current().activation_beside_h(h.shape[1] // 2, h.shape[0], E)):
         return h, None
     return h, _activated(h, activation, alpha, limit, interleaved)
 

@@ -207,8 +207,8 @@ def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets
     then runs the activation pass)."""
     act = activation_code(activation)
     LK = expert_token_indices.shape[0]
-    _, N, _ = linear_dims(w_gate_up, transposed)
-    if LK == 0 or int(act) >= int(NUM_GATED) or not settings.current().activation_beside_h(N // 2):
+    E, N, _ = linear_dims(w_gate_up, transposed)
+    if LK == 0 or int(act) >= int(NUM_GATED) or not settings.current().activation_beside_h(N // 2, LK, E):
         return expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                          transposed), None
     h = gg.empty(LK, N, dtype=x.dtype, device=x.device)
