@@ -59,8 +59,6 @@ __all__ = [
 GEMM_KINDS = ("up", "down", "dh", "dh_wide", "dx", "wgrad_down", "wgrad_up")
 #: The kinds that have a Gluon kernel for Hopper besides their ``tl`` one.
 GLUON_KINDS = ("up", "down", "dh", "dx", "wgrad_down", "wgrad_up")
-#: The GEMM kinds on the row GEMM kernels.
-ROW_GEMM_KINDS = ("up", "down", "dx")
 #: The parts of the backward that compiled graphs can run as Inductor templates.
 BACKWARD_TEMPLATE_KINDS = ("dx",)
 
@@ -172,9 +170,6 @@ class KernelSettings:
             its two MMA warpgroups as partitions of their own, each over half of every
             tile: each releases a ring slot when its own wgmma is done, where one partition
             of both waits at a CTA barrier every step for the slower warpgroup.
-        row_split_mma: the row GEMM kinds (up, down, dx) whose warp-specialised Gluon
-            kernel (``gluon_row_gemm._row_gemm_ws_kernel``) splits the same way, each MMA
-            partition over half of every tile's rows.
         row_tma_store: the Gluon row GEMMs (up, down, dX, where ``gluon`` runs them) write
             each output tile whose rows are all inside its expert through shared memory
             by TMA copies, which run on while the warps start the next tile, instead of
@@ -247,7 +242,6 @@ class KernelSettings:
     wgrad_rows_tma: Mapping[str, int] = field(default_factory=lambda: {"wgrad_down": 0, "wgrad_up": 0})
     wgrad_tma_store: bool = True
     wgrad_split_mma: frozenset = frozenset({"wgrad_up"})
-    row_split_mma: frozenset = frozenset()
     row_tma_store: bool = True
     row_band: int = 4
     up_epilogue_activation: bool = True
@@ -304,11 +298,10 @@ class KernelSettings:
         columns = self.dh_epilogue_columns
         if columns is not None and not (isinstance(columns, int) and columns >= 1 and columns & (columns - 1) == 0):
             raise ValueError(f"moeblaze settings: dh_epilogue_columns must be None or a power of two, got {columns!r}")
-        for name, kinds in (("wgrad_split_mma", ("wgrad_down", "wgrad_up")), ("row_split_mma", ROW_GEMM_KINDS)):
-            object.__setattr__(self, name, frozenset(getattr(self, name)))
-            if not getattr(self, name) <= set(kinds):
-                raise ValueError(f"moeblaze settings: {name} names the kinds {', '.join(kinds)} only, "
-                                 f"got {sorted(getattr(self, name))}")
+        object.__setattr__(self, "wgrad_split_mma", frozenset(self.wgrad_split_mma))
+        if not self.wgrad_split_mma <= {"wgrad_down", "wgrad_up"}:
+            raise ValueError(f"moeblaze settings: wgrad_split_mma names the kinds wgrad_down, wgrad_up only, "
+                             f"got {sorted(self.wgrad_split_mma)}")
         object.__setattr__(self, "backward_templates", frozenset(self.backward_templates))
         if not self.backward_templates <= set(BACKWARD_TEMPLATE_KINDS):
             raise ValueError(f"moeblaze settings: backward_templates has unknown parts "

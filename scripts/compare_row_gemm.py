@@ -35,8 +35,7 @@ KERNELS = {"tl": None,
            "gluon": dict(warp_specialize=False, tma_store=False),
            "gluon_tma_store": dict(warp_specialize=False, tma_store=True),
            "gluon_ws": dict(warp_specialize=True, tma_store=False),
-           "gluon_ws_tma_store": dict(warp_specialize=True, tma_store=True),
-           "gluon_ws_split_tma_store": dict(warp_specialize=True, tma_store=True, split_mma=True)}
+           "gluon_ws_tma_store": dict(warp_specialize=True, tma_store=True)}
 
 
 def main():
@@ -96,11 +95,11 @@ def _up_and_activation(name, routing, x, eti, offsets, w_gate_up, I):
         gluon_row_gemm.launch_row_gemm(x, eti, w_gate_up, None, offsets, h, False, warp_specialize=ws)
         triton_experts.launch_activation(h, a, swiglu, False, 0.0, 0.0, True)
 
-    def fused(warp_specialize, split_mma=False, h_beside=None):
+    def fused(warp_specialize, h_beside=None):
         epilogue = gluon_row_gemm.GatedEpilogue(swiglu, 0.0, 0.0, True)
         return lambda a: gluon_row_gemm.launch_row_gemm(x, eti, w_gate_up, None, offsets, a, False,
                                                         warp_specialize=warp_specialize, epilogue=epilogue,
-                                                        split_mma=split_mma, h=h_beside)
+                                                        h=h_beside)
 
     a_probe = torch.empty(LK, I, device="cuda", dtype=x.dtype)
     if not gluon_row_gemm.applies_gated_epilogue(x, w_gate_up, None, a_probe, False, swiglu, False):
@@ -111,9 +110,7 @@ def _up_and_activation(name, routing, x, eti, offsets, w_gate_up, I):
     for label, run in {f"gluon{'_ws' if ws else ''} + activation pass": separate,
                        f"epilogue{'_ws' if ws else ''}": fused(ws),
                        f"epilogue{'' if ws else '_ws'}": fused(not ws),
-                       "epilogue_ws_split": fused(True, True),
-                       f"epilogue_h{'_ws' if ws else ''}": fused(ws, h_beside=h),
-                       "epilogue_h_ws_split": fused(True, True, h_beside=h)}.items():
+                       f"epilogue_h{'_ws' if ws else ''}": fused(ws, h_beside=h)}.items():
         a = torch.full((LK, I), float("nan"), device="cuda", dtype=x.dtype)
         ms = triton.testing.do_bench(lambda: run(a), warmup=10, rep=50)
         a_ref = a.double() if a_ref is None else a_ref

@@ -47,24 +47,22 @@ def _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path):
     assert _spill_bytes(ptx, tmp_path) == 0
 
 
-def _output_tiles(signature, constexprs, tma_store, dtype, tile, mma_groups=1):
-    """The output's TMA descriptor argument ([1, LK, N], a column half of an MMA group's
-    rows of a tile per copy), or None; no activation in the epilogue
-    (``_ACTIVATED_SCRIPT`` has one)."""
+def _output_tiles(signature, constexprs, tma_store, dtype, tile):
+    """The output's TMA descriptor argument ([1, LK, N], a column half of a tile per copy),
+    or None; no activation in the epilogue (``_ACTIVATED_SCRIPT`` has one)."""
     constexprs["TMA_STORE"] = tma_store
     if tma_store:
-        signature["out_desc"] = _descriptor_type(dtype, [1, tile.block_m // mma_groups, tile.block_n // 2])
+        signature["out_desc"] = _descriptor_type(dtype, [1, tile.block_m, tile.block_n // 2])
     else:
         constexprs["out_desc"] = None
     signature.update(alpha="fp32", limit="fp32", stride_hm="i32")
     constexprs.update(GATED=None, ACT=-1, FAST_ACT=False, STORE_H=False, h_ptr=None, h_desc=None)
 
 
-def _assert_tile_stores(ptx, tma_store, mma_groups=1):
-    """Tiles inside their expert by TMA (two column halves, in each MMA group), the others
-    from registers."""
+def _assert_tile_stores(ptx, tma_store):
+    """Tiles inside their expert by TMA (two column halves), the others from registers."""
     stores = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx))
-    assert stores == (2 * mma_groups if tma_store else 0)
+    assert stores == (2 if tma_store else 0)
     assert re.search(r"st\.global(\.\w+)*\.b32", ptx)
 
 
@@ -104,18 +102,13 @@ def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, 
     _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path)
 
 
-@pytest.mark.parametrize("gather,bias,offsets_32,tma_store,split", [
-    (True, True, True, False, False), (True, False, False, True, False), (False, True, False, True, False),
-    (False, False, False, False, False), (True, False, True, True, True), (False, True, False, True, True)])
+@pytest.mark.parametrize("gather,bias,offsets_32,tma_store", [
+    (True, True, True, False), (True, False, False, True), (False, True, False, True), (False, False, False, False)])
 @pytest.mark.parametrize("k_contiguous", [True, False], ids=["k_contiguous", "n_contiguous"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gather, bias, offsets_32, tma_store,
-                                                       split, tmp_path):
-    """``split``: the two MMA warpgroups as partitions of their own (``MMA_GROUPS`` 2),
-    each storing its half of a tile's rows."""
+                                                       tmp_path):
     from moeblaze_ops.kernels import gluon_row_gemm
-
-    groups = 2 if split else 1
 
     tile = gluon_row_gemm.TILE
     block = [1, tile.block_n, tile.block_k] if k_contiguous else [1, tile.block_k, tile.block_n]
@@ -128,9 +121,8 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
     constexprs = dict(GATHER_A=gather, HAS_BIAS=bias, B_KMAJOR=k_contiguous, GROUPS=16, BAND=8 if gather else 1,
                       BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PRODUCER_WARPS=warps,
-                      PRODUCER_REGS=regs, A_OFFSETS_32=offsets_32, MMA_GROUPS=groups,
-                      MMA_REGS=gluon_row_gemm.MMA_GROUP_REGS, num_warps=tile.num_warps // groups)
-    _output_tiles(signature, constexprs, tma_store, dtype, tile, groups)
+                      PRODUCER_REGS=regs, A_OFFSETS_32=offsets_32, num_warps=tile.num_warps)
+    _output_tiles(signature, constexprs, tma_store, dtype, tile)
     if not gather:
         constexprs["a_row_ids_ptr"] = None
     if not bias:
@@ -138,8 +130,7 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
     aligned = ["a_src", "bias_ptr", "a_row_ids_ptr", "offsets_ptr", "out_ptr", "N", "K", "stride_am", "stride_bias",
                "stride_om"]
     try:
-        kernel = _compile_for_hopper(gluon_row_gemm._row_gemm_ws_kernel, signature, constexprs,
-                                     tile.num_warps // groups,
+        kernel = _compile_for_hopper(gluon_row_gemm._row_gemm_ws_kernel, signature, constexprs, tile.num_warps,
                                      aligned=[name for name in aligned if name not in constexprs
                                               and not (name == "a_src" and not gather)])
     except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
@@ -155,7 +146,7 @@ def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gath
         assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
         assert "cp.async.cg" not in ptx
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx)
-    _assert_tile_stores(ptx, tma_store, groups)
+    _assert_tile_stores(ptx, tma_store)
     _assert_row_gemm_pipeline(kernel, dtype, tile, tmp_path)
 
 
@@ -263,9 +254,8 @@ from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type
 from moeblaze_ops.activations import activation_code
 from moeblaze_ops.kernels import gluon_row_gemm, triton_activations
 
-dtype, warp_specialize, tma_store, act, split, store_h, out = json.loads(sys.argv[1])
+dtype, warp_specialize, tma_store, act, store_h, out = json.loads(sys.argv[1])
 tile = gluon_row_gemm.TILE
-groups = 2 if split else 1
 a_name = "a_src" if warp_specialize else "a_ptr"
 ints = ["LK", "E", "N", "K", "stride_am", "stride_bias", "stride_om", "stride_hm"]
 signature = {a_name: f"*{dtype}", "b_desc": _descriptor_type(dtype, [1, tile.block_n // 2, tile.block_k]),
@@ -274,8 +264,8 @@ signature = {a_name: f"*{dtype}", "b_desc": _descriptor_type(dtype, [1, tile.blo
 constexprs = dict(bias_ptr=None, GATHER_A=True, HAS_BIAS=False, B_KMAJOR=True, GROUPS=16, BAND=4,
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
                   TMA_STORE=tma_store, GATED=triton_activations.gated, ACT=int(activation_code(act)),
-                  FAST_ACT=True, STORE_H=store_h, num_warps=tile.num_warps // groups)
-box = [1, tile.block_m // groups, tile.block_n // 2]
+                  FAST_ACT=True, STORE_H=store_h, num_warps=tile.num_warps)
+box = [1, tile.block_m, tile.block_n // 2]
 if tma_store:
     signature["out_desc"] = _descriptor_type(dtype, box)
 else:
@@ -291,13 +281,12 @@ else:
 kernel_fn = gluon_row_gemm._row_gemm_kernel
 if warp_specialize:
     warps, regs = gluon_row_gemm.PRODUCER_GATHER
-    constexprs.update(PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=True, MMA_GROUPS=groups,
-                      MMA_REGS=gluon_row_gemm.MMA_GROUP_REGS)
+    constexprs.update(PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=True)
     kernel_fn = gluon_row_gemm._row_gemm_ws_kernel
 aligned = [a_name, "a_row_ids_ptr", "offsets_ptr", "out_ptr", "N", "K", "stride_am", "stride_om"]
 aligned += ["h_ptr", "stride_hm"] if store_h else []
 try:
-    kernel = _compile_for_hopper(kernel_fn, signature, constexprs, tile.num_warps // groups, aligned)
+    kernel = _compile_for_hopper(kernel_fn, signature, constexprs, tile.num_warps, aligned)
 except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
     print("no ptxas:", error)
     sys.exit(3)
@@ -306,23 +295,19 @@ with open(out, "w") as f:
 """
 
 
-@pytest.mark.parametrize("dtype,warp_specialize,tma_store,act,split,store_h", [
-    ("bf16", True, True, "swiglu", False, False), ("fp16", True, False, "clamped_swiglu", False, False),
-    ("bf16", False, True, "geglu", False, False), ("bf16", True, True, "swiglu", True, False),
-    ("bf16", True, True, "swiglu", False, True), ("fp16", False, True, "swiglu", False, True),
-    ("bf16", True, False, "geglu", False, True), ("bf16", True, True, "clamped_swiglu", True, True)])
-def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize, tma_store, act, split, store_h,
-                                                          tmp_path):
+@pytest.mark.parametrize("dtype,warp_specialize,tma_store,act,store_h", [
+    ("bf16", True, True, "swiglu", False), ("fp16", True, False, "clamped_swiglu", False),
+    ("bf16", False, True, "geglu", False), ("bf16", True, True, "swiglu", True), ("fp16", False, True, "swiglu", True),
+    ("bf16", True, False, "geglu", True), ("fp16", True, True, "clamped_swiglu", True)])
+def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize, tma_store, act, store_h, tmp_path):
     """Both row GEMM kernels with a gated activation in the epilogue
     (``gluon_row_gemm.GatedEpilogue``): each B tile by two TMA boxes (gate columns and
     up columns), one wgmma over both, and per tile the activation, with ``store_h`` h's
     gate and up halves before it, by TMA or from registers, with no spills: the
-    activation goes to 16 bits at once beside the accumulator. ``split``: two MMA
-    partitions, each storing its own rows' half of a tile."""
+    activation goes to 16 bits at once beside the accumulator."""
     from moeblaze_ops.kernels import gluon_row_gemm
 
-    compiled = _compile_in_subprocess(_ACTIVATED_SCRIPT, [dtype, warp_specialize, tma_store, act, split, store_h],
-                                      tmp_path)
+    compiled = _compile_in_subprocess(_ACTIVATED_SCRIPT, [dtype, warp_specialize, tma_store, act, store_h], tmp_path)
     ptx = compiled["ptx"]
     tile = gluon_row_gemm.TILE
     loads = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
@@ -330,33 +315,27 @@ def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize
     ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
     stores = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx))
-    # act(h)'s half tile, after h's two halves where h is stored, in each MMA partition
-    assert stores == ((2 if split else 1) * (3 if store_h else 1) if tma_store else 0)
-    held = store_h and warp_specialize and not split  # h's up half through the held ring slot
-    if held and tma_store:  # act(h)'s copy and h's up half's wait for the copy before last only
+    assert stores == ((3 if store_h else 1) if tma_store else 0)  # act(h)'s half tile, after h's two halves
+    if store_h and warp_specialize and tma_store:  # h's up half through the held ring slot:  # act(h)'s copy and h's up half's wait for the copy before last only
         assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)
     assert re.search(r"st\.global(\.\w+)*\.b32", ptx)  # tiles past their expert's end, from registers
     if act != "geglu":
         assert "tanh.approx.f32" in ptx
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
     assert ring <= compiled["shared"] <= MAX_SHARED
-    # With h beside act(h), the kernels the settings do not pick by default (stores from
-    # registers; two MMA partitions, the second at MMA_GROUP_REGS) spill a little: 32-152
-    # bytes a thread on triton 3.6 and 3.9.
-    default = tma_store and not split
-    assert _spill_bytes(ptx, tmp_path) <= (0 if default or not store_h else 160)
+    # With h beside act(h), the kernels that store from registers spill a little (32-152
+    # bytes a thread on triton 3.6 and 3.9); the settings pick TMA stores.
+    assert _spill_bytes(ptx, tmp_path) <= (0 if tma_store or not store_h else 160)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one_mma_partition", "split_mma"])
 @pytest.mark.parametrize("warp_specialize", [True, False], ids=["warp_specialized", "pipelined"])
 @pytest.mark.parametrize("tma_store", [True, False])
-def test_gated_epilogue_launch_arguments(warp_specialize, tma_store, split, monkeypatch):
+def test_gated_epilogue_launch_arguments(warp_specialize, tma_store, monkeypatch):
     """What ``launch_row_gemm`` hands the kernel for a ``GatedEpilogue``, by the kernel's own
     argument names: weight boxes of half a tile (two per paired tile), N the 2I columns of
     h, the activation's output [LK, I] as the output (its stride and its half-tile TMA
-    boxes), the activation's code and function; with ``split_mma`` the warp-specialised
-    kernel gets two MMA partitions of a warpgroup each, each box half a tile's rows (the
-    other kernel ignores it). The launch is recorded, not run (no GPU)."""
+    boxes), the activation's code and function. The launch is recorded, not run (no
+    GPU)."""
     pytest.importorskip("triton.experimental.gluon")
     import torch
 
@@ -376,7 +355,7 @@ def test_gated_epilogue_launch_arguments(warp_specialize, tma_store, split, monk
     a = torch.empty(LK, I, **meta)
     epilogue = gluon_row_gemm.GatedEpilogue(int(ActivationCode.CLAMPED_SWIGLU), 1.702, 7.0, fast=True)
     gluon_row_gemm.launch_row_gemm(x, ids, w, None, offsets, a, False, warp_specialize=warp_specialize,
-                                   tma_store=tma_store, epilogue=epilogue, split_mma=split)
+                                   tma_store=tma_store, epilogue=epilogue)
 
     (kernel, args, kwargs), = launches
     assert kernel is (gluon_row_gemm._row_gemm_ws_kernel if warp_specialize else gluon_row_gemm._row_gemm_kernel)
@@ -389,16 +368,15 @@ def test_gated_epilogue_launch_arguments(warp_specialize, tma_store, split, monk
     assert (bound["alpha"], bound["limit"]) == (1.702, 7.0)
     assert bound["ACT"] == int(ActivationCode.CLAMPED_SWIGLU) and bound["GATED"] is triton_activations.gated
     assert bound["FAST_ACT"] is True and bound["TMA_STORE"] is tma_store
-    groups = 2 if split and warp_specialize else 1
-    assert bound["num_warps"] == tile.num_warps // groups and bound.get("MMA_GROUPS", 1) == groups
-    half_box = (1, tile.block_m // groups, tile.block_n // 2)
+    assert bound["num_warps"] == tile.num_warps
+    half_box = (1, tile.block_m, tile.block_n // 2)
     assert bound["out_desc"] == (("descriptor", I, half_box) if tma_store else None)
     assert bound["STORE_H"] is False and bound["h_ptr"] is None and bound["h_desc"] is None
     # h beside act(h): its pointer, row stride and half-tile boxes over all 2I columns.
     launches.clear()
     h = torch.empty(LK, 2 * I, **meta)
     gluon_row_gemm.launch_row_gemm(x, ids, w, None, offsets, a, False, warp_specialize=warp_specialize,
-                                   tma_store=tma_store, epilogue=epilogue, split_mma=split, h=h)
+                                   tma_store=tma_store, epilogue=epilogue, h=h)
     (_, args, kwargs), = launches
     bound = dict(zip(kernel.arg_names, args), **kwargs)
     assert bound["STORE_H"] is True and bound["h_ptr"] is h and bound["stride_hm"] == 2 * I

@@ -260,8 +260,6 @@ def test_weight_tma(layout, on, seed, triton_bwd):
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": settings.GLUON_KINDS},
                                     {"gluon": settings.GLUON_KINDS, "row_tma_store": True},
                                     {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": (), "row_tma_store": True},
-                                    {"gluon": settings.GLUON_KINDS, "gluon_warp_specialize": settings.GLUON_KINDS,
-                                     "row_split_mma": settings.ROW_GEMM_KINDS},
                                     {"gluon": ()}, {"row_band": 3, "wgrad_band": 3},
                                     {"wgrad_rows_tma": ("wgrad_down", "wgrad_up")},
                                     {"wgrad_rows_tma": ()}, {"wgrad_tma_store": False},

@@ -10,13 +10,11 @@ from conftest import rel_err
 from moeblaze_ops.layouts import expert_matrix, out_feature_slice
 
 
-#: ``launch_row_gemm``'s kernel variants: the warp-specialised kernel (its MMA warpgroups
-#: in one partition or two) and the other, tiles stored from registers or by TMA.
+#: ``launch_row_gemm``'s kernel variants: the warp-specialised kernel and the other, tiles
+#: stored from registers or by TMA.
 KERNELS = {
     "ws": dict(warp_specialize=True, tma_store=False),
     "ws_tma_store": dict(warp_specialize=True, tma_store=True),
-    "ws_split": dict(warp_specialize=True, tma_store=False, split_mma=True),
-    "ws_split_tma_store": dict(warp_specialize=True, tma_store=True, split_mma=True),
     "pipelined": dict(warp_specialize=False, tma_store=False),
     "pipelined_tma_store": dict(warp_specialize=False, tma_store=True),
 }

@@ -62,9 +62,6 @@ TILE = GemmTile(128, 256, 64, 8, 4)
 #: rows (and hold their offsets); the MMA warpgroups get the rest of the register file.
 PRODUCER_TMA = (1, 40)
 PRODUCER_GATHER = (4, 88)
-#: Registers a thread of the second MMA partition where ``_row_gemm_ws_kernel`` runs two
-#: (a [64, 256] accumulator and its epilogue); the first takes what the others leave.
-MMA_GROUP_REGS = 208
 
 
 class GatedEpilogue(NamedTuple):
@@ -496,30 +493,26 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
                  HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr,
                  TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr,
-                 STORE_H: gl.constexpr, MMA_GROUP: gl.constexpr = 0, MMA_GROUPS: gl.constexpr = 1):
+                 STORE_H: gl.constexpr):
     """MMA warps: each tile's steps (``ws_tile_steps``), then the bias and the store of the
-    tile's rows inside the expert (``_store_output``). With ``MMA_GROUPS`` MMA partitions
-    (2: a warpgroup each), this one, number ``MMA_GROUP``, takes that part of the tile's
-    rows, stores through its own ``out_buf``, and releases each slot by its own arrival
-    (``empty`` counts ``MMA_GROUPS``), waiting for no other warpgroup. Where one partition
-    writes h beside act(h) by TMA, h's up half goes through the B slot of the tile's last
-    step (as big as ``out_buf`` where BLOCK_K is half BLOCK_M), held back from the copies
-    until that store has read it: three stores then never wait for the copy just started."""
-    ROWS: gl.constexpr = BLOCK_M // MMA_GROUPS
+    tile's rows inside the expert (``_store_output``). Where it writes h beside act(h) by
+    TMA, h's up half goes through the B slot of the tile's last step (as big as
+    ``out_buf`` where BLOCK_K is half BLOCK_M), held back from the copies until that store
+    has read it: three stores then never wait for the copy just started."""
     NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
-    HOLD: gl.constexpr = STORE_H and TMA_STORE and MMA_GROUPS == 1 and 2 * BLOCK_K == BLOCK_M
+    HOLD: gl.constexpr = STORE_H and TMA_STORE and 2 * BLOCK_K == BLOCK_M
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, WARPS)
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
                                                   WARPS)
     step = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
-        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         if grp < E:  # sentinel tiles store zeros
             if HAS_BIAS:
                 bias = _load_bias(bias_ptr, grp, n0, N, stride_bias, BLOCK_N, WARPS)
             acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, GATHER_A, B_KMAJOR,
-                                      BLOCK_N, BLOCK_K, HOLD_LAST=HOLD, A_FIRST_ROW=MMA_GROUP * ROWS)
+                                      BLOCK_N, BLOCK_K, HOLD_LAST=HOLD)
             if HAS_BIAS:
                 acc = _add_bias(acc, bias)
         if HOLD:
@@ -532,8 +525,8 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
             cta_barrier()  # ... before the slot goes back to the copies
             mbarrier.arrive(empty.index(held), pred=(grp < E) & (k_steps > 0))
         else:
-            _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0 + MMA_GROUP * ROWS, row_end, n0, N,
-                          stride_om, stride_hm, alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H)
+            _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end, n0, N, stride_om, stride_hm,
+                          alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H)
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -547,16 +540,13 @@ def _row_gemm_ws_kernel(
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     A_OFFSETS_32: gl.constexpr, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-    FAST_ACT: gl.constexpr, STORE_H: gl.constexpr, MMA_GROUPS: gl.constexpr, MMA_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    FAST_ACT: gl.constexpr, STORE_H: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``_row_gemm_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the A and B
     tiles into the ring (``a_src`` a TMA descriptor of A, or A's pointer when its rows are
     gathered), the MMA warps run the wgmma and the epilogue. Each ring slot has three
     mbarriers: ``a_ready`` and ``b_ready`` (its copies landed) and ``empty`` (the MMA is
-    done with it). ``MMA_GROUPS`` 1: the ``num_warps`` MMA warps are one partition; 2: two
-    partitions of ``num_warps`` (a warpgroup each, the second with ``MMA_REGS`` registers a
-    thread), each over half the tile's rows (``out_desc``'s box is such a half's)."""
+    done with it)."""
     dtype: gl.constexpr = out_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_layout)
@@ -565,7 +555,7 @@ def _row_gemm_ws_kernel(
     # Gathered, every copy thread arrives on a_ready once its cp.async copies land.
     a_ready = slot_barriers(NUM_STAGES, PRODUCER_WARPS * 32 if GATHER_A else 1)
     b_ready = slot_barriers(NUM_STAGES, 1)
-    empty = slot_barriers(NUM_STAGES, MMA_GROUPS)
+    empty = slot_barriers(NUM_STAGES, 1)
     out_desc, out_buf = partition_output(out_desc, dtype, TMA_STORE, b_desc, b_ring)
     # h's pointer and descriptor where the epilogue writes h beside act(h), else stand-ins
     # it never writes through: a partition's arguments cannot be None.
@@ -577,33 +567,15 @@ def _row_gemm_ws_kernel(
         h_out_desc = h_desc
     else:
         h_out_desc = out_desc
-    if MMA_GROUPS == 1:
-        gl.warp_specialize([
-            (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc,
-                            out_buf, h_out, h_out_desc, LK, E, N, K, stride_bias, stride_om, stride_hm, alpha, limit,
-                            GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-                            TMA_STORE, GATED, ACT, FAST_ACT, STORE_H)),
-            (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK,
-                            E, N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K,
-                            PRODUCER_WARPS, True, True, A_OFFSETS_32, ACT >= 0)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGS])
-    else:
-        # The second group stores through a buffer of its own: its TMA copies run on
-        # while the first group writes its half.
-        out_desc, second_buf = partition_output(out_desc, dtype, TMA_STORE, b_desc, b_ring)
-        gl.warp_specialize([
-            (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc,
-                            out_buf, h_out, h_out_desc, LK, E, N, K, stride_bias, stride_om, stride_hm, alpha, limit,
-                            GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-                            TMA_STORE, GATED, ACT, FAST_ACT, STORE_H, 0, MMA_GROUPS)),
-            (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc,
-                            second_buf, h_out, h_out_desc, LK, E, N, K, stride_bias, stride_om, stride_hm, alpha,
-                            limit, GATHER_A, HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-                            TMA_STORE, GATED, ACT, FAST_ACT, STORE_H, 1, MMA_GROUPS)),
-            (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK,
-                            E, N, K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K,
-                            PRODUCER_WARPS, True, True, A_OFFSETS_32, ACT >= 0)),
-        ], [num_warps, PRODUCER_WARPS], [MMA_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf,
+                        h_out, h_out_desc, LK, E, N, K, stride_bias, stride_om, stride_hm, alpha, limit, GATHER_A,
+                        HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, TMA_STORE, GATED, ACT,
+                        FAST_ACT, STORE_H)),
+        (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, N,
+                        K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS,
+                        True, True, A_OFFSETS_32, ACT >= 0)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 def _weight_view(b: torch.Tensor, transposed: bool):
@@ -651,8 +623,7 @@ def applies_gated_epilogue(a: torch.Tensor, b: torch.Tensor, bias, out: torch.Te
 
 def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmTile = TILE,
                     warp_specialize: bool = True, band: Optional[int] = None, tma_store: bool = True,
-                    epilogue: Optional[GatedEpilogue] = None, split_mma: bool = False,
-                    h: Optional[torch.Tensor] = None):
+                    epilogue: Optional[GatedEpilogue] = None, h: Optional[torch.Tensor] = None):
     """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) over every routed row, B an expert
     weight stack in ``transposed`` layout (``layouts``), as
     ``triton_experts.launch_gathered_gemm``; ``tile`` is (M, N, K block, warps, stages)
@@ -661,10 +632,7 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     default; ``tma_store``: tiles whose rows are all inside their expert are stored by TMA
     (``_store_tile``). With an ``epilogue`` (where ``applies_gated_epilogue``) out is
     act(A @ B_e), half the GEMM's columns, and ``h``, where given, receives A @ B_e
-    itself (all N columns) from the same epilogue. ``split_mma``: where the kernel is
-    ``_row_gemm_ws_kernel`` on 8 MMA warps, its two MMA warpgroups run as partitions of
-    their own, each over half the tile's rows, releasing the ring's slots without waiting
-    for each other."""
+    itself (all N columns) from the same epilogue."""
     band = settings.current().row_band if band is None else band
     if h is not None and epilogue is None:
         raise ValueError("moeblaze gluon row GEMM: h beside the output needs a gated epilogue")
@@ -675,7 +643,6 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     LK = out.shape[0]
     if LK * N == 0:
         return
-    mma_groups = 2 if split_mma and warp_specialize and tile.num_warps == 8 else 1
     view, kmajor = _weight_view(b, transposed)
     # A paired tile's weights come as two boxes of half its columns (``_copy_weight_tile``).
     box_n = tile.block_n // 2 if epilogue is not None else tile.block_n
@@ -684,7 +651,7 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(N, tile.block_n)
     grid = (gg.num_programs(a.device, max_tiles),)
     # Tiles are stored a column half at a time (a paired tile's act(h) is one half).
-    out_box = [1, tile.block_m // mma_groups, tile.block_n // 2]
+    out_box = [1, tile.block_m, tile.block_n // 2]
     out_desc = host_descriptor(out.unsqueeze(0), out_box) if tma_store else None
     h_desc = host_descriptor(h.unsqueeze(0), out_box) if tma_store and h is not None else None
     act_scalars = (float(epilogue.alpha), float(epilogue.limit)) if epilogue is not None else (0.0, 0.0)
@@ -707,7 +674,7 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
             _row_gemm_ws_kernel, grid,
             a_src, b_desc, bias, a_row_ids, offsets, out, out_desc, h, h_desc, LK, E, N, K, *strides, *act_scalars,
             GATHER_A=gather, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=row_offsets_fit_32(a),
-            MMA_GROUPS=mma_groups, MMA_REGS=MMA_GROUP_REGS, num_warps=tile.num_warps // mma_groups, **common)
+            num_warps=tile.num_warps, **common)
         return
     launch(
         _row_gemm_kernel, grid,

@@ -137,8 +137,7 @@ def _launch_on_gluon(gluon, kind, a, a_row_ids, b, bias, offsets, out, transpose
     E = linear_dims(b, transposed)[0]
     gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, _gluon_tile(gluon, kind),
                           config.from_rows("gluon_warp_specialize", kind, out.shape[0], E),
-                          tma_store=config.row_tma_store, epilogue=epilogue,
-                          split_mma=kind in config.row_split_mma, h=h)
+                          tma_store=config.row_tma_store, epilogue=epilogue, h=h)
 
 
 def launch_activation(h, a, act, interleaved, alpha, limit, fast):
