@@ -295,6 +295,13 @@ class KernelSettings:
                                  f"got {sorted(rows)}")
             if not all(isinstance(n, int) and n >= 0 for n in rows.values()):
                 raise ValueError(f"moeblaze settings: {name} maps kinds to rows per expert (ints >= 0), got {rows}")
+        limit = self.activation_beside_h_max_columns
+        if limit is not None and not (isinstance(limit, int) and limit >= 0):
+            raise ValueError(f"moeblaze settings: activation_beside_h_max_columns must be None or an int >= 0, "
+                             f"got {limit!r}")
+        if not (isinstance(self.activation_beside_h_min_rows, int) and self.activation_beside_h_min_rows >= 0):
+            raise ValueError(f"moeblaze settings: activation_beside_h_min_rows must be an int >= 0, "
+                             f"got {self.activation_beside_h_min_rows!r}")
         columns = self.dh_epilogue_columns
         if columns is not None and not (isinstance(columns, int) and columns >= 1 and columns & (columns - 1) == 0):
             raise ValueError(f"moeblaze settings: dh_epilogue_columns must be None or a power of two, got {columns!r}")

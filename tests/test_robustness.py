@@ -307,6 +307,17 @@ def test_settings_override_reaches_other_threads():
     assert seen_from_another_thread() == default
 
 
+@pytest.mark.parametrize("name,bad", [("activation_beside_h_max_columns", -1),
+                                      ("activation_beside_h_max_columns", 2048.0),
+                                      ("activation_beside_h_min_rows", None), ("activation_beside_h_min_rows", -5)])
+def test_activation_beside_h_settings_refuse_bad_values(name, bad):
+    """The two bounds of ``settings.activation_beside_h`` are refused by name when they are
+    not counts (None turns the first off)."""
+    with pytest.raises(ValueError, match=name):
+        settings.KernelSettings(**{name: bad})
+    assert not settings.KernelSettings(activation_beside_h_max_columns=None).activation_beside_h(1, 10 ** 9, 1)
+
+
 def test_split_mma_setting_takes_its_kinds_only():
     """``wgrad_split_mma`` is a set of the GEMM kinds its kernel runs; any other kind is
     refused by name, and a set of good ones is kept as a frozenset."""
