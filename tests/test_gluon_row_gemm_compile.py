@@ -316,7 +316,7 @@ def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
     stores = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx))
     assert stores == ((3 if store_h else 1) if tma_store else 0)  # act(h)'s half tile, after h's two halves
-    if store_h and warp_specialize and tma_store:  # h's up half through the held ring slot:  # act(h)'s copy and h's up half's wait for the copy before last only
+    if store_h and warp_specialize and tma_store:  # h's up half through the held ring slot
         assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)
     assert re.search(r"st\.global(\.\w+)*\.b32", ptx)  # tiles past their expert's end, from registers
     if act != "geglu":

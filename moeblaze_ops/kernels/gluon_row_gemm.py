@@ -271,12 +271,13 @@ def _store_half(out_ptr, out_desc, out_buf, piece, row0, row_end, c0, N, stride_
 @gluon.jit
 def _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end, n0, N, stride_om, stride_hm, alpha,
                   limit, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr,
-                  STORE_H: gl.constexpr, h_buf=None, H_BUF_APART: gl.constexpr = False, by_tma=True):
+                  STORE_H: gl.constexpr, h_buf=None, by_tma=True):
     """A tile's epilogue: ``_store_activated_tile`` where the kernel applies activation
     ``ACT`` (a gated ``ActivationCode``, computed by ``GATED``) to paired tiles, h beside
-    act(h) where ``STORE_H`` (h's up half through ``h_buf`` where ``H_BUF_APART``, no
+    act(h) where ``STORE_H`` (h's up half through ``h_buf`` where given, no
     copies where not ``by_tma``); else ``_store_tile`` (``ACT`` -1, ``GATED`` None)."""
     if ACT >= 0:
+        H_BUF_APART: gl.constexpr = h_buf is not None
         if H_BUF_APART:
             spare = h_buf
         else:
@@ -520,7 +521,7 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
             h_buf = reinterpret_shared(b_ring.index(held), out_buf.dtype, out_buf.shape, out_buf.layout)
             # A sentinel tile has no step, so no slot held: it stores from registers.
             _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end, n0, N, stride_om,
-                          stride_hm, alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H, h_buf, True, grp < E)
+                          stride_hm, alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H, h_buf, grp < E)
             tma.store_wait(1)  # h's up half is read (act(h)'s copy may run on) ...
             cta_barrier()  # ... before the slot goes back to the copies
             mbarrier.arrive(empty.index(held), pred=(grp < E) & (k_steps > 0))
