@@ -1,7 +1,12 @@
 """The lowerings of the expert ops to the templates.
 
 - ``expert_up``: one ``row_gemm`` (A rows gathered from x through the dispatch's
-  ``expert_token_indices``) writing h.
+  ``expert_token_indices``) writing h. Where the op runs instead (below) and its h feeds
+  one ``expert_down`` whose activation the up GEMM's epilogue can apply, under
+  ``settings.activation_beside_h`` (the size hints), it writes act(h) beside h, as eager
+  training does: the internal ``_up_with_activation_kernels``, and the ``expert_down`` is
+  lowered to the down projection of act(h) (``_down_activated_kernels`` or the
+  templates), with no activation pass.
 - ``expert_layer`` (the layer without gradients): the op itself where its up GEMM runs
   on Gluon (its epilogue writes act(h), no h); elsewhere ``expert_up``'s and
   ``expert_down``'s templates.
@@ -35,6 +40,7 @@ asks Inductor to benchmark the table's other tiles too, on index arrays made val
 from __future__ import annotations
 
 import operator
+import weakref
 
 import torch
 import triton
@@ -42,7 +48,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.virtualized import V
 
 from moeblaze_ops import settings
-from moeblaze_ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, activation_code
+from moeblaze_ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, activation_code, is_gated
 from moeblaze_ops.kernels import grouped_gemm as gg
 from moeblaze_ops.kernels.triton_combine import COMBINE_TILE, column_slabs
 from moeblaze_ops.kernels.triton_experts import ACTIVATION_TILE
@@ -253,13 +259,61 @@ def dispatch(topk_ids, num_experts):
 @compat.register_lowering(_ops.expert_up.default, type_promotion_kind=None)
 def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up=None,
               transposed=False):
+    """The template, or the op where its GEMM runs on Gluon or no template applies; the op
+    then writes act(h) beside h for the down projection where ``_activation_beside_h``
+    plans it."""
+    rows, N = expert_token_indices.get_size()[0], w_gate_up.get_size()[2 if transposed else 1]
     if not _templates_apply(x, index_positions=_UP_INDEX_ARRAYS) \
-            or _op_runs_gluon("up", x, expert_token_indices.get_size()[0],
-                              w_gate_up.get_size()[2 if transposed else 1], x.get_size()[1]):
+            or _op_runs_gluon("up", x, rows, N, x.get_size()[1]):
+        plan = _activation_beside_h(x, w_gate_up, rows, N, b_gate_up)
+        if plan is not None:
+            down, activation_args = plan
+            h, a = compat.fallback(_ops._up_with_activation_kernels.default, x, w_gate_up, expert_token_indices,
+                                   expert_offsets, token_index_map, b_gate_up, transposed, *activation_args)
+            _ACTIVATED.setdefault(V.graph, {})[down] = a
+            return h
         return compat.fallback(_graph_call("expert_up", _UP_INDEX_ARRAYS), x, w_gate_up, expert_token_indices,
                                expert_offsets, token_index_map, b_gate_up, transposed)
-    return row_gemm("up", x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed,
-                    expert_token_indices.get_size()[0])
+    return row_gemm("up", x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed, rows)
+
+
+#: Per graph being lowered: act(h) for an ``expert_down`` FX node, made beside h by the
+#: lowering of the ``expert_up`` whose h it reads.
+_ACTIVATED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _activation_beside_h(x, w_gate_up, rows, N, b_gate_up):
+    """``(down, (activation, interleaved, alpha, limit))`` where the ``expert_up`` being
+    lowered (to the op) should write act(h) beside h for ``down``, the one
+    ``expert_down`` FX node that reads its h, as eager training does
+    (``settings.activation_beside_h``, by the size hints): a gated activation over
+    concatenated halves with constant parameters, no up bias, every index array from a
+    dispatch in this graph (the internal ops check none). Else None: the down projection
+    runs the activation pass."""
+    up = V.graph.current_node
+    downs = [user for user in up.users if user.target is _ops.expert_down.default]
+    if b_gate_up is not None or len(downs) != 1 or not _index_arrays_from_dispatch(_UP_INDEX_ARRAYS):
+        return None
+    down = _named_args(downs[0])
+    activation_args = tuple(down[name] for name in ("activation", "interleaved", "alpha", "limit"))
+    if down["h"] is not up or not is_gated(down["activation"]) or down["interleaved"] \
+            or not all(isinstance(v, float) for v in activation_args[2:]) \
+            or not all(_from_dispatch(down[name]) for name in ("expert_token_indices", "expert_offsets",
+                                                                "token_index_map")):
+        return None
+    experts = compat.static_int(w_gate_up.get_size()[0])
+    if not settings.current().activation_beside_h(compat.hint(N) // 2, compat.hint(rows), experts):
+        return None
+    return downs[0], activation_args
+
+
+def _named_args(node) -> dict:
+    """FX node ``node``'s arguments by the names of its op's schema, defaults filled in."""
+    arguments = node.target._schema.arguments
+    named = {a.name: a.default_value for a in arguments if a.has_default_value()}
+    named.update(zip((a.name for a in arguments), node.args))
+    named.update(node.kwargs)
+    return named
 
 
 @compat.register_lowering(_ops.expert_down.default, type_promotion_kind=None)
@@ -268,6 +322,10 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
                 limit=CLAMPED_SWIGLU_LIMIT):
     args = (h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down, activation,
             transposed, interleaved, alpha, limit)
+    a = _ACTIVATED.get(V.graph, {}).pop(V.graph.current_node, None)
+    if a is not None:  # act(h) made beside h (``_activation_beside_h``): no activation pass
+        return _down_projection_of_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map,
+                                             topk_weights, b_down, transposed)
     if not _templates_apply(h, index_positions=_DOWN_INDEX_ARRAYS):
         return compat.fallback(_graph_call("expert_down", _DOWN_INDEX_ARRAYS), *args)
     return _down_projection(*args, index_positions=_DOWN_INDEX_ARRAYS)
@@ -284,6 +342,19 @@ def _down_projection(h, w_down, expert_token_indices, expert_offsets, token_inde
                                expert_offsets, token_index_map, topk_weights, b_down, activation, transposed,
                                interleaved, alpha, limit)
     a = activation_pass(h, w_down.get_size()[3 - out_dim], activation_code(activation), interleaved, alpha, limit)
+    return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],
+                         transposed, out_dim, topk_weights, b_down)
+
+
+def _down_projection_of_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
+                                  b_down, transposed):
+    """The down GEMM and the combine of rows activated already: the op where its GEMM runs
+    on Gluon or no template applies, else the templates in column slabs."""
+    out_dim = 2 if transposed else 1
+    if not _templates_apply(a, index_positions=_DOWN_INDEX_ARRAYS) \
+            or _op_runs_gluon("down", a, a.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim]):
+        return compat.fallback(_ops._down_activated_kernels.default, a, w_down, expert_token_indices, expert_offsets,
+                               token_index_map, topk_weights, b_down, transposed)
     return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],
                          transposed, out_dim, topk_weights, b_down)
 

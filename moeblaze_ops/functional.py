@@ -130,7 +130,8 @@ def moe_experts(
         out = _RecomputedLayer.apply(x2, w_gate_up, w_down, b_gate_up, b_down, tw, eti, offsets, tim, args, calls)
     elif traced:
         # The ops' own formulas; Inductor's lowering writes dH over h where AOTAutograd
-        # donated h to the backward (lowerings/expert_ops.py).
+        # donated h to the backward, and has the up projection write act(h) beside h where
+        # settings.activation_beside_h says so (lowerings/expert_ops.py).
         h = calls.up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
         out = calls.down(h, w_down, eti, offsets, tim, tw, b_down, args)
     else:

@@ -235,6 +235,45 @@ def test_compiled_backward_writes_dh_over_h(lean, seed):
             _grads(compiled, layer, retain_graph=True)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["beside_h", "setting_off", "below_min_rows", "up_bias", "interleaved"])
+def test_compiled_training_plans_activation_beside_h(case, seed):
+    """Where the up projection runs as the op and ``settings.activation_beside_h`` holds for
+    the size hints (a gated activation over concatenated halves, no up bias), the compiled
+    forward calls ``_up_with_activation_kernels`` (h and act(h)) and
+    ``_down_activated_kernels`` (no activation pass), as eager training does; elsewhere
+    ``_up_kernels`` and ``_down_kernels``. The backward still writes dH over h, and every
+    gradient matches eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    layer = make_layer(24, 16, 8, 4, 2, seed=seed, bias=case == "up_bias",
+                       **({"activation": "clamped_swiglu", "interleaved": True} if case == "interleaved" else {}))
+    names = [k for k in (*LAYER_ARGS, "b_gate_up", "activation", "interleaved") if k in layer]
+    trainable = [k for k in ("x", "topk_weights", "w_gate_up", "w_down", "b_gate_up") if layer.get(k) is not None]
+
+    def loss(inputs):
+        return (moe_experts(**inputs).float() ** 2).mean()
+
+    def grads(fn):
+        inputs = {k: (layer[k].detach().clone().requires_grad_(k in trainable)
+                      if isinstance(layer[k], torch.Tensor) else layer[k]) for k in names}
+        fn(inputs).backward()
+        return [inputs[k].grad for k in trainable]
+
+    rule = {"beside_h": dict(activation_beside_h_min_rows=0), "setting_off": dict(activation_beside_h_max_columns=None),
+            "below_min_rows": dict(activation_beside_h_min_rows=13)}.get(case, dict(activation_beside_h_min_rows=0))
+    torch._dynamo.reset()
+    with settings.override(**rule):  # 48 routed rows over 4 experts: 12 a expert
+        got, codes = run_and_get_code(lambda: grads(torch.compile(loss, fullgraph=True)))
+    code = "\n".join(codes)
+    beside = case == "beside_h"
+    for op, called in (("_up_with_activation_kernels", beside), ("_down_activated_kernels", beside),
+                       ("_up_kernels", not beside), ("_down_kernels", not beside), ("_down_backward_kernels_", True)):
+        assert (f"torch.ops.moeblaze.{op}.default(" in code) == called, op
+    for name, g, ref in zip(trainable, got, grads(loss)):
+        assert rel_err(g, ref) < 1e-6, name
+
+
 # --------------------------------------------------------------------------- GPU: the templates
 
 
@@ -317,6 +356,43 @@ def test_layer_without_gradients_on_gluon_calls_the_op(gluon, seed):
     assert ("torch.ops.moeblaze._layer_kernels.default(" in code) == gluon
     assert ("import gathered_gemm_tile" in code) == (not gluon)
     assert rel_err(out, _reference(layer)) < 1e-2
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels need a Hopper GPU")
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_compiled_training_writes_activation_beside_h(activation, seed, monkeypatch):
+    """Compiled training with ``settings.activation_beside_h`` holding (I = 384, the rows'
+    bound 0) and the GEMMs on Gluon: the up GEMM's epilogue writes h and act(h), and no
+    activation pass runs, in the forward or the backward; every gradient matches eager's
+    (which takes the same route)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from moeblaze_ops.kernels import triton_experts
+
+    passes = []
+    pass_kernel = triton_experts.launch_activation
+    monkeypatch.setattr(triton_experts, "launch_activation", lambda *args: (passes.append(args), pass_kernel(*args)))
+    layer = _gpu_layer(seed, I=384, activation=activation)
+    args = {k: layer[k] for k in (*LAYER_ARGS, "activation")}
+
+    def grads(fn):
+        inputs = {k: (v.detach().clone().requires_grad_(k in GRAD_ARGS) if isinstance(v, torch.Tensor) else v)
+                  for k, v in args.items()}
+        (fn(**inputs).float() ** 2).mean().backward()
+        return [inputs[k].grad for k in GRAD_ARGS]
+
+    with settings.override(small_gemm_flop=0, activation_beside_h_min_rows=0, poison=True):
+        torch._dynamo.reset()
+        got, codes = run_and_get_code(lambda: grads(torch.compile(moe_experts, fullgraph=True)))
+        assert not passes
+        expected = grads(moe_experts)
+    code = "\n".join(codes)
+    assert "torch.ops.moeblaze._up_with_activation_kernels.default(" in code
+    assert "torch.ops.moeblaze._down_activated_kernels.default(" in code
+    for name, g, ref in zip(GRAD_ARGS, got, expected):
+        assert rel_err(g, ref) < 2e-2, name
 
 
 @gpu
@@ -428,13 +504,15 @@ def test_hf_decoder_layer_compiles_to_templates(seed):
 
 
 @gpu
-def test_compiled_training_peak_at_most_eager(seed):
+@pytest.mark.parametrize("beside_h", [False, True], ids=["activation_in_down", "activation_beside_h"])
+def test_compiled_training_peak_at_most_eager(beside_h, seed):
     """One compiled forward + backward peaks no higher than eager's: dH is written over h
+    in both, and where the up GEMM's epilogue writes act(h) beside h
+    (``settings.activation_beside_h``) act(h) lives from the up projection to the down one
     in both."""
     layer = _gpu_layer(seed, L=4096, d=512, I=1024, E=16, K=4)
     torch._dynamo.reset()
     compiled = torch.compile(_loss, fullgraph=True)
-    _grads(compiled, layer)  # compiles
 
     def peak(fn):
         torch.cuda.synchronize()
@@ -444,7 +522,10 @@ def test_compiled_training_peak_at_most_eager(seed):
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
 
-    assert peak(compiled) <= peak(_loss) * 1.02
+    # small_gemm_flop 0: the GEMMs on Gluon, whose up epilogue writes act(h)
+    with settings.override(**(dict(small_gemm_flop=0, activation_beside_h_min_rows=0) if beside_h else {})):
+        _grads(compiled, layer)  # compiles
+        assert peak(compiled) <= peak(_loss) * 1.02
 
 
 @gpu

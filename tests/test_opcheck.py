@@ -175,3 +175,31 @@ def test_graph_call_ops(op, public, case, seed):
         assert torch.equal(g, w)
     if public != "dispatch":
         assert torch.equal(internal_args[h_at], public_args[h_at])
+
+
+@pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
+                                               ("gelu", "concatenated")])
+@pytest.mark.parametrize("case", ["basic", "sentinels"])
+def test_activation_beside_h_graph_ops(activation, layout, case, seed):
+    """The internal pair a compiled training graph calls where its up projection writes
+    act(h) beside h (``ops.graph_calls``): opcheck of each; ``_up_with_activation_kernels``'
+    h is ``expert_up``'s, and ``_down_activated_kernels`` on its act(h) gives
+    ``expert_down`` of that h."""
+    L, d, I, E, K, routing, sf = CASES[case]
+    layer = make_layer(L, d, I, E, K, routing=routing, sentinel_frac=sf, activation=activation, layout=layout,
+                       bias=True, seed=seed)
+    args = {op: tuple(a.detach() if torch.is_tensor(a) else a for a in op_args(layer)[op])
+            for op in ("expert_up", "expert_down")}
+    h_args, down_args = args["expert_up"], args["expert_down"]
+    activation_args = (activation, layer["interleaved"]) + down_args[-2:]  # alpha, limit
+    ops = torch.ops.moeblaze
+    up_args = h_args + activation_args
+    torch.library.opcheck(ops._up_with_activation_kernels.default, up_args, test_utils=TEST_UTILS)
+    h, a = ops._up_with_activation_kernels(*up_args)
+    assert torch.equal(h, ops.expert_up(*h_args))
+    transposed = layer["transposed"]
+    activated_args = (a,) + down_args[1:7] + (transposed,)  # w_down, the index arrays, topk_weights, b_down
+    torch.library.opcheck(ops._down_activated_kernels.default, activated_args, test_utils=TEST_UTILS)
+    out = ops._down_activated_kernels(*activated_args)
+    expected = ops.expert_down(h, *down_args[1:])
+    assert (out - expected).norm() <= 1e-6 * expected.norm()

@@ -49,6 +49,31 @@ def test_forward_activation_routes(activation, layout, fused, seed):
                       layout=layout, bias=layout != "concatenated")
 
 
+@pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
+                                               ("gelu", "concatenated")])
+@pytest.mark.parametrize("sentinel_frac", [0.0, 0.3])
+def test_up_with_activation_always(activation, layout, sentinel_frac, seed):
+    """``expert_up_with_activation(always=True)`` (what a compiled graph that planned for
+    act(h) beside h calls; here, without a Gluon kernel, the GEMM then the activation pass):
+    h and act(h) against the float64 portable kernels', whatever the setting says."""
+    from moeblaze_ops.kernels import torch_experts, triton_experts
+
+    layer = make_layer(40, 20, 12, 4, 2, seed=seed, activation=activation, layout=layout, bias=True,
+                       sentinel_frac=sentinel_frac)
+    eti, offsets, tim = torch.ops.moeblaze.dispatch(layer["topk_ids"], 4)
+
+    def up(kernels, dtype):
+        t = {k: layer[k].to(dtype) for k in ("x", "w_gate_up", "b_gate_up")}
+        return kernels.expert_up_with_activation(t["x"], t["w_gate_up"], eti, offsets, tim, t["b_gate_up"],
+                                                 layer["transposed"], activation, layer["interleaved"], 1.702, 7.0,
+                                                 always=True)
+
+    with settings.override(activation_beside_h_max_columns=None):
+        h, a = up(triton_experts, torch.float32)
+    h_ref, a_ref = up(torch_experts, torch.float64)
+    assert rel_err(h, h_ref) < 1e-5 and rel_err(a, a_ref) < 1e-5
+
+
 @pytest.mark.parametrize(
     "L,E,K,routing,sentinel_frac",
     [(1, 4, 2, "uniform", 0.0), (30, 4, 1, "first", 0.0), (30, 5, 2, "no_last", 0.0), (30, 4, 2, "skewed", 0.3),

@@ -40,7 +40,8 @@ class Backend:
     #: (``settings.up_epilogue_activation``): ``expert_layer``'s up projection.
     expert_up_activated: Callable
     #: ``(h, act(h) or None)``: ``expert_up``'s h and, where ``settings.activation_beside_h``
-    #: makes it, act(h) beside it (the activation's arguments follow ``transposed``).
+    #: makes it, act(h) beside it (the activation's arguments follow ``transposed``); with
+    #: ``always=True`` act(h) whatever the setting says.
     expert_up_with_activation: Callable
     expert_down: Callable
     #: ``expert_down`` of rows ``expert_up_activated`` activated (no activation arguments).

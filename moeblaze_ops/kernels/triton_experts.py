@@ -199,25 +199,33 @@ def _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert
 
 
 def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
-                              transposed, activation, interleaved, alpha, limit):
+                              transposed, activation, interleaved, alpha, limit, always=False):
     """``(h, a)``: ``expert_up``'s h and, where ``settings.activation_beside_h`` says so
     and the Gluon up GEMM's gated epilogue applies, ``a = act(h)`` ([L*K, I]) written by the
     same epilogue, for ``expert_down_activated``; elsewhere a is None (``expert_down``
-    then runs the activation pass)."""
+    then runs the activation pass). With ``always`` (a compiled graph that planned for a)
+    a whatever the setting says: the epilogue's where it applies, else the activation
+    pass's after the GEMM."""
     act = activation_code(activation)
     LK = expert_token_indices.shape[0]
     E, N, _ = linear_dims(w_gate_up, transposed)
-    if LK == 0 or int(act) >= int(NUM_GATED) or not settings.current().activation_beside_h(N // 2, LK, E):
+    gated = int(act) < int(NUM_GATED)
+    if not (always or (LK and gated and settings.current().activation_beside_h(N // 2, LK, E))):
         return expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                          transposed), None
     h = gg.empty(LK, N, dtype=x.dtype, device=x.device)
-    a = gg.empty(LK, N // 2, dtype=x.dtype, device=x.device)
-    if _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert_offsets, a, transposed, act,
-                              interleaved, alpha, limit, gg.fast_sigmoid(a, settings.current().fast_activation),
-                              h=h):
+    a = gg.empty(LK, N // 2 if gated else N, dtype=x.dtype, device=x.device)
+    if LK == 0:
+        return h, a
+    fast = gg.fast_sigmoid(a, settings.current().fast_activation)
+    if gated and _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert_offsets, a, transposed,
+                                        act, interleaved, alpha, limit, fast, h=h):
         return h, a
     launch_gathered_gemm(x, expert_token_indices, w_gate_up, b_gate_up, expert_offsets, h, transposed, "up")
-    return h, None
+    if not always:
+        return h, None
+    launch_activation(h, a, act, interleaved, alpha, limit, fast)
+    return h, a
 
 
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,

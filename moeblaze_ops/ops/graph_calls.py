@@ -16,14 +16,21 @@ which checked them; the forward ops' twins are called only with index arrays tha
 ``dispatch`` in the same graph made. The forward twins take their public op's schema. They are not public. They have no autograd (a compiled backward runs
 without grad), and the in-place form bumps no version counter (its h is a buffer the
 compiled backward owns).
+
+Two have no public op: ``_up_with_activation_kernels`` (h and act(h) from the up
+projection) and ``_down_activated_kernels`` (the down projection of act(h)), the pair a
+training graph's lowering calls where the up GEMM's epilogue writes act(h) beside h
+(``settings.activation_beside_h``; ``lowerings/expert_ops.py``). Their index arrays too
+come from a ``dispatch`` in the same graph.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
+from ..activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, is_gated
 from ..kernels import backward_backend, forward_backend
+from ..layouts import linear_dims
 from .experts import (_check_down_backward, _check_up_backward, _down_grads_like, _up_grads_like, expert_down_like,
                       expert_layer_like, expert_up_like, layer_kernels)
 
@@ -39,6 +46,13 @@ FORWARD_TWINS = {"_up_kernels": "expert_up", "_down_kernels": "expert_down", "_l
 for _twin, _public in FORWARD_TWINS.items():
     _schema = str(getattr(torch.ops.moeblaze, _public).default._schema)
     _lib.define(_schema.replace(f"moeblaze::{_public}(", f"{_twin}(", 1))
+# act(h) beside h (the lowerings' plan for a training graph, see lowerings/expert_ops.py):
+# the up projection's h and act(h) from one op, and the down projection of act(h).
+_lib.define("_up_with_activation_kernels(Tensor x, Tensor w_gate_up, Tensor expert_token_indices, "
+            "Tensor expert_offsets, Tensor token_index_map, Tensor? b_gate_up, bool transposed, str activation, "
+            "bool interleaved, float alpha, float limit) -> (Tensor, Tensor)")
+_lib.define("_down_activated_kernels(Tensor a, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, "
+            "Tensor token_index_map, Tensor topk_weights, Tensor? b_down, bool transposed) -> Tensor")
 _lib.define(f"_up_backward_kernels({_UP}) -> (Tensor, Tensor, Tensor)")
 _lib.define(f"_down_backward_kernels({_DOWN.format(mutated='')}) -> (Tensor, Tensor, Tensor, Tensor)")
 _lib.define(f"_down_backward_kernels_({_DOWN.format(mutated='(a!)')}) -> (Tensor, Tensor, Tensor)")
@@ -61,6 +75,16 @@ def _layer_kernels(x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate
                          b_down, activation, transposed, interleaved, alpha, limit)
 
 
+def _up_with_activation_kernels(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, activation, interleaved,
+                                alpha, limit):
+    return forward_backend(x).expert_up_with_activation(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed,
+                                                        activation, interleaved, alpha, limit, always=True)
+
+
+def _down_activated_kernels(a, w_down, eti, offsets, tim, topk_weights, b_down, transposed):
+    return forward_backend(a).expert_down_activated(a, w_down, eti, offsets, tim, topk_weights, b_down, transposed)
+
+
 def _up_backward_kernels(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed, need_input_grad=True,
                          need_weight_grad=True):
     return backward_backend(x).expert_up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed,
@@ -81,14 +105,28 @@ def _down_backward_kernels_(grad_out, h, w_down, eti, offsets, tim, topk_weights
                                                     need_weight_grad=need_weight_grad)[1:]
 
 
-for _fn in (_up_kernels, _down_kernels, _layer_kernels, _up_backward_kernels,
-            _down_backward_kernels, _down_backward_kernels_):
+for _fn in (_up_kernels, _down_kernels, _layer_kernels, _up_with_activation_kernels, _down_activated_kernels,
+            _up_backward_kernels, _down_backward_kernels, _down_backward_kernels_):
     _lib.impl(_fn.__name__, _fn, "CompositeExplicitAutograd")
 
 
 torch.library.register_fake("moeblaze::_up_kernels", expert_up_like, lib=_lib)
 torch.library.register_fake("moeblaze::_down_kernels", expert_down_like, lib=_lib)
 torch.library.register_fake("moeblaze::_layer_kernels", expert_layer_like, lib=_lib)
+
+
+@torch.library.register_fake("moeblaze::_up_with_activation_kernels", lib=_lib)
+def _(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, activation, interleaved, alpha, limit):
+    h = expert_up_like(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed)
+    return h, h.new_empty(h.shape[0], h.shape[1] // 2 if is_gated(activation) else h.shape[1])
+
+
+@torch.library.register_fake("moeblaze::_down_activated_kernels", lib=_lib)
+def _(a, w_down, eti, offsets, tim, topk_weights, b_down, transposed):
+    _, d, I = linear_dims(w_down, transposed)
+    if a.dim() != 2 or a.shape[1] != I:
+        raise ValueError(f"moeblaze._down_activated_kernels: argument 'a' must be [L*K, {I}], got {tuple(a.shape)}")
+    return a.new_empty(topk_weights.shape[0], d)
 
 
 @torch.library.register_fake("moeblaze::_up_backward_kernels", lib=_lib)
