@@ -303,10 +303,14 @@ class _UpNode(torch.autograd.Function):
         h, a = calls.up_with_activation(x, w_gate_up, eti, offsets, tim, b_gate_up, args)
         if a is not None:
             ctx.mark_non_differentiable(a)
+        # Else autograd would hand backward a zero-filled [L*K, I] gradient for act(h).
+        ctx.set_materialize_grads(False)
         return h, a
 
     @staticmethod
     def backward(ctx, grad_h, grad_a):
+        if grad_h is None:  # nothing reached h (gradients are not materialized)
+            return None, None, None, None, None, None, None, None
         x, w_gate_up, eti, offsets, tim = ctx.saved_tensors
         need = ctx.needs_input_grad  # x, w_gate_up, b_gate_up, ...
         grads = _up_backward(_backward_calls(ctx), grad_h, x, w_gate_up, eti, offsets, tim, ctx.has_bias,

@@ -422,6 +422,35 @@ def test_activation_beside_h_route(activation, layout, seed, monkeypatch):
             assert rel_err(b, a) <= 1e-6
 
 
+def test_activation_beside_h_backward_makes_no_gradient_for_it(seed):
+    """act(h) beside h is not differentiable, and backward makes no gradient for it: no
+    [L*K, I] buffer of zeros (autograd's materialized gradient of an unused output, as big
+    as act(h) itself and alive in the up projection's backward, at its peak)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moeblaze_ops import moe_experts, settings
+
+    L, I, K = 41, 4, 3
+    layer = make_layer(L, 8, I, 5, K, dtype=torch.float32, seed=seed, requires_grad=True)
+
+    class Zeros(TorchDispatchMode):
+        shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default,
+                        torch.ops.aten.new_zeros.default):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    with settings.override(activation_beside_h_max_columns=I, activation_beside_h_min_rows=0):
+        out = moe_experts(**layer)
+        with Zeros():
+            out.backward(torch.randn_like(out))
+    assert (L * K, I) not in Zeros.shapes
+    assert layer["x"].grad is not None and layer["w_gate_up"].grad is not None
+
+
 @pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved")])
 def test_activation_beside_h_parity_with_reference(activation, layout, seed):
     """The same route in bfloat16, where the down projection reads act(h) rounded to 16
