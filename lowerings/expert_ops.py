@@ -40,7 +40,6 @@ asks Inductor to benchmark the table's other tiles too, on index arrays made val
 from __future__ import annotations
 
 import operator
-import weakref
 
 import torch
 import triton
@@ -270,16 +269,17 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
             down, activation_args = plan
             h, a = compat.fallback(_ops._up_with_activation_kernels.default, x, w_gate_up, expert_token_indices,
                                    expert_offsets, token_index_map, b_gate_up, transposed, *activation_args)
-            _ACTIVATED.setdefault(V.graph, {})[down] = a
+            down.meta[_ACTIVATED] = (V.graph, a)
             return h
         return compat.fallback(_graph_call("expert_up", _UP_INDEX_ARRAYS), x, w_gate_up, expert_token_indices,
                                expert_offsets, token_index_map, b_gate_up, transposed)
     return row_gemm("up", x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed, rows)
 
 
-#: Per graph being lowered: act(h) for an ``expert_down`` FX node, made beside h by the
-#: lowering of the ``expert_up`` whose h it reads.
-_ACTIVATED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: The key of an ``expert_down`` FX node's ``meta`` under which the lowering of the
+#: ``expert_up`` whose h it reads leaves ``(graph, act(h))``: act(h) made beside h, for the
+#: down projection's lowering in that same graph.
+_ACTIVATED = "moeblaze_activated"
 
 
 def _activation_beside_h(x, w_gate_up, rows, N, b_gate_up):
@@ -322,8 +322,8 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
                 limit=CLAMPED_SWIGLU_LIMIT):
     args = (h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down, activation,
             transposed, interleaved, alpha, limit)
-    a = _ACTIVATED.get(V.graph, {}).pop(V.graph.current_node, None)
-    if a is not None:  # act(h) made beside h (``_activation_beside_h``): no activation pass
+    graph, a = V.graph.current_node.meta.pop(_ACTIVATED, (None, None))
+    if graph is V.graph:  # act(h) made beside h (``_activation_beside_h``): no activation pass
         return _down_projection_of_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map,
                                              topk_weights, b_down, transposed)
     if not _templates_apply(h, index_positions=_DOWN_INDEX_ARRAYS):

@@ -186,8 +186,9 @@ class KernelSettings:
             columns (I) and at least ``activation_beside_h_min_rows`` routed rows per
             expert on average, the up GEMM's epilogue writes act(h) beside h (on Hopper,
             where ``gluon_row_gemm.GatedEpilogue`` applies), and the down projection
-            reads it instead of running the activation pass; in other layers, elsewhere,
-            and in compiled graphs, h alone and the pass. None: never.
+            reads it instead of running the activation pass; compiled training graphs the
+            same (the lowerings decide by the size hints when the graph compiles); in
+            other layers and elsewhere, h alone and the pass. None: never.
         activation_beside_h_min_rows: see ``activation_beside_h_max_columns``. (Few rows
             per expert make many tiles that run past their expert's end, whose three
             stores go from registers.)
