@@ -40,6 +40,7 @@ asks Inductor to benchmark the table's other tiles too, on index arrays made val
 from __future__ import annotations
 
 import operator
+import weakref
 
 import torch
 import triton
@@ -269,7 +270,7 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
             down, activation_args = plan
             h, a = compat.fallback(_ops._up_with_activation_kernels.default, x, w_gate_up, expert_token_indices,
                                    expert_offsets, token_index_map, b_gate_up, transposed, *activation_args)
-            down.meta[_ACTIVATED] = (V.graph, a)
+            down.meta[_ACTIVATED] = (weakref.ref(V.graph), a)
             return h
         return compat.fallback(_graph_call("expert_up", _UP_INDEX_ARRAYS), x, w_gate_up, expert_token_indices,
                                expert_offsets, token_index_map, b_gate_up, transposed)
@@ -277,8 +278,8 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
 
 
 #: The key of an ``expert_down`` FX node's ``meta`` under which the lowering of the
-#: ``expert_up`` whose h it reads leaves ``(graph, act(h))``: act(h) made beside h, for the
-#: down projection's lowering in that same graph.
+#: ``expert_up`` whose h it reads leaves ``(weak reference to the graph, act(h))``: act(h)
+#: made beside h, for the down projection's lowering in that same graph.
 _ACTIVATED = "moeblaze_activated"
 
 
@@ -322,8 +323,8 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
                 limit=CLAMPED_SWIGLU_LIMIT):
     args = (h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down, activation,
             transposed, interleaved, alpha, limit)
-    graph, a = V.graph.current_node.meta.pop(_ACTIVATED, (None, None))
-    if graph is V.graph:  # act(h) made beside h (``_activation_beside_h``): no activation pass
+    graph, a = V.graph.current_node.meta.pop(_ACTIVATED, (lambda: None, None))
+    if graph() is V.graph:  # act(h) made beside h (``_activation_beside_h``): no activation pass
         return _down_projection_of_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map,
                                              topk_weights, b_down, transposed)
     if not _templates_apply(h, index_positions=_DOWN_INDEX_ARRAYS):
