@@ -50,7 +50,7 @@ from torch._inductor.virtualized import V
 from moeblaze_ops import settings
 from moeblaze_ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, activation_code, is_gated
 from moeblaze_ops.kernels import grouped_gemm as gg
-from moeblaze_ops.kernels.triton_combine import COMBINE_TILE, column_slabs
+from moeblaze_ops.kernels.triton_combine import COMBINE_TILE, column_slabs, widest_slab
 from moeblaze_ops.kernels.triton_experts import ACTIVATION_TILE
 from moeblaze_ops.ops import graph_calls
 
@@ -92,11 +92,21 @@ def _index_arrays_from_dispatch(index_positions) -> bool:
     return all(_from_dispatch(args[i] if i < len(args) else None) for i in index_positions)
 
 
-def _op_runs_gluon(kind, a, rows, out_cols, reduction) -> bool:
+def _widest_slab(kind, rows, reduction, weight) -> int:
+    """``triton_combine.widest_slab`` of GEMM ``kind`` over ``rows`` routed rows
+    ``reduction`` deep with the weight stack ``weight``, by the size hints."""
+    numel = 1
+    for size in weight.get_size():
+        numel *= compat.hint(size)
+    return widest_slab(kind, compat.hint(rows), compat.hint(reduction), numel)
+
+
+def _op_runs_gluon(kind, a, rows, out_cols, reduction, weight=None) -> bool:
     """Whether the op's own kernels would run GEMM ``kind`` (A = ``a`` over ``rows`` routed
     rows, ``out_cols`` output columns, ``reduction`` deep) on its Gluon kernel: the
     decision of ``grouped_gemm.gluon_module`` on each launch's operations (a column slab
-    where down and dX make their rows in slabs; by the size hints), for a 16-bit ``a`` on a
+    where down and dX make their rows in slabs, ``weight`` their weight stack; by the size
+    hints), for a 16-bit ``a`` on a
     Hopper GPU, with column counts the Gluon kernel takes (``gluon_row_gemm.applies``:
     multiples of 16; its stride and alignment rules hold for the contiguous operands the
     graph makes). Those kernels are faster than the ``tl`` templates, so the graph calls
@@ -107,7 +117,7 @@ def _op_runs_gluon(kind, a, rows, out_cols, reduction) -> bool:
         return False
     out_cols, reduction = compat.hint(out_cols), compat.hint(reduction)
     if kind != "up":
-        slabs = column_slabs(out_cols)
+        slabs = column_slabs(out_cols, _widest_slab(kind, rows, reduction, weight))
         out_cols = slabs[0][1] - slabs[0][0] if slabs else 0
     if out_cols % 16 or reduction % 16:
         return False
@@ -234,11 +244,12 @@ def combine(rows, token_index_map, offsets, num_tokens, topk_weights=None):
 def combined_rows(kind, a, b, offsets, token_index_map, num_tokens, transposed, out_dim, topk_weights=None,
                   bias=None):
     """``combine`` of the routed rows A_r @ B_e (+ bias_e), made one column slab at a time
-    (``settings.column_slab``, as the eager kernels make their [L*K, d] scratch): the
+    (``triton_combine.column_slabs``, as the eager kernels make their [L*K, d] scratch): the
     forward's down projection (A = act(h)) and backward's dX (A = dH). ``out_dim`` is the
     dimension of B that holds the output columns."""
     slabs = []
-    for c0, c1 in column_slabs(compat.static_int(b.get_size()[out_dim])):
+    widest = _widest_slab(kind, a.get_size()[0], a.get_size()[1], b)
+    for c0, c1 in column_slabs(compat.static_int(b.get_size()[out_dim]), widest):
         w = compat.slice_view(b, out_dim, c0, c1)
         bias_slab = compat.slice_view(bias, 1, c0, c1) if bias is not None else None
         rows = row_gemm(kind, a, w, None, offsets, bias_slab, transposed, a.get_size()[0])
@@ -338,7 +349,8 @@ def _down_projection(h, w_down, expert_token_indices, expert_offsets, token_inde
     else the activation pass, then the down GEMM and the combine in column slabs. The
     index arrays are at FX argument ``index_positions`` of the node being lowered."""
     out_dim = 2 if transposed else 1  # w_down is [E, d, I], or [E, I, d] when transposed
-    if _op_runs_gluon("down", h, h.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim]):
+    if _op_runs_gluon("down", h, h.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim],
+                      w_down):
         return compat.fallback(_graph_call("expert_down", index_positions), h, w_down, expert_token_indices,
                                expert_offsets, token_index_map, topk_weights, b_down, activation, transposed,
                                interleaved, alpha, limit)
@@ -353,7 +365,8 @@ def _down_projection_of_activated(a, w_down, expert_token_indices, expert_offset
     on Gluon or no template applies, else the templates in column slabs."""
     out_dim = 2 if transposed else 1
     if not _templates_apply(a, index_positions=_DOWN_INDEX_ARRAYS) \
-            or _op_runs_gluon("down", a, a.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim]):
+            or _op_runs_gluon("down", a, a.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim],
+                              w_down):
         return compat.fallback(_ops._down_activated_kernels.default, a, w_down, expert_token_indices, expert_offsets,
                                token_index_map, topk_weights, b_down, transposed)
     return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],
@@ -394,7 +407,8 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
     # as their eager kernels do.
     if not (need_input_grad and "dx" in settings.current().backward_templates
             and _templates_apply(x, index_positions=()) and not compat.known_zero(x.get_size()[0])
-            and not _op_runs_gluon("dx", grad_h, grad_h.get_size()[0], x.get_size()[1], grad_h.get_size()[1])):
+            and not _op_runs_gluon("dx", grad_h, grad_h.get_size()[0], x.get_size()[1], grad_h.get_size()[1],
+                                   w_gate_up)):
         return compat.fallback(_graph_call("expert_up_backward"), *args, need_input_grad, need_weight_grad)
     out_dim = 1 if transposed else 2  # the d of w_gate_up [E, N, d], or of [E, d, N] when transposed
     grad_x = combined_rows("dx", compat.contiguous(grad_h), w_gate_up, expert_offsets, token_index_map,

@@ -209,6 +209,14 @@ class KernelSettings:
         column_slab: width of the column slabs in which the [L*K, d] scratch (expert
             outputs before the combine, dX rows before their sum) is made; None: all d
             columns at once.
+        column_slab_widen: make the slabs wider, in whole multiples of ``column_slab``,
+            as far as the memory the layer's weight gradients take bounds them
+            (``triton_combine.widest_slab``): the forward's scratch and act(h) within
+            twice the down weights' bytes, the dX rows' scratch within the up weights'
+            bytes (their gradient is made once the scratch is gone). Training then peaks
+            where it did with narrow slabs: in the backward, which holds the weight
+            gradients. False: always ``column_slab``. The default is chosen by
+            measurement (docs/perf-notes.md).
         dispatch_sorted_min_bins: dispatch ranks rows by sorted chunks from this many
             bins (E rounded up to a power of two); None: always by one-hot tiles. The
             default is chosen by measurement (docs/perf-notes.md).
@@ -253,6 +261,7 @@ class KernelSettings:
     dh_epilogue_columns: Optional[int] = 64
     dh_wide_min_columns: Optional[int] = 12288
     column_slab: Optional[int] = 512
+    column_slab_widen: bool = True
     dispatch_sorted_min_bins: Optional[int] = 16
     dispatch_sort_chunk: int = 512
     backward_templates: frozenset = frozenset({"dx"})

@@ -2,7 +2,7 @@
 
     python scripts/ab_step.py --configs olmoe mixtral --variant "" \
         --variant "wgrad_split_mma={'wgrad_up'}" [--variant "a=1 b=2" ...] [--rounds 4] [--device cuda|cpu] \
-        [--compiled]
+        [--compiled] [--mode train|forward]
 
 Each ``--variant`` is a space-separated list of ``NAME=VALUE`` (``bench --set``'s syntax;
 an empty string is the defaults). Every round times each variant once, in turn, on the
@@ -11,7 +11,10 @@ drift lands on every variant alike: between processes the spread can exceed a ke
 change's effect (docs/perf-notes.md). Prints each round's milliseconds and, per variant,
 the median and its ratio to the first variant's median. With ``--compiled`` the layer's
 forward runs under ``torch.compile(fullgraph=True)``, compiled once per variant under its
-settings (the graph keeps the settings it was lowered with).
+settings (the graph keeps the settings it was lowered with). ``--mode forward`` times the
+forward alone, without gradients (the benchmark's forward mode). Each variant's peak
+memory of one call (above what is allocated before it, ``bench.measure.peak_bytes``) is
+measured after the rounds and reported beside its times.
 """
 
 import argparse
@@ -23,7 +26,7 @@ import torch
 from moeblaze_ops import moe_experts, settings
 from moeblaze_ops.bench import CONFIGS, make_inputs
 from moeblaze_ops.bench.cli import parse_setting
-from moeblaze_ops.bench.measure import time_ms
+from moeblaze_ops.bench.measure import peak_bytes, time_ms
 
 
 def parse_variant(text):
@@ -45,42 +48,58 @@ def layer_fns(count, compiled):
                           fullgraph=True) for i in range(count)]
 
 
-def run(configs, variants, rounds, device, compiled=False):
-    """{config: {variant index: [ms per round]}} of one training step per variant."""
-    results = {}
+def run(configs, variants, rounds, device, compiled=False, mode="train"):
+    """({config: {variant index: [ms per round]}}, {config: {variant index: peak GB}}) of one
+    training step (``mode`` "train") or one forward without gradients ("forward") per variant."""
+    results, peaks = {}, {}
+    train = mode == "train"
     for name in configs:
         T, d, I, E, K = CONFIGS[name]
         x, ids, w, w_gate_up, w_down = make_inputs(T, d, I, E, K, device=device)
         params = (x, w, w_gate_up, w_down)
         for t in params:
-            t.requires_grad_(True)
+            t.requires_grad_(train)
         grad = torch.randn_like(x)
         fns = layer_fns(len(variants), compiled)
 
         def step(i):
-            return lambda: fns[i](x, ids, w, w_gate_up, w_down).backward(grad)
+            if train:
+                return lambda: fns[i](x, ids, w, w_gate_up, w_down).backward(grad)
+
+            def forward():
+                with torch.no_grad():
+                    return fns[i](x, ids, w, w_gate_up, w_down)
+            return forward
 
         times = results[name] = {i: [] for i in range(len(variants))}
         for _ in range(rounds):
             for i, variant in enumerate(variants):
                 with settings.override(**variant):
-                    times[i].append(time_ms(step(i), device, grad_to_none=params))
+                    times[i].append(time_ms(step(i), device, grad_to_none=params if train else ()))
+        peaks[name] = {}
+        for i, variant in enumerate(variants):
+            for t in params:
+                t.grad = None
+            with settings.override(**variant):
+                peaks[name][i] = peak_bytes(step(i), device) / 1e9
         del x, ids, w, w_gate_up, w_down, grad, params
         if device == "cuda":
             torch.cuda.empty_cache()
-    return results
+    return results, peaks
 
 
-def report(results, labels):
+def report(results, peaks, labels):
     """A markdown table: a row per config and variant, each round's time, the median, its
-    ratio to the first variant's."""
-    lines = ["| config | variant | ms per round | median | vs first |", "| --- | --- | --- | --- | --- |"]
+    ratio to the first variant's (speed: above 1 is faster), the peak memory of one call."""
+    lines = ["| config | variant | ms per round | median | vs first | peak GB |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for name, times in results.items():
         base = statistics.median(times[0])
         for i, label in enumerate(labels):
             med = statistics.median(times[i])
             rounds = ", ".join(f"{t:.2f}" for t in times[i])
-            lines.append(f"| {name} | {label or 'defaults'} | {rounds} | {med:.2f} | {base / med:.3f}x |")
+            lines.append(f"| {name} | {label or 'defaults'} | {rounds} | {med:.2f} | {base / med:.3f}x "
+                         f"| {peaks[name][i]:.3f} |")
     return "\n".join(lines)
 
 
@@ -92,13 +111,15 @@ def main():
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--compiled", action="store_true", help="the layer's forward under torch.compile")
+    p.add_argument("--mode", default="train", choices=["train", "forward"],
+                   help="train: forward + backward; forward: the forward alone, without gradients")
     a = p.parse_args()
     labels = a.variants or [""]
     try:
         variants = [parse_variant(v) for v in labels]
     except argparse.ArgumentTypeError as e:
         p.error(str(e))
-    print(report(run(a.configs, variants, a.rounds, a.device, a.compiled), labels), flush=True)
+    print(report(*run(a.configs, variants, a.rounds, a.device, a.compiled, a.mode), labels), flush=True)
 
 
 if __name__ == "__main__":

@@ -278,12 +278,13 @@ def test_stall_regions_splits_a_warp_specialised_kernel(tmp_path):
 
 
 def test_ab_step_times_each_variant_under_its_own_settings(monkeypatch):
-    """``scripts/ab_step.py`` interleaves the variants round by round, each timed with its
-    settings in force and the defaults back afterwards; the report's ratio is the first
-    variant's median over each one's."""
+    """``scripts/ab_step.py`` interleaves the variants round by round, each timed (and its
+    peak measured) with its settings in force and the defaults back afterwards; the
+    report's ratio is the first variant's median over each one's. The forward mode runs
+    without gradients."""
 
     ab = _script("ab_step")
-    seen = []
+    seen, grad_modes = [], []
 
     def fake_time_ms(fn, device, grad_to_none=()):
         fn()  # a real step, so the inputs and the op are exercised
@@ -291,13 +292,23 @@ def test_ab_step_times_each_variant_under_its_own_settings(monkeypatch):
         seen.append(band)
         return float(band)
 
+    def fake_peak_bytes(fn, device):
+        out = fn()
+        grad_modes.append(out is not None and out.requires_grad)
+        return settings.current().row_band * 1e9
+
     monkeypatch.setattr(ab, "time_ms", fake_time_ms)
+    monkeypatch.setattr(ab, "peak_bytes", fake_peak_bytes)
     default_band = settings.current().row_band
     variants = [ab.parse_variant(v) for v in ("row_band=2", "row_band=8 wgrad_band=3")]
-    results = ab.run(["smoke"], variants, rounds=3, device="cpu")
+    results, peaks = ab.run(["smoke"], variants, rounds=3, device="cpu")
     assert seen == [2, 8] * 3 and settings.current().row_band == default_band
     assert results == {"smoke": {0: [2.0] * 3, 1: [8.0] * 3}}
-    table = ab.report(results, ["row_band=2", "row_band=8 wgrad_band=3"])
-    assert table.splitlines()[-1].endswith("| 8.00 | 0.250x |")
+    assert peaks == {"smoke": {0: 2.0, 1: 8.0}}
+    table = ab.report(results, peaks, ["row_band=2", "row_band=8 wgrad_band=3"])
+    assert table.splitlines()[-1].endswith("| 8.00 | 0.250x | 8.000 |")
+    seen.clear()
+    ab.run(["smoke"], variants[:1], rounds=1, device="cpu", mode="forward")
+    assert seen == [2] and grad_modes[-1] is False  # the forward's output carries no graph
     with pytest.raises(argparse.ArgumentTypeError):
         ab.parse_variant("no_such_setting=1")

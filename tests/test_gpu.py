@@ -359,7 +359,7 @@ def test_activation_beside_h_peak(seed):
 def test_column_slabs(layout, slab, seed, triton_bwd):
     """The [L*K, d] scratch made in column slabs (1024 of d = 2880: two whole slabs and a
     partial one) and in one piece (None): forward and every gradient against the reference."""
-    with settings.override(column_slab=slab):
+    with settings.override(column_slab=slab, column_slab_widen=False):
         check_forward(777, 2880, 1408, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
                       bias=True, tw_dtype=torch.float32)
         check_backward(777, 2880, 192, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,

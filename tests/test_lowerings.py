@@ -121,15 +121,30 @@ class _CudaNode:
         return torch.bfloat16
 
 
-@pytest.mark.parametrize("kind,out_cols,reduction,expected", [
-    ("up", 1024, 512, True), ("up", 1000, 512, False), ("up", 1024, 520, False),
-    ("down", 2880, 1408, True),  # slabs of 512 columns
-    ("down", 2048, 1400, False)])
-def test_op_called_only_where_its_gluon_kernel_takes_the_shape(kind, out_cols, reduction, expected, monkeypatch):
+class _Weights:
+    """A stand-in for a weight stack's IR node: its sizes alone."""
+
+    def __init__(self, *sizes):
+        self.sizes = sizes
+
+    def get_size(self):
+        return list(self.sizes)
+
+
+@pytest.mark.parametrize("kind,out_cols,reduction,experts,expected", [
+    ("up", 1024, 512, 1, True), ("up", 1000, 512, 1, False), ("up", 1024, 520, 1, False),
+    ("down", 2880, 1408, 1, True),  # slabs of 512 columns
+    ("down", 2048, 1400, 1, False),
+    ("down", 2888, 1408, 1, True),  # a 512-column slab: a multiple of 16 ...
+    ("down", 2888, 1408, 64, False),  # ... widened to all 2888 columns (the weights leave room): not one
+])
+def test_op_called_only_where_its_gluon_kernel_takes_the_shape(kind, out_cols, reduction, experts, expected,
+                                                               monkeypatch):
     """The lowerings call the op instead of a template where the op would run its GEMM on
-    Gluon, and only for column counts the Gluon kernel takes (multiples of 16): elsewhere
-    the op would run its ``tl`` kernel, and the template, as fast, lets consumers fuse. The
-    GPU checks stand in (Hopper, the Gluon module chosen)."""
+    Gluon, and only for column counts the Gluon kernel takes (multiples of 16; for down
+    and dX those of a column slab, widened as the op widens it): elsewhere the op would
+    run its ``tl`` kernel, and the template, as fast, lets consumers fuse. The GPU checks
+    stand in (Hopper, the Gluon module chosen)."""
     pytest.importorskip("triton.experimental.gluon")
     from moeblaze_ops.kernels import gluon_common
     from moeblaze_ops.lowerings import expert_ops
@@ -137,7 +152,8 @@ def test_op_called_only_where_its_gluon_kernel_takes_the_shape(kind, out_cols, r
     monkeypatch.setattr(expert_ops.gg, "gluon_module", lambda kind, flop: object())
     monkeypatch.setattr(gluon_common, "is_hopper", lambda index: True)
     monkeypatch.setattr(expert_ops.compat, "hint", int)  # concrete sizes: no graph being lowered
-    assert expert_ops._op_runs_gluon(kind, _CudaNode(), 8192, out_cols, reduction) is expected
+    weights = _Weights(experts, out_cols, reduction) if kind != "up" else None
+    assert expert_ops._op_runs_gluon(kind, _CudaNode(), 8192, out_cols, reduction, weights) is expected
 
 
 @pytest.mark.slow
@@ -307,7 +323,7 @@ def test_templates_run_the_layer(column_slab, row_band, seed):
     kernel, which Inductor's cat lowering makes when called from inside our lowering. With
     ``row_band=3`` the row GEMM templates number their tiles in bands."""
     layer = _gpu_layer(seed)
-    with settings.override(column_slab=column_slab, row_band=row_band, poison=True):
+    with settings.override(column_slab=column_slab, column_slab_widen=False, row_band=row_band, poison=True):
         out, code = _compiled_code(moe_experts, *[layer[k] for k in LAYER_ARGS])
     for helper in TEMPLATE_HELPERS:
         assert helper in code
@@ -448,7 +464,7 @@ def test_dx_template_in_the_compiled_backward(case, seed):
     from torch._inductor.utils import run_and_get_code
 
     options = {"one_slab": dict(column_slab=None), "slabs_bias_transposed": dict(column_slab=128),
-               "frozen_experts": dict(column_slab=128)}[case]
+               "frozen_experts": dict(column_slab=128)}[case] | dict(column_slab_widen=False)
     layer = _gpu_layer(seed, **(dict(bias=True, transposed=True) if case == "slabs_bias_transposed" else {}))
     weights = [k for k in ("w_gate_up", "w_down", "b_gate_up", "b_down") if layer[k] is not None]
     names = ["x", "topk_weights"] + ([] if case == "frozen_experts" else weights)

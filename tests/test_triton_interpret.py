@@ -282,11 +282,62 @@ def test_column_slabs(layout, seed):
     slabs of 8, 8, 4): forward and every gradient against the reference."""
     from moeblaze_ops.kernels.triton_combine import column_slabs
 
-    with settings.override(column_slab=8):
+    with settings.override(column_slab=8, column_slab_widen=False):
         assert column_slabs(20) == [(0, 8), (8, 16), (16, 20)]
         check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
         check_backward(45, 20, 12, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True,
                        routing="skewed", sentinel_frac=0.2)
+
+
+def test_widest_slab_bounds():
+    """How wide the scratch may grow (``triton_combine.widest_slab``): the forward's
+    scratch and act(h) within twice the down weights, the dX scratch within the up
+    weights; ``column_slabs`` takes whole multiples of ``column_slab`` up to it, and only
+    where ``column_slab_widen``."""
+    from moeblaze_ops.kernels.triton_combine import column_slabs, widest_slab
+
+    # down: 100 rows of act(h) 6 wide, down weights of 1000 elements: (2000 - 600) / 100.
+    assert widest_slab("down", 100, 6, 1000) == 14
+    assert widest_slab("down", 100, 30, 1000) == 0  # act(h) alone is over the bound
+    assert widest_slab("dx", 100, 12, 1000) == 10
+    assert widest_slab("dx", 0, 12, 1000) == 0
+    with settings.override(column_slab=4, column_slab_widen=True):
+        assert column_slabs(20, 14) == [(0, 12), (12, 20)]
+        assert column_slabs(20, 3) == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20)]
+        assert column_slabs(20, 40) == [(0, 20)]
+    with settings.override(column_slab=4, column_slab_widen=False):
+        assert column_slabs(20, 14) == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20)]
+    with settings.override(column_slab=None, column_slab_widen=True):
+        assert column_slabs(20, 3) == [(0, 20)]
+
+
+@pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
+def test_widened_slabs(layout, seed, monkeypatch):
+    """Slabs widened by the layer's weights (d = 40, slabs of 8 widened to 16 and 24 by
+    ``widest_slab`` at these shapes): the forward and every gradient against the
+    reference, and the slabs the kernels made are the widened ones."""
+    from moeblaze_ops.kernels import triton_combine
+
+    made = []
+    real = triton_combine.column_slabs
+
+    def recording(d, widest=0):
+        made.append(real(d, widest))
+        return made[-1]
+
+    monkeypatch.setattr(triton_combine, "column_slabs", recording)
+    # 24 tokens, K = 2 (48 rows), d = 40, I = 12, E = 4: down weights 1920 elements, so
+    # (3840 - 48 * 12) / 48 = 68 columns fit; the dX scratch, 2 * 1920 / 48 = 80.
+    with settings.override(column_slab=8, column_slab_widen=True):
+        check_forward(24, 40, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
+        assert made and all(slabs == [(0, 40)] for slabs in made), made
+    made.clear()
+    # 45 tokens, K = 2 (90 rows), d = 40, I = 12, E = 3: down weights 1440 elements, so
+    # (2880 - 1080) / 90 = 20 columns (slabs of 16); the dX scratch 2880 / 90 = 32 (of 32).
+    with settings.override(column_slab=8, column_slab_widen=True):
+        check_backward(45, 40, 12, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True,
+                       routing="skewed", sentinel_frac=0.2)
+    assert [(0, 16), (16, 32), (32, 40)] in made and [(0, 32), (32, 40)] in made, made
 
 
 @pytest.mark.parametrize("chunk", [16, 128])

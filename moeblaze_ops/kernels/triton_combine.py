@@ -5,8 +5,9 @@ in fp32: bitwise deterministic, no atomics. The forward sums the experts' output
 the router weights; the input gradient sums each token's dX rows with unit weights.
 
 The [L*K, d] rows it sums are scratch: ``combine_in_slabs`` makes them one column slab
-at a time (``settings.column_slab`` columns), so the scratch is [L*K, slab] and the GEMM
-work is the same, in d/slab launches.
+at a time (``settings.column_slab`` columns, wider where the layer's weight gradients
+leave room: ``widest_slab``), so the scratch is [L*K, slab] and the GEMM work is the
+same, in d/slab launches.
 """
 
 from __future__ import annotations
@@ -95,18 +96,43 @@ def combine(rows, token_index_map, topk_weights, expert_offsets, out, E):
     return out
 
 
-def column_slabs(d: int) -> list[tuple[int, int]]:
-    """The [c0, c1) column ranges the [L*K, d] scratch is made in (``settings.column_slab``)."""
-    slab = settings.current().column_slab
+def column_slabs(d: int, widest: int = 0) -> list[tuple[int, int]]:
+    """The [c0, c1) column ranges the [L*K, d] scratch is made in: slabs of
+    ``settings.column_slab`` columns, or of the most whole multiples of it that fit in
+    ``widest`` columns where ``settings.column_slab_widen`` (``widest_slab``)."""
+    config = settings.current()
+    slab = config.column_slab
+    if slab and config.column_slab_widen and widest > slab:
+        slab = widest // slab * slab
     step = slab if slab and slab < d else max(d, 1)
     return [(c0, min(d, c0 + step)) for c0 in range(0, d, step)]
 
 
-def combine_in_slabs(make_rows, LK, dtype, token_index_map, topk_weights, expert_offsets, out, E):
-    """``combine`` of [L*K, d] rows made one column slab at a time: ``make_rows(rows, c0, c1)``
-    writes columns [c0, c1) of every routed row into the [L*K, c1 - c0] view ``rows`` of
-    one scratch buffer, which is then summed into ``out[:, c0:c1]``."""
-    slabs = column_slabs(out.shape[1])
+def widest_slab(kind: str, rows: int, reduction: int, weight_numel: int) -> int:
+    """The most columns the [rows, slab] scratch of GEMM ``kind`` may take so that training
+    peaks no higher than with narrow slabs: its peak is in the backward, beside the weight
+    gradients. The forward's down projection (``kind`` "down", A = act(h) [rows,
+    reduction], ``weight_numel`` the down weights') keeps its scratch and act(h) within
+    twice the down weights' bytes, which the up and down weight gradients take at least
+    (the up ones are as big, or twice as big where gated). The backward's dX rows (``kind``
+    "dx", ``weight_numel`` the up weights') stay within the up weights' bytes: their
+    gradient is made only once the scratch is gone. Counted in elements (the scratch has
+    the weights' dtype); 0 where nothing fits or there are no rows."""
+    if rows <= 0:
+        return 0
+    if kind == "down":
+        room = 2 * weight_numel - rows * reduction
+    else:
+        room = weight_numel
+    return max(0, room) // rows
+
+
+def combine_in_slabs(make_rows, LK, dtype, token_index_map, topk_weights, expert_offsets, out, E, widest=0):
+    """``combine`` of [L*K, d] rows made one column slab at a time (``column_slabs``, at
+    most ``widest`` columns where widened): ``make_rows(rows, c0, c1)`` writes columns
+    [c0, c1) of every routed row into the [L*K, c1 - c0] view ``rows`` of one scratch
+    buffer, which is then summed into ``out[:, c0:c1]``."""
+    slabs = column_slabs(out.shape[1], widest)
     scratch = gg.empty(LK, slabs[0][1] - slabs[0][0] if slabs else 0, dtype=dtype, device=out.device)
     for c0, c1 in slabs:
         rows = scratch[:, :c1 - c0]

@@ -24,7 +24,7 @@ from ..layouts import linear_dims, linear_strides, out_feature_slice
 from . import grouped_gemm as gg
 from .launch import launch
 from .triton_activations import NUM_GATED, activate
-from .triton_combine import combine_in_slabs
+from .triton_combine import combine_in_slabs, widest_slab
 
 
 @triton.jit
@@ -255,4 +255,6 @@ def expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token
         b = b_down[:, c0:c1] if b_down is not None else None
         launch_gathered_gemm(a, None, w, b, expert_offsets, y, transposed, "down")
 
-    return combine_in_slabs(expert_outputs, a.shape[0], a.dtype, token_index_map, topk_weights, expert_offsets, out, E)
+    widest = widest_slab("down", a.shape[0], a.shape[1], w_down.numel())
+    return combine_in_slabs(expert_outputs, a.shape[0], a.dtype, token_index_map, topk_weights, expert_offsets, out, E,
+                            widest)

@@ -28,7 +28,7 @@ from ..layouts import in_feature_slice, linear_dims, linear_strides
 from . import grouped_gemm as gg
 from . import triton_activations as acts
 from .launch import launch
-from .triton_combine import combine_in_slabs, row_combine_weights
+from .triton_combine import combine_in_slabs, row_combine_weights, widest_slab
 from .triton_experts import launch_gathered_gemm
 
 
@@ -410,7 +410,8 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
             w = in_feature_slice(w_gate_up, c0, c1, transposed)
             launch_gathered_gemm(grad_h, None, w, None, expert_offsets, rows, not transposed, "dx")
 
-        combine_in_slabs(dx_rows, LK, x.dtype, token_index_map, None, expert_offsets, grad_x, E)
+        combine_in_slabs(dx_rows, LK, x.dtype, token_index_map, None, expert_offsets, grad_x, E,
+                         widest_slab("dx", LK, N, w_gate_up.numel()))
     # The weight gradient is allocated only now: its [E, N, d] and the dX rows' [L*K, slab]
     # scratch are never alive at once.
     grad_w = gg.empty(*w_gate_up.shape, dtype=w_gate_up.dtype, device=dev) if need_weight_grad else x.new_empty(0)
