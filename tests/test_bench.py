@@ -312,3 +312,33 @@ def test_ab_step_times_each_variant_under_its_own_settings(monkeypatch):
     assert seen == [2] and grad_modes[-1] is False  # the forward's output carries no graph
     with pytest.raises(argparse.ArgumentTypeError):
         ab.parse_variant("no_such_setting=1")
+
+
+def test_cuda_graph_peers_train_from_no_gradients(monkeypatch):
+    """A replayed graph's gradients are its outputs, overwritten by its next replay, so every
+    step of a CUDA-graph peer (the warm-up steps of ``triton.testing.do_bench``, which clear
+    no gradients, included) must start from none; the other peers keep the timer's clearing."""
+    seen = {"moeblaze_cudagraphs": [], "plain": []}
+
+    def two_peers(x, ids, w, w_gate_up, w_down, train=False, cuda_graphs=False):
+        def peer(name):
+            def call():
+                seen[name].append(any(t.grad is not None for t in (x, w, w_gate_up, w_down)))
+                return (x * w_gate_up.sum() + w_down.sum() + w.sum()).float()
+            return call
+
+        return {name: peer(name) for name in seen}
+
+    def warm_up_like_do_bench(fn, device, reps_ms=200, grad_to_none=()):
+        for _ in range(3):  # warm-up calls: gradients accumulate
+            fn()
+        return 1.0
+
+    monkeypatch.setattr(measure, "peers", two_peers)
+    monkeypatch.setattr(measure, "time_ms", warm_up_like_do_bench)
+    monkeypatch.setattr(measure, "peak_bytes", lambda fn, device: 0)
+    monkeypatch.setattr(measure, "activation_bytes", lambda fn, exclude: (None, 0))
+    ctx = measure.BenchContext(device="cpu", skip=frozenset(), cuda_graphs=True)
+    measure.bench_train(ctx, ["smoke"])
+    assert seen["moeblaze_cudagraphs"][:4] == [False] * 4
+    assert seen["plain"][1:4] == [True] * 3  # the stand-in timer does accumulate

@@ -178,11 +178,18 @@ def bench_train(ctx, names):
         def step(fn):
             fn().backward(grad)
 
-        for peer, fn, _ in _runnable(ctx, peers(*inputs, train=True, cuda_graphs=ctx.cuda_graphs), step):
-            # Gradients made afresh each step, as after zero_grad(set_to_none=True); under CUDA
-            # graphs that is required too (an accumulated .grad would be a replayed graph's
-            # output that the next replay overwrites).
-            ms = time_ms(lambda fn=fn: step(fn), ctx.device, grad_to_none=(x, w, w_gate_up, w_down))
+        def graphed_step(fn):
+            # A replayed graph's gradients are its outputs, overwritten by the next replay, so
+            # every step (do_bench's warm-up ones too) starts from none, as a training loop
+            # does after zero_grad(set_to_none=True).
+            for t in (x, w, w_gate_up, w_down):
+                t.grad = None
+            step(fn)
+
+        for peer, fn, _ in _runnable(ctx, peers(*inputs, train=True, cuda_graphs=ctx.cuda_graphs), graphed_step):
+            # Gradients made afresh each step, as after zero_grad(set_to_none=True).
+            timed = graphed_step if peer in CUDA_GRAPH_PEERS else step
+            ms = time_ms(lambda fn=fn, timed=timed: timed(fn), ctx.device, grad_to_none=(x, w, w_gate_up, w_down))
             if peer in CUDA_GRAPH_PEERS:
                 rows.append(emit(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=NAN,
                                       activation_gb=NAN, activation_bytes=NAN)))
