@@ -61,6 +61,9 @@ GEMM_KINDS = ("up", "down", "dh", "dh_wide", "dx", "wgrad_down", "wgrad_up")
 GLUON_KINDS = ("up", "down", "dh", "dx", "wgrad_down", "wgrad_up")
 #: The parts of the backward that compiled graphs can run as Inductor templates.
 BACKWARD_TEMPLATE_KINDS = ("dx",)
+#: The most rows ``KernelSettings.dispatch_one_program_max_rows`` may send to one program:
+#: a sorted chunk of that many keys in one program's registers.
+MAX_ONE_PROGRAM_ROWS = 8192
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,10 @@ class KernelSettings:
             bins (E rounded up to a power of two); None: always by one-hot tiles. The
             default is chosen by measurement (docs/perf-notes.md).
         dispatch_sort_chunk: rows per sorted chunk (measured, as above).
+        dispatch_one_program_max_rows: routings of at most this many rows (L*K) are
+            dispatched by one program, in one launch instead of three (their rows one
+            sorted chunk; at most 8192); None: never. For small layers, whose time is the
+            host's launches.
         backward_templates: the parts of the backward (of ``BACKWARD_TEMPLATE_KINDS``)
             that compiled graphs run as Inductor templates instead of the ops' kernels:
             "dx", the input gradient of the up projection (a ``row_gemm`` on dH and an
@@ -264,6 +271,7 @@ class KernelSettings:
     column_slab_widen: bool = True
     dispatch_sorted_min_bins: Optional[int] = 16
     dispatch_sort_chunk: int = 512
+    dispatch_one_program_max_rows: Optional[int] = 4096
     backward_templates: frozenset = frozenset({"dx"})
     launch_plans: bool = True
     lean_graph_calls: bool = True
@@ -332,6 +340,10 @@ class KernelSettings:
             raise ValueError(f"moeblaze settings: small_gemm_flop must be an int >= 0, got {self.small_gemm_flop!r}")
         if self.column_slab is not None and self.column_slab < 1:
             raise ValueError(f"moeblaze settings: column_slab must be positive or None, got {self.column_slab}")
+        one = self.dispatch_one_program_max_rows
+        if one is not None and not (isinstance(one, int) and 0 <= one <= MAX_ONE_PROGRAM_ROWS):
+            raise ValueError("moeblaze settings: dispatch_one_program_max_rows must be None or an int in "
+                             f"[0, {MAX_ONE_PROGRAM_ROWS}], got {one!r}")
         if self.dispatch_sort_chunk < 16 or self.dispatch_sort_chunk & (self.dispatch_sort_chunk - 1):
             raise ValueError("moeblaze settings: dispatch_sort_chunk must be a power of two >= 16, got "
                              f"{self.dispatch_sort_chunk}")

@@ -148,8 +148,8 @@ def test_column_scan(num_chunks, width, seed):
 @pytest.mark.parametrize("checked", [False, True], ids=["unchecked", "checked"])
 @pytest.mark.parametrize(
     "L,K,E,family",
-    [(40, 8, 256, dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=16)),
-     (400, 3, 6, dict(dispatch_sorted_min_bins=None))],
+    [(40, 8, 256, dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=16, dispatch_one_program_max_rows=None)),
+     (400, 3, 6, dict(dispatch_sorted_min_bins=None, dispatch_one_program_max_rows=None))],
     ids=["sorted16", "onehot"],
 )
 def test_triton_dispatch_scan_in_steps(L, K, E, family, checked, seed):

@@ -66,8 +66,41 @@ def test_dispatch_bitwise(L, K, E, routing, sentinel_frac, seed):
 def test_dispatch_kernel_families_bitwise(L, K, E, routing, sentinel_frac, family, seed):
     """Both dispatch kernel families at every E, whatever the default threshold picks: the
     one-hot kernels and the sorted-chunk kernels equal the portable dispatch bit for bit."""
-    with settings.override(dispatch_sorted_min_bins=None if family == "one_hot" else 1):
+    with settings.override(dispatch_sorted_min_bins=None if family == "one_hot" else 1,
+                           dispatch_one_program_max_rows=None):
         check_dispatch_bitwise(L, K, E, device="cuda", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
+
+
+@pytest.mark.parametrize("L,K,E,routing,sentinel_frac", [(512, 8, 128, "uniform", 0.0), (1024, 8, 256, "skewed", 0.1),
+                                                         (2048, 2, 32, "first", 0.3), (7, 2, 256, "uniform", 0.0),
+                                                         (8192, 1, 64, "uniform", 0.0), (3000, 2, 8, "no_last", 0.0)])
+def test_dispatch_one_program_bitwise(L, K, E, routing, sentinel_frac, seed):
+    """Routings of up to the largest bound dispatched by one program (one sorted chunk of up
+    to 8192 rows): the portable dispatch's arrays, bit for bit."""
+    with settings.override(dispatch_one_program_max_rows=settings.MAX_ONE_PROGRAM_ROWS):
+        check_dispatch_bitwise(L, K, E, device="cuda", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
+
+
+@pytest.mark.parametrize("K", [1, 3, 8])
+def test_invalid_id_flags_one_program(K, seed):
+    """The id checks of the one-program dispatch: flags raised exactly for negative and
+    repeated ids, none for repeated sentinels."""
+    from moeblaze_ops.kernels.triton_dispatch import invalid_id_flags
+
+    L, E = 1024, 64
+    ids = make_topk_ids(L, K, E, generator=torch.Generator().manual_seed(seed))
+    with settings.override(dispatch_one_program_max_rows=settings.MAX_ONE_PROGRAM_ROWS):
+        assert invalid_id_flags(ids.cuda(), E).tolist() == [0, 0]
+        bad = ids.clone()
+        bad[L - 1, K - 1] = -3
+        assert invalid_id_flags(bad.cuda(), E).tolist() == [1, 0]
+        if K > 1:
+            bad = ids.clone()
+            bad[900, K - 1] = bad[900, 0]
+            assert invalid_id_flags(bad.cuda(), E).tolist() == [0, 1]
+            bad = ids.clone()
+            bad[:, :2] = E + 1  # sentinels may repeat
+            assert invalid_id_flags(bad.cuda(), E).tolist() == [0, 0]
 
 
 def _cuda_layer(seed, L=1024):
@@ -216,7 +249,8 @@ def test_invalid_id_flags(K, family, seed):
     g = torch.Generator().manual_seed(seed)
     L, E = 4096, 64
     ids = make_topk_ids(L, K, E, generator=g)
-    with settings.override(dispatch_sorted_min_bins=1 if family == "sorted" else None):
+    with settings.override(dispatch_sorted_min_bins=1 if family == "sorted" else None,
+                           dispatch_one_program_max_rows=None):
         edge = settings.current().dispatch_sort_chunk if family == "sorted" else _chunk_size(L * K)
         assert invalid_id_flags(ids.cuda(), E).tolist() == [0, 0]
         bad = ids.clone()

@@ -318,6 +318,16 @@ def test_activation_beside_h_settings_refuse_bad_values(name, bad):
     assert not settings.KernelSettings(activation_beside_h_max_columns=None).activation_beside_h(1, 10 ** 9, 1)
 
 
+@pytest.mark.parametrize("bad", [-1, 8193, 4096.0, "4096"])
+def test_one_program_dispatch_bound_refuses_bad_values(bad):
+    """``dispatch_one_program_max_rows`` is a row count no larger than one program can sort
+    (``settings.MAX_ONE_PROGRAM_ROWS``), or None; anything else is refused by name."""
+    with pytest.raises(ValueError, match="dispatch_one_program_max_rows"):
+        settings.KernelSettings(dispatch_one_program_max_rows=bad)
+    assert settings.KernelSettings(dispatch_one_program_max_rows=settings.MAX_ONE_PROGRAM_ROWS)
+    assert settings.KernelSettings(dispatch_one_program_max_rows=None)
+
+
 def test_split_mma_setting_takes_its_kinds_only():
     """``wgrad_split_mma`` is a set of the GEMM kinds its kernel runs; any other kind is
     refused by name, and a set of good ones is kept as a frozenset."""

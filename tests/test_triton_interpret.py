@@ -8,7 +8,7 @@ import torch
 from kernel_cases import check_backward, check_dispatch_bitwise, check_forward, check_frozen_grads
 from conftest import make_layer, rel_err
 from moeblaze_ops import ACTIVATIONS, moe_experts, settings
-from moeblaze_ops.settings import GemmTile
+from moeblaze_ops.settings import MAX_ONE_PROGRAM_ROWS, GemmTile
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
@@ -138,11 +138,16 @@ def test_backward_kernels_skip_frozen(trainable, recompute, seed):
                        recompute=recompute)
 
 
-#: The dispatch kernel families: one-hot tiles (chunks of 64 rows at these sizes), sorted
-#: chunks of 16 rows (many chunk edges) and of 128 (padding past the last row).
-DISPATCH_FAMILIES = {"onehot": dict(dispatch_sorted_min_bins=None),
-                     "sorted16": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=16),
-                     "sorted128": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=128)}
+#: The dispatch kernel families of several chunks: one-hot tiles (chunks of 64 rows at
+#: these sizes), sorted chunks of 16 rows (many chunk edges) and of 128 (padding past the
+#: last row); none of these routings goes to one program.
+DISPATCH_FAMILIES = {"onehot": dict(dispatch_sorted_min_bins=None, dispatch_one_program_max_rows=None),
+                     "sorted16": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=16,
+                                      dispatch_one_program_max_rows=None),
+                     "sorted128": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=128,
+                                       dispatch_one_program_max_rows=None)}
+#: The whole routing as one sorted chunk in one program.
+ONE_PROGRAM = {"one_program": dict(dispatch_one_program_max_rows=MAX_ONE_PROGRAM_ROWS)}
 
 
 def _check_id_flags(ids, E):
@@ -155,7 +160,7 @@ def _check_id_flags(ids, E):
     assert invalid_id_flags(ids, E).tolist() == expected
 
 
-@pytest.mark.parametrize("family", DISPATCH_FAMILIES)
+@pytest.mark.parametrize("family", {**DISPATCH_FAMILIES, **ONE_PROGRAM})
 @pytest.mark.parametrize("K", [1, 2, 3, 8])
 @pytest.mark.parametrize("defect", ["none", "negative", "repeat", "repeated_sentinel", "both"])
 def test_invalid_id_flags(K, defect, family, seed):
@@ -173,7 +178,7 @@ def test_invalid_id_flags(K, defect, family, seed):
         ids[(row + 1) % L, K - 1] = ids[(row + 1) % L, 0].clamp(min=0)
     if defect == "repeated_sentinel" and K > 1:
         ids[row, :2] = E + 1  # sentinels may repeat
-    with settings.override(**DISPATCH_FAMILIES[family]):
+    with settings.override(**{**DISPATCH_FAMILIES, **ONE_PROGRAM}[family]):
         _check_id_flags(ids, E)
         if defect == "repeated_sentinel":  # valid ids: the checked dispatch's arrays are the portable one's
             from moeblaze_ops.kernels import torch_dispatch, triton_dispatch
@@ -350,8 +355,41 @@ def test_dispatch_sorted_kernels_bitwise(L, K, E, routing, sentinel_frac, chunk,
     """The sorted-chunk dispatch kernels (chunks of 16 rows: many chunks, runs across chunk
     edges; of 128: padding past the last row), their scatter reading the ranks the
     histogram stored: the same three arrays as the portable dispatch, bit for bit."""
-    with settings.override(dispatch_sorted_min_bins=1, dispatch_sort_chunk=chunk):
+    with settings.override(dispatch_sorted_min_bins=1, dispatch_sort_chunk=chunk, dispatch_one_program_max_rows=None):
         check_dispatch_bitwise(L, K, E, device="cpu", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
+
+
+@pytest.mark.parametrize(
+    "L,K,E,routing,sentinel_frac",
+    [(33, 2, 8, "uniform", 0.0), (1, 1, 1, "uniform", 0.0), (0, 4, 8, "uniform", 0.0), (256, 8, 256, "skewed", 0.1),
+     (50, 3, 6, "first", 0.4), (12, 2, 4, "uniform", 1.0), (1024, 2, 3, "no_last", 0.0)],
+)
+def test_dispatch_one_program_bitwise(L, K, E, routing, sentinel_frac, seed):
+    """A routing dispatched by one program (one launch: its rows one sorted chunk, counted
+    by a histogram), up to a full chunk of 2048 rows and none at all: the same three arrays as
+    the portable dispatch, bit for bit. The sizes are below the setting's bound, so the
+    one-program kernel is what runs; the test fails if the multi-chunk kernels run instead."""
+    from moeblaze_ops.kernels import triton_dispatch
+
+    ran = []
+    kernel = triton_dispatch._one_program_dispatch
+    with settings.override(dispatch_one_program_max_rows=L * K), \
+            _recording_launches(triton_dispatch, ran):
+        check_dispatch_bitwise(L, K, E, device="cpu", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
+    assert ran == [kernel]
+
+
+def _recording_launches(module, ran):
+    """A context in which ``module``'s launches are recorded (by kernel) into ``ran``."""
+    from unittest import mock
+
+    plain = module.launch
+
+    def launch(kernel, *args, **kwargs):
+        ran.append(kernel)
+        return plain(kernel, *args, **kwargs)
+
+    return mock.patch.object(module, "launch", launch)
 
 
 def test_training_steps_keep_no_tensor_alive(seed):

@@ -30,6 +30,10 @@ How a program ranks its rows picks one of two kernel families for steps 1 and 3
   each row's rank in ``token_index_map``, and the scatter reads it there (one sort per
   chunk, not two).
 
+A routing of at most ``settings.dispatch_one_program_max_rows`` rows (a small layer, where
+the launches cost more than the work) is one sorted chunk in one program:
+``_one_program_dispatch`` ranks, counts and places its rows in one launch, with no table.
+
 ``dispatch_checked`` folds the data checks of the ids into these launches: the histogram
 also checks the tokens whose first row ``i*K`` lies in its chunk (each token once, also
 when its K rows straddle a chunk edge) and writes two more columns, a negative id and a
@@ -65,8 +69,8 @@ def _keys(ids_ptr, rows, LK, E):
 
 
 @triton.jit
-def _owned_token_flags(ids_ptr, flags_ptr, chunk, CHUNK, LK, E, K: tl.constexpr, TOKENS: tl.constexpr):
-    """Writes ``[negative, repeated]`` of the tokens this chunk owns, those whose first row
+def _owned_token_flags(ids_ptr, chunk, CHUNK, LK, E, K: tl.constexpr, TOKENS: tl.constexpr):
+    """``(negative, repeated)`` (0 or 1) of the tokens this chunk owns, those whose first row
     ``i*K`` it holds: a negative id, a real expert id repeated in the token's row (every
     pair k < k2, unrolled; sentinels >= E may repeat). A token straddling the chunk's end
     is read past it, so every token is checked by exactly one program."""
@@ -85,8 +89,15 @@ def _owned_token_flags(ids_ptr, flags_ptr, chunk, CHUNK, LK, E, K: tl.constexpr,
             for k2 in tl.static_range(k + 1, K):
                 b = tl.load(row + k2, mask=inside, other=0)
                 repeated |= ((a == b) & (a >= 0) & (a < E) & inside).to(tl.int32)
-    tl.store(flags_ptr, tl.max(negative, axis=0))
-    tl.store(flags_ptr + 1, tl.max(repeated, axis=0))
+    return tl.max(negative, axis=0), tl.max(repeated, axis=0)
+
+
+@triton.jit
+def _store_token_flags(ids_ptr, flags_ptr, chunk, CHUNK, LK, E, K: tl.constexpr, TOKENS: tl.constexpr):
+    """Writes ``_owned_token_flags`` into the chunk's two flag columns at ``flags_ptr``."""
+    negative, repeated = _owned_token_flags(ids_ptr, chunk, CHUNK, LK, E, K, TOKENS)
+    tl.store(flags_ptr, negative)
+    tl.store(flags_ptr + 1, repeated)
 
 
 @triton.jit
@@ -104,7 +115,7 @@ def _chunk_histogram(ids_ptr, counts_ptr, LK, E, CHUNK, WIDTH, BINS: tl.constexp
     tl.store(row + bins, acc)
     tl.store(row + BINS, sentinels)
     if CHECK_IDS:
-        _owned_token_flags(ids_ptr, row + BINS + 1, chunk, CHUNK, LK, E, K, TOKENS)
+        _store_token_flags(ids_ptr, row + BINS + 1, chunk, CHUNK, LK, E, K, TOKENS)
 
 
 @triton.jit
@@ -217,7 +228,7 @@ def _chunk_histogram_sorted(ids_ptr, counts_ptr, ranks_ptr, LK, E, WIDTH, CHUNK:
     tl.store(row + col, rank + 1, mask=ends & (col <= BINS))
     tl.store(ranks_ptr + rows, rank, mask=col <= BINS)  # each row's rank in its run, for the scatter
     if CHECK_IDS:
-        _owned_token_flags(ids_ptr, row + BINS + 1, chunk, CHUNK, LK, E, K, TOKENS)
+        _store_token_flags(ids_ptr, row + BINS + 1, chunk, CHUNK, LK, E, K, TOKENS)
 
 
 @triton.jit
@@ -245,6 +256,29 @@ def _chunk_scatter_ranked(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, ok_ptr, 
     valid = col <= BINS
     rank = tl.load(tim_ptr + rows, mask=valid, other=0)
     _place_rows(first, sentinel_first, col, rows, rank, eti_ptr, tim_ptr, K, BINS)
+
+
+@triton.jit
+def _one_program_dispatch(ids_ptr, offsets_ptr, ok_ptr, eti_ptr, tim_ptr, LK, E, K: tl.constexpr,
+                          CHUNK: tl.constexpr, BINS: tl.constexpr, HIST: tl.constexpr, CHECK_IDS: tl.constexpr,
+                          TOKENS: tl.constexpr):
+    """A whole routing of at most ``CHUNK`` rows as one sorted chunk, in one program: the
+    three steps without a table in memory. The runs give each row's rank in its column,
+    a histogram of the columns (``HIST`` >= BINS + 2 bins: padding lands past BINS) the
+    counts, and their cumulative sum where each expert's rows start."""
+    chunk = tl.program_id(0)  # the only one
+    col, rows, rank, ends = _sorted_runs(ids_ptr, chunk, LK, E, CHUNK, BINS)
+    bins = tl.arange(0, HIST)
+    counts = tl.where(bins < BINS, tl.histogram(col, HIST), 0)
+    expert_start = tl.cumsum(counts, axis=0) - counts
+    real_rows = tl.sum(counts, axis=0)
+    tl.store(offsets_ptr + bins, expert_start, mask=bins < E)
+    tl.store(offsets_ptr + E, real_rows)
+    _place_rows(expert_start, real_rows, col, rows, rank, eti_ptr, tim_ptr, K, BINS)
+    if CHECK_IDS:
+        negative, repeated = _owned_token_flags(ids_ptr, chunk, CHUNK, LK, E, K, TOKENS)
+        tl.store(ok_ptr, 1 - negative)
+        tl.store(ok_ptr + 1, 1 - repeated)
 
 
 @triton.jit
@@ -325,6 +359,8 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool, scan_ti
     if not ids.is_contiguous():
         ids = ids.contiguous()
     config = settings.current()
+    if config.dispatch_one_program_max_rows is not None and LK <= config.dispatch_one_program_max_rows:
+        return _dispatch_one_program(ids, L, K, E, check_ids)
     sorted_ = config.dispatch_sorted_min_bins is not None and BINS >= config.dispatch_sorted_min_bins
     chunk = min(config.dispatch_sort_chunk, max(16, gg.next_power_of_2(LK))) if sorted_ else _chunk_size(LK)
     if sorted_ and (BINS + 2) * chunk > 2**31:
@@ -354,6 +390,24 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool, scan_ti
     else:
         launch(_chunk_scatter, grid, ids, counts, totals, offsets, ok, eti, tim, LK, E, K, chunk, width, BINS=BINS,
                SUB=SUB, CHECK_IDS=check_ids)
+    return eti, offsets, tim, ok
+
+
+def _dispatch_one_program(ids: torch.Tensor, L: int, K: int, E: int, check_ids: bool):
+    """``_dispatch`` of a routing small enough for one program (one launch; the flat ids
+    ``ids`` of ``L`` tokens' ``K`` choices among ``E`` experts)."""
+    LK, dev = L * K, ids.device
+    BINS = gg.next_power_of_2(E)
+    chunk = max(16, gg.next_power_of_2(LK))
+    if (BINS + 2) * chunk > 2**31:
+        raise ValueError(f"dispatch: {E} experts are too many for one sorted chunk of {chunk} rows")
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    eti = torch.empty(LK, dtype=torch.int32, device=dev)
+    tim = torch.empty(LK, dtype=torch.int32, device=dev)
+    ok = torch.empty(2, dtype=torch.int32, device=dev) if check_ids else None
+    launch(_one_program_dispatch, (1,), ids, offsets, ok, eti, tim, LK, E, K=max(K, 1), CHUNK=chunk, BINS=BINS,
+           HIST=gg.next_power_of_2(BINS + 2), CHECK_IDS=check_ids,
+           TOKENS=min(128, gg.next_power_of_2(chunk // max(K, 1) + 1)), num_warps=8 if chunk >= 1024 else 4)
     return eti, offsets, tim, ok
 
 
