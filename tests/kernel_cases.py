@@ -46,6 +46,27 @@ def check_dispatch_bitwise(L, K, E, *, device, routing="uniform", sentinel_frac=
         assert torch.equal(g.cpu(), w), f"seed={seed}"
 
 
+def check_id_defects(ids, E, *, negative_at, repeat_in, device="cuda"):
+    """The Triton dispatch's id flags (``[negative, repeated]``) on valid ``ids`` of ``E``
+    experts, then with one defect each: a negative id at ``negative_at`` (token, k), the
+    last choice of token ``repeat_in`` repeating its first, and every token's first two
+    choices a sentinel (sentinels may repeat)."""
+    from moeblaze_ops.kernels.triton_dispatch import invalid_id_flags
+
+    K = ids.shape[1]
+    assert invalid_id_flags(ids.to(device), E).tolist() == [0, 0]
+    bad = ids.clone()
+    bad[negative_at] = -3
+    assert invalid_id_flags(bad.to(device), E).tolist() == [1, 0]
+    if K > 1:
+        bad = ids.clone()
+        bad[repeat_in, K - 1] = bad[repeat_in, 0]
+        assert invalid_id_flags(bad.to(device), E).tolist() == [0, 1]
+        bad = ids.clone()
+        bad[:, :2] = E + 1
+        assert invalid_id_flags(bad.to(device), E).tolist() == [0, 0]
+
+
 GRAD_ARGS = ("x", "topk_weights", "w_gate_up", "w_down", "b_gate_up", "b_down")
 
 
