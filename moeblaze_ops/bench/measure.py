@@ -178,7 +178,7 @@ def bench_train(ctx, names):
         def step(fn):
             fn().backward(grad)
 
-        def graphed_step(fn):
+        def fresh_step(fn):
             # A replayed graph's gradients are its outputs, overwritten by the next replay, so
             # every step (do_bench's warm-up ones too) starts from none, as a training loop
             # does after zero_grad(set_to_none=True).
@@ -186,9 +186,9 @@ def bench_train(ctx, names):
                 t.grad = None
             step(fn)
 
-        for peer, fn, _ in _runnable(ctx, peers(*inputs, train=True, cuda_graphs=ctx.cuda_graphs), graphed_step):
+        for peer, fn, _ in _runnable(ctx, peers(*inputs, train=True, cuda_graphs=ctx.cuda_graphs), fresh_step):
             # Gradients made afresh each step, as after zero_grad(set_to_none=True).
-            timed = graphed_step if peer in CUDA_GRAPH_PEERS else step
+            timed = fresh_step if peer in CUDA_GRAPH_PEERS else step
             ms = time_ms(lambda fn=fn, timed=timed: timed(fn), ctx.device, grad_to_none=(x, w, w_gate_up, w_down))
             if peer in CUDA_GRAPH_PEERS:
                 rows.append(emit(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=NAN,

@@ -359,22 +359,28 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool, scan_ti
     if not ids.is_contiguous():
         ids = ids.contiguous()
     config = settings.current()
-    if config.dispatch_one_program_max_rows is not None and LK <= config.dispatch_one_program_max_rows:
-        return _dispatch_one_program(ids, L, K, E, check_ids)
-    sorted_ = config.dispatch_sorted_min_bins is not None and BINS >= config.dispatch_sorted_min_bins
-    chunk = min(config.dispatch_sort_chunk, max(16, gg.next_power_of_2(LK))) if sorted_ else _chunk_size(LK)
+    one_program = config.dispatch_one_program_max_rows is not None and LK <= config.dispatch_one_program_max_rows
+    sorted_ = one_program or (config.dispatch_sorted_min_bins is not None and BINS >= config.dispatch_sorted_min_bins)
+    if one_program:
+        chunk = max(16, gg.next_power_of_2(LK))
+    else:
+        chunk = min(config.dispatch_sort_chunk, max(16, gg.next_power_of_2(LK))) if sorted_ else _chunk_size(LK)
     if sorted_ and (BINS + 2) * chunk > 2**31:
         raise ValueError(f"dispatch: {E} experts are too many for sorted chunks of {chunk} rows")
-    num_chunks = max(1, gg.cdiv(LK, chunk))
-    width = BINS + 3 if check_ids else BINS + 1  # the two flag columns after the sentinel column
-    counts = torch.empty(num_chunks, width, dtype=torch.int32, device=dev)
-    totals = torch.empty(width, dtype=torch.int32, device=dev)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     eti = torch.empty(LK, dtype=torch.int32, device=dev)
     tim = torch.empty(LK, dtype=torch.int32, device=dev)
     ok = torch.empty(2, dtype=torch.int32, device=dev) if check_ids else None
     # K == 0 has no rows and no tokens to check; K is a constexpr (the unrolled pairs).
     check = dict(K=max(K, 1), CHECK_IDS=check_ids, TOKENS=min(128, gg.next_power_of_2(chunk // max(K, 1) + 1)))
+    if one_program:
+        launch(_one_program_dispatch, (1,), ids, offsets, ok, eti, tim, LK, E, CHUNK=chunk, BINS=BINS,
+               HIST=gg.next_power_of_2(BINS + 2), **check, num_warps=8 if chunk >= 1024 else 4)
+        return eti, offsets, tim, ok
+    num_chunks = max(1, gg.cdiv(LK, chunk))
+    width = BINS + 3 if check_ids else BINS + 1  # the two flag columns after the sentinel column
+    counts = torch.empty(num_chunks, width, dtype=torch.int32, device=dev)
+    totals = torch.empty(width, dtype=torch.int32, device=dev)
     grid = (num_chunks,)
     if sorted_:
         # The histogram keeps each row's rank in token_index_map, which the scatter then
@@ -390,24 +396,6 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool, scan_ti
     else:
         launch(_chunk_scatter, grid, ids, counts, totals, offsets, ok, eti, tim, LK, E, K, chunk, width, BINS=BINS,
                SUB=SUB, CHECK_IDS=check_ids)
-    return eti, offsets, tim, ok
-
-
-def _dispatch_one_program(ids: torch.Tensor, L: int, K: int, E: int, check_ids: bool):
-    """``_dispatch`` of a routing small enough for one program (one launch; the flat ids
-    ``ids`` of ``L`` tokens' ``K`` choices among ``E`` experts)."""
-    LK, dev = L * K, ids.device
-    BINS = gg.next_power_of_2(E)
-    chunk = max(16, gg.next_power_of_2(LK))
-    if (BINS + 2) * chunk > 2**31:
-        raise ValueError(f"dispatch: {E} experts are too many for one sorted chunk of {chunk} rows")
-    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
-    eti = torch.empty(LK, dtype=torch.int32, device=dev)
-    tim = torch.empty(LK, dtype=torch.int32, device=dev)
-    ok = torch.empty(2, dtype=torch.int32, device=dev) if check_ids else None
-    launch(_one_program_dispatch, (1,), ids, offsets, ok, eti, tim, LK, E, K=max(K, 1), CHUNK=chunk, BINS=BINS,
-           HIST=gg.next_power_of_2(BINS + 2), CHECK_IDS=check_ids,
-           TOKENS=min(128, gg.next_power_of_2(chunk // max(K, 1) + 1)), num_warps=8 if chunk >= 1024 else 4)
     return eti, offsets, tim, ok
 
 
