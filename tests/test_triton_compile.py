@@ -1,7 +1,7 @@
 """The ``tl`` kernels whose GPU runs are the default compile for a Hopper (sm_90) target on
 any machine, with Triton's own compiler and ptxas: the dispatch kernels with the id checks
-folded in (both families and the one-program kernel, int32 and int64 ids; the sorted one's scatter sorting again or
-reading the histogram's ranks), the backward kernels that read each
+folded in (both families and the one-program kernel, int32 and int64 ids; the sorted
+histogram's flags read off its runs or from the ids again), the backward kernels that read each
 row's combine weight in place (dH's epilogue whole and in column slices), and the row GEMMs with their tiles in bands
 (``settings.row_band``). CPU machines run these kernels in the interpreter, which
 does not lower them; this catches what only the real compiler rejects.
@@ -35,12 +35,13 @@ for ids in ("*i32", "*i64"):
                                                       "ok_ptr", "eti_ptr", "tim_ptr", "ranks_ptr")})
     compile_for_hopper(td._chunk_histogram, tables, dict(BINS=16, SUB=64, K=3, CHECK_IDS=True, TOKENS=32))
     compile_for_hopper(td._chunk_scatter, tables, dict(BINS=16, SUB=64, CHECK_IDS=True))
-    compile_for_hopper(td._chunk_histogram_sorted, tables, dict(CHUNK=1024, BINS=128, K=8, CHECK_IDS=True,
-                                                                 TOKENS=128), num_warps=8)
+    for K in (8, 3):  # flags off the sorted runs (whole tokens in a chunk), or from the ids again
+        compile_for_hopper(td._chunk_histogram_sorted, tables, dict(CHUNK=512, BINS=256, K=K, CHECK_IDS=True,
+                                                                     TOKENS=128), num_warps=8)
     compile_for_hopper(td._chunk_scatter_ranked, tables, dict(CHUNK=1024, BINS=128, CHECK_IDS=True), num_warps=8)
     for chunk in (4096, 8192):  # the default bound and the largest (settings.MAX_ONE_PROGRAM_ROWS)
-        compile_for_hopper(td._one_program_dispatch, tables, dict(K=8, CHUNK=chunk, BINS=256, HIST=512, CHECK_IDS=True,
-                                                                  TOKENS=128), num_warps=8)
+        compile_for_hopper(td._one_program_dispatch, tables, dict(K=8, CHUNK=chunk, BINS=256, HIST=512, CHECK_IDS=True),
+                           num_warps=8)
 rows = {n: "*bf16" for n in ("go_ptr", "w_src", "h_ptr", "bias_ptr", "dh_ptr", "wact_ptr", "rows_ptr", "out_ptr")}
 rows.update({n: "*i32" for n in ("eti_ptr", "tim_ptr", "offsets_ptr", "row_ids_ptr")}, tw_ptr="*fp32",
             part_ptr="*fp32", bdot_ptr="*fp32", alpha="fp32", limit="fp32")

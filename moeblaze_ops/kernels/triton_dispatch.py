@@ -27,8 +27,8 @@ How a program ranks its rows picks one of two kernel families for steps 1 and 3
   the start of its run of equal columns, and the last row of each run writes the run's
   length into the table. O(log^2 chunk) work per row, no barrier in the scatter; not a
   global sort, and the result is the same ranking in flat order. The histogram stores
-  each row's rank in ``token_index_map``, and the scatter reads it there (one sort per
-  chunk, not two).
+  each row's column and rank in ``token_index_map``, and the scatter reads them there
+  (one sort per chunk, not two, and no id loaded twice).
 
 A routing of at most ``settings.dispatch_one_program_max_rows`` rows (a small layer, where
 the launches cost more than the work) is one sorted chunk in one program:
@@ -39,7 +39,10 @@ also checks the tokens whose first row ``i*K`` lies in its chunk (each token onc
 when its K rows straddle a chunk edge) and writes two more columns, a negative id and a
 real expert id repeated in one token's row (``[chunks, BINS + 3]``); the column scan sums
 them with the counts, and the scatter's program 0 turns the totals into ``ok`` flags that
-``torch._assert_async`` reads on the device: no host sync, no extra reduction.
+``torch._assert_async`` reads on the device: no host sync, no extra reduction. Sorted
+chunks that hold whole tokens (chunk rows a multiple of K; the one-program chunk always)
+read both flags off their sorted runs instead (``_run_flags``): a token's repeated
+expert puts two of its rows side by side in that expert's run.
 """
 
 from __future__ import annotations
@@ -69,11 +72,12 @@ def _keys(ids_ptr, rows, LK, E):
 
 
 @triton.jit
-def _owned_token_flags(ids_ptr, chunk, CHUNK, LK, E, K: tl.constexpr, TOKENS: tl.constexpr):
-    """``(negative, repeated)`` (0 or 1) of the tokens this chunk owns, those whose first row
-    ``i*K`` it holds: a negative id, a real expert id repeated in the token's row (every
-    pair k < k2, unrolled; sentinels >= E may repeat). A token straddling the chunk's end
-    is read past it, so every token is checked by exactly one program."""
+def _store_token_flags(ids_ptr, flags_ptr, chunk, CHUNK, LK, E, K: tl.constexpr, TOKENS: tl.constexpr):
+    """Writes ``(negative, repeated)`` (0 or 1) of the tokens this chunk owns, those whose
+    first row ``i*K`` it holds, into the chunk's two flag columns at ``flags_ptr``: a
+    negative id, a real expert id repeated in the token's row (every pair k < k2, unrolled;
+    sentinels >= E may repeat). A token straddling the chunk's end is read past it, so every
+    token is checked by exactly one program."""
     first_row = chunk.to(tl.int64) * CHUNK
     first = (first_row + K - 1) // K
     end = (tl.minimum(first_row + CHUNK, LK) + K - 1) // K
@@ -89,15 +93,8 @@ def _owned_token_flags(ids_ptr, chunk, CHUNK, LK, E, K: tl.constexpr, TOKENS: tl
             for k2 in tl.static_range(k + 1, K):
                 b = tl.load(row + k2, mask=inside, other=0)
                 repeated |= ((a == b) & (a >= 0) & (a < E) & inside).to(tl.int32)
-    return tl.max(negative, axis=0), tl.max(repeated, axis=0)
-
-
-@triton.jit
-def _store_token_flags(ids_ptr, flags_ptr, chunk, CHUNK, LK, E, K: tl.constexpr, TOKENS: tl.constexpr):
-    """Writes ``_owned_token_flags`` into the chunk's two flag columns at ``flags_ptr``."""
-    negative, repeated = _owned_token_flags(ids_ptr, chunk, CHUNK, LK, E, K, TOKENS)
-    tl.store(flags_ptr, negative)
-    tl.store(flags_ptr + 1, repeated)
+    tl.store(flags_ptr, tl.max(negative, axis=0))
+    tl.store(flags_ptr + 1, tl.max(repeated, axis=0))
 
 
 @triton.jit
@@ -215,6 +212,19 @@ def _sorted_runs(ids_ptr, chunk, LK, E, CHUNK: tl.constexpr, BINS: tl.constexpr)
 
 
 @triton.jit
+def _run_flags(col, rows, rank, LK, K: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr):
+    """``(negative, repeated)`` (0 or 1) read off a chunk's sorted runs, where every token's K
+    rows lie inside the chunk: a row inside LK in the negative ids' column (BINS + 1), and
+    a slot of a real expert's run whose row has the same token as the slot before it. A
+    token's rows are consecutive, so two of them in one run sit side by side there; no id
+    is loaded again."""
+    negative = tl.max(((col == BINS + 1) & (rows < LK)).to(tl.int32), axis=0)
+    previous = tl.gather(rows, tl.maximum(tl.arange(0, CHUNK) - 1, 0), 0)
+    repeated = tl.max(((rank > 0) & (col < BINS) & (rows // K == previous // K)).to(tl.int32), axis=0)
+    return negative, repeated
+
+
+@triton.jit
 def _chunk_histogram_sorted(ids_ptr, counts_ptr, ranks_ptr, LK, E, WIDTH, CHUNK: tl.constexpr, BINS: tl.constexpr,
                             K: tl.constexpr, CHECK_IDS: tl.constexpr, TOKENS: tl.constexpr):
     chunk = tl.program_id(0)
@@ -226,9 +236,15 @@ def _chunk_histogram_sorted(ids_ptr, counts_ptr, ranks_ptr, LK, E, WIDTH, CHUNK:
     # One writer per column. Negative ids and padding (column BINS + 1) write nothing: the
     # table's column BINS + 1 is the negative-id flag's when checking.
     tl.store(row + col, rank + 1, mask=ends & (col <= BINS))
-    tl.store(ranks_ptr + rows, rank, mask=col <= BINS)  # each row's rank in its run, for the scatter
+    # Each row's column and rank, for the scatter, which then loads no id.
+    tl.store(ranks_ptr + rows, col * CHUNK + rank, mask=rows < LK)
     if CHECK_IDS:
-        _store_token_flags(ids_ptr, row + BINS + 1, chunk, CHUNK, LK, E, K, TOKENS)
+        if CHUNK % K == 0:
+            negative, repeated = _run_flags(col, rows, rank, LK, K, CHUNK, BINS)
+            tl.store(row + BINS + 1, negative)
+            tl.store(row + BINS + 2, repeated)
+        else:  # tokens straddle chunk edges: each chunk reads its own tokens' ids again
+            _store_token_flags(ids_ptr, row + BINS + 1, chunk, CHUNK, LK, E, K, TOKENS)
 
 
 @triton.jit
@@ -244,24 +260,22 @@ def _place_rows(first, sentinel_first, col, rows, rank, eti_ptr, tim_ptr, K, BIN
 
 
 @triton.jit
-def _chunk_scatter_ranked(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, ok_ptr, eti_ptr, tim_ptr, LK, E, K, WIDTH,
+def _chunk_scatter_ranked(starts_ptr, totals_ptr, offsets_ptr, ok_ptr, eti_ptr, tim_ptr, LK, E, K, WIDTH,
                           CHUNK: tl.constexpr, BINS: tl.constexpr, CHECK_IDS: tl.constexpr):
-    """The sorted-chunk scatter: each row's rank in its run is in ``tim_ptr`` (stored there
-    by ``_chunk_histogram_sorted``), and is overwritten by the row's position."""
+    """The sorted-chunk scatter: each row's column and rank in its run are in ``tim_ptr``
+    (``column * CHUNK + rank``, stored there by ``_chunk_histogram_sorted``), and are
+    overwritten by the row's position."""
     chunk = tl.program_id(0)
     first, sentinel_first = _chunk_firsts(starts_ptr, totals_ptr, offsets_ptr, ok_ptr, E, chunk, WIDTH, BINS,
                                           CHECK_IDS)
     rows = chunk * CHUNK + tl.arange(0, CHUNK)
-    col = _columns(_keys(ids_ptr, rows, LK, E), BINS)
-    valid = col <= BINS
-    rank = tl.load(tim_ptr + rows, mask=valid, other=0)
-    _place_rows(first, sentinel_first, col, rows, rank, eti_ptr, tim_ptr, K, BINS)
+    ranked = tl.load(tim_ptr + rows, mask=rows < LK, other=(BINS + 1) * CHUNK)
+    _place_rows(first, sentinel_first, ranked // CHUNK, rows, ranked % CHUNK, eti_ptr, tim_ptr, K, BINS)
 
 
 @triton.jit
 def _one_program_dispatch(ids_ptr, offsets_ptr, ok_ptr, eti_ptr, tim_ptr, LK, E, K: tl.constexpr,
-                          CHUNK: tl.constexpr, BINS: tl.constexpr, HIST: tl.constexpr, CHECK_IDS: tl.constexpr,
-                          TOKENS: tl.constexpr):
+                          CHUNK: tl.constexpr, BINS: tl.constexpr, HIST: tl.constexpr, CHECK_IDS: tl.constexpr):
     """A whole routing of at most ``CHUNK`` rows as one sorted chunk, in one program: the
     three steps without a table in memory. The runs give each row's rank in its column,
     a histogram of the columns (``HIST`` >= BINS + 2 bins: padding lands past BINS) the
@@ -275,8 +289,8 @@ def _one_program_dispatch(ids_ptr, offsets_ptr, ok_ptr, eti_ptr, tim_ptr, LK, E,
     tl.store(offsets_ptr + bins, expert_start, mask=bins < E)
     tl.store(offsets_ptr + E, real_rows)
     _place_rows(expert_start, real_rows, col, rows, rank, eti_ptr, tim_ptr, K, BINS)
-    if CHECK_IDS:
-        negative, repeated = _owned_token_flags(ids_ptr, chunk, CHUNK, LK, E, K, TOKENS)
+    if CHECK_IDS:  # one chunk holds every token
+        negative, repeated = _run_flags(col, rows, rank, LK, K, CHUNK, BINS)
         tl.store(ok_ptr, 1 - negative)
         tl.store(ok_ptr + 1, 1 - repeated)
 
@@ -371,12 +385,14 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool, scan_ti
     eti = torch.empty(LK, dtype=torch.int32, device=dev)
     tim = torch.empty(LK, dtype=torch.int32, device=dev)
     ok = torch.empty(2, dtype=torch.int32, device=dev) if check_ids else None
-    # K == 0 has no rows and no tokens to check; K is a constexpr (the unrolled pairs).
-    check = dict(K=max(K, 1), CHECK_IDS=check_ids, TOKENS=min(128, gg.next_power_of_2(chunk // max(K, 1) + 1)))
+    # K == 0 has no rows and no tokens to check; K is a constexpr (the unrolled pairs, the
+    # chunks that hold whole tokens).
+    check = dict(K=max(K, 1), CHECK_IDS=check_ids)
     if one_program:
         launch(_one_program_dispatch, (1,), ids, offsets, ok, eti, tim, LK, E, CHUNK=chunk, BINS=BINS,
                HIST=gg.next_power_of_2(BINS + 2), **check, num_warps=8 if chunk >= 1024 else 4)
         return eti, offsets, tim, ok
+    check["TOKENS"] = min(128, gg.next_power_of_2(chunk // max(K, 1) + 1))
     num_chunks = max(1, gg.cdiv(LK, chunk))
     width = BINS + 3 if check_ids else BINS + 1  # the two flag columns after the sentinel column
     counts = torch.empty(num_chunks, width, dtype=torch.int32, device=dev)
@@ -391,7 +407,7 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool, scan_ti
         launch(_chunk_histogram, grid, ids, counts, LK, E, chunk, width, BINS=BINS, SUB=SUB, **check)
     _scan_columns(counts, totals, scan_tile)
     if sorted_:
-        launch(_chunk_scatter_ranked, grid, ids, counts, totals, offsets, ok, eti, tim, LK, E, K, width, CHUNK=chunk,
+        launch(_chunk_scatter_ranked, grid, counts, totals, offsets, ok, eti, tim, LK, E, K, width, CHUNK=chunk,
                BINS=BINS, CHECK_IDS=check_ids, num_warps=8)
     else:
         launch(_chunk_scatter, grid, ids, counts, totals, offsets, ok, eti, tim, LK, E, K, chunk, width, BINS=BINS,
