@@ -122,16 +122,33 @@ def test_scan_tile(num_chunks, width):
     assert rows >= min(num_chunks, SCAN_TILE // cols)
 
 
+@settings(max_examples=300, deadline=None)
+@given(num_chunks=st.integers(1, 2**22), rows=st.sampled_from([8, 64, 512, 1024]))
+def test_scan_blocks(num_chunks, rows):
+    """The scan's blocks cover the table once, in whole tiles: one block where a program
+    walks few tiles, else at most ``SCAN_BLOCKS`` blocks, the last one not empty."""
+    from moeblaze_ops.kernels.grouped_gemm import cdiv
+    from moeblaze_ops.kernels.triton_dispatch import SCAN_BLOCKS, SCAN_STEPS, _scan_blocks
+
+    span, blocks = _scan_blocks(num_chunks, rows)
+    assert span % rows == 0 and (blocks - 1) * span < num_chunks <= blocks * span
+    assert blocks == 1 if cdiv(num_chunks, rows) <= SCAN_STEPS else 1 < blocks <= SCAN_BLOCKS
+
+
 @pytest.mark.parametrize(
-    "num_chunks,width",
-    [(1, 2), (64, 35), (1024, 19), (2500, 259), (600, 2049)],
-    ids=["one_row", "one_step", "one_tall_step", "ragged_steps_4_cols", "ragged_steps_8_cols"],
+    "num_chunks,width,max_tile",
+    [(1, 2, None), (64, 35, None), (1024, 19, None), (2500, 259, None), (600, 2049, None), (600, 19, 32),
+     (160, 19, 128), (32, 35, 32)],
+    ids=["one_row", "one_step", "one_tall_step", "ragged_steps_4_cols", "ragged_steps_8_cols", "blocks_ragged",
+         "blocks_of_one_step", "one_block_of_most_steps"],
 )
-def test_column_scan(num_chunks, width, seed):
+def test_column_scan(num_chunks, width, max_tile, seed):
     """``_scan_columns`` against torch: each column's exclusive prefix sum in place and its
-    total. The last two tables take several programs, several steps each, and end in a
-    part block of rows and of columns."""
-    from moeblaze_ops.kernels.triton_dispatch import _scan_columns
+    total. The ragged tables take several programs, several steps each, and end in a part
+    block of rows and of columns; with a small tile the tall ones are scanned in blocks
+    (38 of 16 rows; 5 of one 32-row step), each started from the blocks above it, or in one
+    block of ``SCAN_STEPS`` steps."""
+    from moeblaze_ops.kernels.triton_dispatch import SCAN_TILE, _scan_columns
 
     dev = triton_device()
     counts = torch.randint(0, 1000, (num_chunks, width), dtype=torch.int32,
@@ -140,11 +157,12 @@ def test_column_scan(num_chunks, width, seed):
     want_totals = counts.sum(0, dtype=torch.int32)
     got = counts.to(dev)
     totals = torch.full((width,), -1, dtype=torch.int32, device=dev)
-    _scan_columns(got, totals)
+    _scan_columns(got, totals, max_tile or SCAN_TILE)
     assert torch.equal(got.cpu(), want)
     assert torch.equal(totals.cpu(), want_totals)
 
 
+@pytest.mark.parametrize("scan_tile", [32, 16], ids=["one_block", "blocks"])
 @pytest.mark.parametrize("checked", [False, True], ids=["unchecked", "checked"])
 @pytest.mark.parametrize(
     "L,K,E,family",
@@ -152,18 +170,18 @@ def test_column_scan(num_chunks, width, seed):
      (400, 3, 6, dict(dispatch_sorted_min_bins=None, dispatch_one_program_max_rows=None))],
     ids=["sorted16", "onehot"],
 )
-def test_triton_dispatch_scan_in_steps(L, K, E, family, checked, seed):
+def test_triton_dispatch_scan_in_steps(L, K, E, family, checked, scan_tile, seed):
     """The Triton dispatch with its column scan in several programs of several steps, the
     last block of rows and of columns part-filled, against the portable dispatch bit for
-    bit: a small scan tile (8 rows of 4 columns) does to tables of 20 and 19 chunks
-    (16-row sorted chunks of 256 experts: 257 or 259 columns; 64-row one-hot chunks of 6
-    experts: 9 or 11) what the real one does to thousands. Checked, the id flags say the
-    ids are valid."""
+    bit: a small scan tile (8 rows of 4 columns; 4 rows, so that the table is scanned in
+    blocks) does to tables of 20 and 19 chunks (16-row sorted chunks of 256 experts: 257
+    or 259 columns; 64-row one-hot chunks of 6 experts: 9 or 11) what the real one does
+    to thousands. Checked, the id flags say the ids are valid."""
     from moeblaze_ops.kernels import torch_dispatch, triton_dispatch
 
     ids = make_topk_ids(L, K, E, "skewed", sentinel_frac=0.1, generator=torch.Generator().manual_seed(seed))
     with moeblaze_settings.override(**family):
-        *got, ok = triton_dispatch._dispatch(ids.to(triton_device()), E, check_ids=checked, scan_tile=32)
+        *got, ok = triton_dispatch._dispatch(ids.to(triton_device()), E, check_ids=checked, scan_tile=scan_tile)
     for g, w in zip(got, torch_dispatch.dispatch(ids, E)):
         assert torch.equal(g.cpu(), w)
     assert (ok is None) != checked and (not checked or ok.cpu().tolist() == [1, 1])

@@ -1,7 +1,7 @@
 """The ``tl`` kernels whose GPU runs are the default compile for a Hopper (sm_90) target on
 any machine, with Triton's own compiler and ptxas: the dispatch kernels with the id checks
 folded in (both families and the one-program kernel, int32 and int64 ids; the sorted
-histogram's flags read off its runs or from the ids again), the backward kernels that read each
+histogram's flags read off its runs or from the ids again), the column scan in blocks, the backward kernels that read each
 row's combine weight in place (dH's epilogue whole and in column slices), and the row GEMMs with their tiles in bands
 (``settings.row_band``). CPU machines run these kernels in the interpreter, which
 does not lower them; this catches what only the real compiler rejects.
@@ -42,6 +42,9 @@ for ids in ("*i32", "*i64"):
     for chunk in (4096, 8192):  # the default bound and the largest (settings.MAX_ONE_PROGRAM_ROWS)
         compile_for_hopper(td._one_program_dispatch, tables, dict(K=8, CHUNK=chunk, BINS=256, HIST=512, CHECK_IDS=True),
                            num_warps=8)
+scan = {n: "*i32" for n in ("counts_ptr", "totals_ptr", "sums_ptr")}
+compile_for_hopper(td._column_block_sums, scan, dict(COLS=4, ROWS=1024), num_warps=8)
+compile_for_hopper(td._column_scan, scan, dict(COLS=8, ROWS=512, BLOCKS=64), num_warps=8)
 rows = {n: "*bf16" for n in ("go_ptr", "w_src", "h_ptr", "bias_ptr", "dh_ptr", "wact_ptr", "rows_ptr", "out_ptr")}
 rows.update({n: "*i32" for n in ("eti_ptr", "tim_ptr", "offsets_ptr", "row_ids_ptr")}, tw_ptr="*fp32",
             part_ptr="*fp32", bdot_ptr="*fp32", alpha="fp32", limit="fp32")

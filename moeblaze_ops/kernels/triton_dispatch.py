@@ -9,7 +9,9 @@ chunk's counts live in one row of a ``[chunks, BINS + 1]`` table: one column per
 2. ``_column_scan``: for each column, an exclusive prefix sum over the chunks turns the
    counts into where each chunk's rows start inside that expert (in place), and leaves
    the column total. Each program scans a few columns in tall tiles of rows
-   (``_scan_tile``): many programs, few sequential steps each.
+   (``_scan_tile``): many programs, few sequential steps each. A table too tall for few
+   steps is scanned in blocks of rows, each started from the sums of the blocks above
+   it, which ``_column_block_sums`` makes first (``_scan_blocks``).
 3. ``_chunk_scatter``: each program ranks its rows inside their expert in flat order
    (a running count per expert: the chunk's start plus a cumulative sum of the one-hot
    tile) and writes ``token_index_map[j]`` and ``expert_token_indices[pos]``: every
@@ -60,6 +62,10 @@ SUB = 64  # rows a one-hot step ranks at once
 #: Most elements of one ``_column_scan`` tile: 8 warps hold it, with each element's 64-bit
 #: address, in registers without spilling.
 SCAN_TILE = 4096
+#: Most tiles one ``_column_scan`` program walks down a table of one block; a taller table
+#: is cut into at most ``SCAN_BLOCKS`` blocks (``_scan_blocks``).
+SCAN_STEPS = 4
+SCAN_BLOCKS = 64
 
 SENTINEL = tl.constexpr(-2)
 
@@ -116,18 +122,45 @@ def _chunk_histogram(ids_ptr, counts_ptr, LK, E, CHUNK, WIDTH, BINS: tl.constexp
 
 
 @triton.jit
-def _column_scan(counts_ptr, totals_ptr, NUM_CHUNKS, WIDTH, COLS: tl.constexpr, ROWS: tl.constexpr):
+def _column_block_sums(counts_ptr, sums_ptr, NUM_CHUNKS, WIDTH, SPAN, COLS: tl.constexpr, ROWS: tl.constexpr):
+    """Each column's sum over one block of SPAN table rows (program (column group, block)):
+    the first pass of a tall table's scan."""
     cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
+    block = tl.program_id(1)
+    cmask = cols < WIDTH
+    end = tl.minimum((block + 1) * SPAN, NUM_CHUNKS)
+    acc = tl.zeros((COLS,), dtype=tl.int32)
+    for r in range(block * SPAN, end, ROWS):
+        rows = r + tl.arange(0, ROWS)
+        mask = (rows < end)[:, None] & cmask[None, :]
+        acc += tl.sum(tl.load(counts_ptr + rows[:, None] * WIDTH + cols[None, :], mask=mask, other=0), axis=0)
+    tl.store(sums_ptr + block * WIDTH + cols, acc, mask=cmask)
+
+
+@triton.jit
+def _column_scan(counts_ptr, totals_ptr, sums_ptr, NUM_CHUNKS, WIDTH, SPAN, COLS: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCKS: tl.constexpr):
+    """The exclusive prefix sum of each column over one block of SPAN table rows, in place,
+    started from the sums of the blocks above it (``_column_block_sums``; none when the
+    table is one block); the last block's programs write the column totals."""
+    cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
+    block = tl.program_id(1)
     cmask = cols < WIDTH
     carry = tl.zeros((COLS,), dtype=tl.int32)
-    for r in range(0, NUM_CHUNKS, ROWS):
+    if BLOCKS > 1:
+        above = tl.arange(0, BLOCKS)
+        carry += tl.sum(tl.load(sums_ptr + above[:, None] * WIDTH + cols[None, :],
+                                mask=(above < block)[:, None] & cmask[None, :], other=0), axis=0)
+    end = tl.minimum((block + 1) * SPAN, NUM_CHUNKS)
+    for r in range(block * SPAN, end, ROWS):
         rows = r + tl.arange(0, ROWS)
         ptrs = counts_ptr + rows[:, None] * WIDTH + cols[None, :]
-        mask = (rows < NUM_CHUNKS)[:, None] & cmask[None, :]
+        mask = (rows < end)[:, None] & cmask[None, :]
         c = tl.load(ptrs, mask=mask, other=0)
         tl.store(ptrs, tl.cumsum(c, axis=0) - c + carry[None, :], mask=mask)
         carry += tl.sum(c, axis=0)
-    tl.store(totals_ptr + cols, carry, mask=cmask)
+    if block == tl.num_programs(1) - 1:
+        tl.store(totals_ptr + cols, carry, mask=cmask)
 
 
 @triton.jit
@@ -346,13 +379,34 @@ def _scan_tile(num_chunks: int, width: int, max_tile: int = SCAN_TILE) -> tuple[
     return cols, rows, 8 if rows * cols >= max_tile else 4
 
 
+def _scan_blocks(num_chunks: int, rows: int) -> tuple[int, int]:
+    """``(SPAN, blocks)``: the table rows each scan program walks, and how many blocks of
+    them the table is cut into. A table of at most ``SCAN_STEPS`` tiles is one block, one
+    pass; a taller one is cut into at most ``SCAN_BLOCKS`` blocks, each program walking
+    its own, after a first pass has summed every block's columns: two launches, each of
+    few dependent steps, where one walk down the whole table would take many."""
+    steps = gg.cdiv(num_chunks, rows)
+    if steps <= SCAN_STEPS:
+        return max(steps, 1) * rows, 1
+    span = rows * gg.cdiv(steps, SCAN_BLOCKS)
+    return span, gg.cdiv(num_chunks, span)
+
+
 def _scan_columns(counts: torch.Tensor, totals: torch.Tensor, max_tile: int = SCAN_TILE):
     """Step 2 on a ``[num_chunks, width]`` int32 table: each column's exclusive prefix sum
-    in place, and the column totals into ``totals`` (``_scan_tile``'s tile)."""
+    in place, and the column totals into ``totals`` (``_scan_tile``'s tile, in
+    ``_scan_blocks``' blocks)."""
     num_chunks, width = counts.shape
     cols, rows, num_warps = _scan_tile(num_chunks, width, max_tile)
-    launch(_column_scan, (gg.cdiv(width, cols),), counts, totals, num_chunks, width, COLS=cols, ROWS=rows,
-           num_warps=num_warps)
+    span, blocks = _scan_blocks(num_chunks, rows)
+    grid = (gg.cdiv(width, cols), blocks)
+    sums = None
+    if blocks > 1:
+        sums = torch.empty(blocks, width, dtype=torch.int32, device=counts.device)
+        launch(_column_block_sums, grid, counts, sums, num_chunks, width, span, COLS=cols, ROWS=rows,
+               num_warps=num_warps)
+    launch(_column_scan, grid, counts, totals, sums, num_chunks, width, span, COLS=cols, ROWS=rows,
+           BLOCKS=gg.next_power_of_2(blocks), num_warps=num_warps)
 
 
 def _chunk_size(LK: int) -> int:
