@@ -109,15 +109,17 @@ def triton_device():
 def test_scan_tile(num_chunks, width):
     """The column scan's tile covers every column, fits ``SCAN_TILE``, is a power of two
     tall and as tall as the table when the tile allows; few columns a program, so the
-    scan runs as many programs as 4 columns each make, up to 64 at least."""
+    scan runs as many programs as 4 columns each make, up to 64 at least, or the table is
+    tall and cut into blocks of whole 8-column sectors a row."""
     from moeblaze_ops.kernels.grouped_gemm import cdiv
-    from moeblaze_ops.kernels.triton_dispatch import SCAN_TILE, _scan_tile
+    from moeblaze_ops.kernels.triton_dispatch import SCAN_TILE, _scan_blocks, _scan_tile
 
     cols, rows, num_warps = _scan_tile(num_chunks, width)
     programs = cdiv(width, cols)
+    blocks = _scan_blocks(num_chunks, rows)[1]
     assert cols in (4, 8) and num_warps in (4, 8)
     assert programs * cols >= width
-    assert programs >= min(64, cdiv(width, 4))
+    assert programs >= min(64, cdiv(width, 4)) or (cols == 8 and blocks > 1)
     assert rows & (rows - 1) == 0 and rows * cols <= SCAN_TILE
     assert rows >= min(num_chunks, SCAN_TILE // cols)
 
@@ -145,9 +147,9 @@ def test_scan_blocks(num_chunks, rows):
 def test_column_scan(num_chunks, width, max_tile, seed):
     """``_scan_columns`` against torch: each column's exclusive prefix sum in place and its
     total. The ragged tables take several programs, several steps each, and end in a part
-    block of rows and of columns; with a small tile the tall ones are scanned in blocks
-    (38 of 16 rows; 5 of one 32-row step), each started from the blocks above it, or in one
-    block of ``SCAN_STEPS`` steps."""
+    block of rows and of columns; with a small tile the tall ones are scanned in blocks of
+    8 columns (50 of 12 rows; 10 of one 16-row step), each started from the blocks above
+    it, or in one block of ``SCAN_STEPS`` steps."""
     from moeblaze_ops.kernels.triton_dispatch import SCAN_TILE, _scan_columns
 
     dev = triton_device()
@@ -173,8 +175,8 @@ def test_column_scan(num_chunks, width, max_tile, seed):
 def test_triton_dispatch_scan_in_steps(L, K, E, family, checked, scan_tile, seed):
     """The Triton dispatch with its column scan in several programs of several steps, the
     last block of rows and of columns part-filled, against the portable dispatch bit for
-    bit: a small scan tile (8 rows of 4 columns; 4 rows, so that the table is scanned in
-    blocks) does to tables of 20 and 19 chunks (16-row sorted chunks of 256 experts: 257
+    bit: a small scan tile (8 rows of 4 columns; or 16 elements, 2 rows of 8 columns, so
+    that the table is scanned in blocks) does to tables of 20 and 19 chunks (16-row sorted chunks of 256 experts: 257
     or 259 columns; 64-row one-hot chunks of 6 experts: 9 or 11) what the real one does
     to thousands. Checked, the id flags say the ids are valid."""
     from moeblaze_ops.kernels import torch_dispatch, triton_dispatch

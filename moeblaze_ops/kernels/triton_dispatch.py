@@ -366,15 +366,18 @@ def _scan_tile(num_chunks: int, width: int, max_tile: int = SCAN_TILE) -> tuple[
     a tile of at most ``max_tile`` elements (``SCAN_TILE``; tests shrink it, so that small
     tables take several steps).
 
-    A column is scanned by one program, top to bottom, and no program waits on another:
-    only splitting the columns makes programs. Few columns per program make many of them:
-    4 (a row's load is still 16 contiguous bytes), 8 (32 bytes a row) only when
-    that still leaves a couple of programs per SM of a large GPU. The rows come in the
-    tallest power-of-two tile of at most ``max_tile`` elements, so a program walks its
-    columns in few dependent steps; a full tile takes 8 warps, for more loads in flight
-    and fewer registers a thread.
+    In a table of one block (``_scan_blocks``) a column is scanned by one program, top to
+    bottom, and no program waits on another: only splitting the columns makes programs.
+    Few columns per program make many of them: 4 (a row's load is still 16 contiguous
+    bytes), 8 (32 bytes a row, a whole sector) where that still leaves a couple of
+    programs per SM of a large GPU, or where the table is tall enough to be cut into
+    blocks, whose programs are then many anyway. The rows come in the tallest
+    power-of-two tile of at most ``max_tile`` elements, so a program walks its columns in
+    few dependent steps; a full tile takes 8 warps, for more loads in flight and fewer
+    registers a thread.
     """
-    cols = 8 if gg.cdiv(width, 8) >= 256 else 4
+    tall = num_chunks > SCAN_STEPS * (max_tile // 4)
+    cols = 8 if tall or gg.cdiv(width, 8) >= 256 else 4
     rows = min(max_tile // cols, max(64, gg.next_power_of_2(num_chunks)))
     return cols, rows, 8 if rows * cols >= max_tile else 4
 
