@@ -1,9 +1,9 @@
 """The ``tl`` kernels whose GPU runs are the default compile for a Hopper (sm_90) target on
 any machine, with Triton's own compiler and ptxas: the dispatch kernels with the id checks
 folded in (both families and the one-program kernel, int32 and int64 ids; the sorted
-histogram's flags read off its runs or from the ids again), the column scan in blocks, the backward kernels that read each
-row's combine weight in place (dH's epilogue whole and in column slices), and the row GEMMs with their tiles in bands
-(``settings.row_band``). CPU machines run these kernels in the interpreter, which
+histogram's flags read off its runs or from the ids again), the column scan in blocks,
+the backward kernels that read each row's combine weight in place (dH's epilogue whole
+and in column slices), and the row GEMMs with their tiles in bands (``settings.row_band``). CPU machines run these kernels in the interpreter, which
 does not lower them; this catches what only the real compiler rejects.
 
 Compiled in a subprocess: under ``TRITON_INTERPRET=1`` (set for this test session)
@@ -32,7 +32,7 @@ def compile_for_hopper(fn, types, constexprs, num_warps=4):
 
 for ids in ("*i32", "*i64"):
     tables = dict(ids_ptr=ids, **{n: "*i32" for n in ("counts_ptr", "starts_ptr", "totals_ptr", "offsets_ptr",
-                                                      "ok_ptr", "eti_ptr", "tim_ptr", "ranks_ptr")})
+                                                      "ok_ptr", "eti_ptr", "tim_ptr", "ranked_ptr")})
     compile_for_hopper(td._chunk_histogram, tables, dict(BINS=16, SUB=64, K=3, CHECK_IDS=True, TOKENS=32))
     compile_for_hopper(td._chunk_scatter, tables, dict(BINS=16, SUB=64, CHECK_IDS=True))
     for K in (8, 3):  # flags off the sorted runs (whole tokens in a chunk), or from the ids again

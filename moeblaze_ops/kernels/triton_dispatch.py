@@ -258,7 +258,7 @@ def _run_flags(col, rows, rank, LK, K: tl.constexpr, CHUNK: tl.constexpr, BINS: 
 
 
 @triton.jit
-def _chunk_histogram_sorted(ids_ptr, counts_ptr, ranks_ptr, LK, E, WIDTH, CHUNK: tl.constexpr, BINS: tl.constexpr,
+def _chunk_histogram_sorted(ids_ptr, counts_ptr, ranked_ptr, LK, E, WIDTH, CHUNK: tl.constexpr, BINS: tl.constexpr,
                             K: tl.constexpr, CHECK_IDS: tl.constexpr, TOKENS: tl.constexpr):
     chunk = tl.program_id(0)
     row = counts_ptr + chunk * WIDTH
@@ -270,7 +270,7 @@ def _chunk_histogram_sorted(ids_ptr, counts_ptr, ranks_ptr, LK, E, WIDTH, CHUNK:
     # table's column BINS + 1 is the negative-id flag's when checking.
     tl.store(row + col, rank + 1, mask=ends & (col <= BINS))
     # Each row's column and rank, for the scatter, which then loads no id.
-    tl.store(ranks_ptr + rows, col * CHUNK + rank, mask=rows < LK)
+    tl.store(ranked_ptr + rows, col * CHUNK + rank, mask=rows < LK)
     if CHECK_IDS:
         if CHUNK % K == 0:
             negative, repeated = _run_flags(col, rows, rank, LK, K, CHUNK, BINS)
@@ -376,6 +376,7 @@ def _scan_tile(num_chunks: int, width: int, max_tile: int = SCAN_TILE) -> tuple[
     few dependent steps; a full tile takes 8 warps, for more loads in flight and fewer
     registers a thread.
     """
+    # Tall: with 4 columns the rows would take more than SCAN_STEPS full tiles, so blocks.
     tall = num_chunks > SCAN_STEPS * (max_tile // 4)
     cols = 8 if tall or gg.cdiv(width, 8) >= 256 else 4
     rows = min(max_tile // cols, max(64, gg.next_power_of_2(num_chunks)))
@@ -456,8 +457,8 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool, scan_ti
     totals = torch.empty(width, dtype=torch.int32, device=dev)
     grid = (num_chunks,)
     if sorted_:
-        # The histogram keeps each row's rank in token_index_map, which the scatter then
-        # overwrites with the row's position: one sort per chunk, not two.
+        # The histogram keeps each row's column and rank in token_index_map, which the
+        # scatter then overwrites with the row's position: one sort per chunk, not two.
         launch(_chunk_histogram_sorted, grid, ids, counts, tim, LK, E, width, CHUNK=chunk, BINS=BINS, **check,
                num_warps=8)
     else:
