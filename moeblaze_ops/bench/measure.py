@@ -187,7 +187,8 @@ def bench_train(ctx, names):
             step(fn)
 
         for peer, fn, _ in _runnable(ctx, peers(*inputs, train=True, cuda_graphs=ctx.cuda_graphs), fresh_step):
-            # Gradients made afresh each step, as after zero_grad(set_to_none=True).
+            # The CUDA-graph peers clear their gradients inside the step too (fresh_step);
+            # time_ms clears them for every peer's timed steps.
             timed = fresh_step if peer in CUDA_GRAPH_PEERS else step
             ms = time_ms(lambda fn=fn, timed=timed: timed(fn), ctx.device, grad_to_none=(x, w, w_gate_up, w_down))
             if peer in CUDA_GRAPH_PEERS:

@@ -376,11 +376,16 @@ def _scan_tile(num_chunks: int, width: int, max_tile: int = SCAN_TILE) -> tuple[
     few dependent steps; a full tile takes 8 warps, for more loads in flight and fewer
     registers a thread.
     """
-    # Tall: with 4 columns the rows would take more than SCAN_STEPS full tiles, so blocks.
-    tall = num_chunks > SCAN_STEPS * (max_tile // 4)
-    cols = 8 if tall or gg.cdiv(width, 8) >= 256 else 4
+    # Tall enough to be cut into blocks even at 4 columns a program, the fewest.
+    cols = 8 if _in_blocks(num_chunks, max_tile // 4) or gg.cdiv(width, 8) >= 256 else 4
     rows = min(max_tile // cols, max(64, gg.next_power_of_2(num_chunks)))
     return cols, rows, 8 if rows * cols >= max_tile else 4
+
+
+def _in_blocks(num_chunks: int, rows: int) -> bool:
+    """Whether a table of ``num_chunks`` rows, walked ``rows`` a step, is cut into blocks:
+    one walk down it would take more than ``SCAN_STEPS`` steps."""
+    return gg.cdiv(num_chunks, rows) > SCAN_STEPS
 
 
 def _scan_blocks(num_chunks: int, rows: int) -> tuple[int, int]:
@@ -390,7 +395,7 @@ def _scan_blocks(num_chunks: int, rows: int) -> tuple[int, int]:
     its own, after a first pass has summed every block's columns: two launches, each of
     few dependent steps, where one walk down the whole table would take many."""
     steps = gg.cdiv(num_chunks, rows)
-    if steps <= SCAN_STEPS:
+    if not _in_blocks(num_chunks, rows):
         return max(steps, 1) * rows, 1
     span = rows * gg.cdiv(steps, SCAN_BLOCKS)
     return span, gg.cdiv(num_chunks, span)
