@@ -376,7 +376,7 @@ def _scan_tile(num_chunks: int, width: int, max_tile: int = SCAN_TILE) -> tuple[
     few dependent steps; a full tile takes 8 warps, for more loads in flight and fewer
     registers a thread.
     """
-    # Tall enough to be cut into blocks even at 4 columns a program, the fewest.
+    # 8 columns where even the tallest tile (4 columns) would leave the table in blocks.
     cols = 8 if _in_blocks(num_chunks, max_tile // 4) or gg.cdiv(width, 8) >= 256 else 4
     rows = min(max_tile // cols, max(64, gg.next_power_of_2(num_chunks)))
     return cols, rows, 8 if rows * cols >= max_tile else 4
