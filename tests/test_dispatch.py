@@ -176,9 +176,9 @@ def test_triton_dispatch_scan_in_steps(L, K, E, family, checked, scan_tile, seed
     """The Triton dispatch with its column scan in several programs of several steps, the
     last block of rows and of columns part-filled, against the portable dispatch bit for
     bit: a small scan tile (8 rows of 4 columns; or 16 elements, 2 rows of 8 columns, so
-    that the table is scanned in blocks) does to tables of 20 and 19 chunks (16-row sorted chunks of 256 experts: 257
-    or 259 columns; 64-row one-hot chunks of 6 experts: 9 or 11) what the real one does
-    to thousands. Checked, the id flags say the ids are valid."""
+    that the table is scanned in blocks) does to tables of 20 and 19 chunks (16-row sorted
+    chunks of 256 experts: 257 or 259 columns; 64-row one-hot chunks of 6 experts: 9 or
+    11) what the real one does to thousands. Checked, the id flags say the ids are valid."""
     from moeblaze_ops.kernels import torch_dispatch, triton_dispatch
 
     ids = make_topk_ids(L, K, E, "skewed", sentinel_frac=0.1, generator=torch.Generator().manual_seed(seed))

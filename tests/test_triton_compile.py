@@ -3,8 +3,9 @@ any machine, with Triton's own compiler and ptxas: the dispatch kernels with the
 folded in (both families and the one-program kernel, int32 and int64 ids; the sorted
 histogram's flags read off its runs or from the ids again), the column scan in blocks,
 the backward kernels that read each row's combine weight in place (dH's epilogue whole
-and in column slices), and the row GEMMs with their tiles in bands (``settings.row_band``). CPU machines run these kernels in the interpreter, which
-does not lower them; this catches what only the real compiler rejects.
+and in column slices), and the row GEMMs with their tiles in bands
+(``settings.row_band``). CPU machines run these kernels in the interpreter, which does
+not lower them; this catches what only the real compiler rejects.
 
 Compiled in a subprocess: under ``TRITON_INTERPRET=1`` (set for this test session)
 ``@triton.jit`` makes interpreter functions, which the compiler does not take."""
