@@ -184,9 +184,9 @@ dtype, k_contiguous, act, out = json.loads(sys.argv[1])
 tile = gluon_dh.TILE
 block = [1, tile.block_n, tile.block_k] if k_contiguous else [1, tile.block_k, tile.block_n]
 warps, regs = gluon_dh.PRODUCER
-ints = ["LK", "E", "D", "I", "n_parts", "stride_gm", "stride_hm", "stride_dhm", "stride_wam", "stride_tw0",
-        "stride_tw1"]
-signature = {"go_ptr": f"*{dtype}", "w_desc": _descriptor_type(dtype, block), "h_ptr": f"*{dtype}",
+ints = ["LK", "E", "D", "I", "n_parts", "stride_gm", "stride_dhm", "stride_wam", "stride_tw0", "stride_tw1"]
+signature = {"go_ptr": f"*{dtype}", "w_desc": _descriptor_type(dtype, block),
+             "h_desc": _descriptor_type(dtype, [gluon_dh.CHUNK, gluon_dh.PART_COLUMNS]),
              "eti_ptr": "*i32", "tw_ptr": "*fp32", "tim_ptr": "*i32", "offsets_ptr": "*i32", "dh_ptr": f"*{dtype}",
              "wact_ptr": f"*{dtype}", "part_ptr": "*fp32", "alpha": "fp32", "limit": "fp32",
              **{name: "i32" for name in ints}}
@@ -196,8 +196,8 @@ constexprs = dict(K=8, ACT=int(activation_code(act)), WRITE_WACT=True, FAST_ACT=
                   CHUNK=gluon_dh.CHUNK, H_SLOTS=gluon_dh.h_slots(tile, MAX_SHARED),
                   STAGE_IN_RING=gluon_dh.stage_in_ring(tile),
                   PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=True, num_warps=tile.num_warps)
-aligned = ["go_ptr", "h_ptr", "eti_ptr", "tim_ptr", "offsets_ptr", "dh_ptr", "wact_ptr", "part_ptr", "D", "I",
-           "stride_gm", "stride_hm", "stride_dhm", "stride_wam"]
+aligned = ["go_ptr", "eti_ptr", "tim_ptr", "offsets_ptr", "dh_ptr", "wact_ptr", "part_ptr", "D", "I",
+           "stride_gm", "stride_dhm", "stride_wam"]
 try:
     kernel = _compile_for_hopper(gluon_dh._dh_kernel, signature, constexprs, tile.num_warps, aligned)
 except FileNotFoundError as error:  # a Triton wheel without its bundled ptxas
@@ -216,8 +216,9 @@ def _assert_dh_pipeline(ptx, dtype, tile):
     asynchronous wgmma over the tile's columns."""
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
     assert re.search(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)
-    # The epilogue's h chunks, copied by cp.async and waited for by commit group.
-    assert re.search(r"cp\.async\.commit_group", ptx) and re.search(r"cp\.async\.wait_group", ptx)
+    # The epilogue's h chunks, 2-D TMA boxes landing on the slots' barriers; no cp.async groups.
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
+    assert not re.search(r"cp\.async\.wait_group", ptx)
     assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
     ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)

@@ -14,10 +14,12 @@ by cp.async and issues W_down's TMA, two MMA warpgroups run one 256-wide wgmma e
 (``_dh_tile_epilogue``), while the copy warps fill the ring with the next tile's first
 steps. The epilogue moves the accumulator through an fp32 stage in shared memory, a part
 of 64 columns at a time, and takes it back 32 rows at a time beside the matching h, which
-reaches shared memory by cp.async: a ring of chunks, the first ones copied during the
-reduction (h held in registers ahead of its use would take the registers the epilogue's
-arithmetic needs). The stage is the W_down slot of the tile's last reduction step, held
-back from the copies until the epilogue is done with it, so the ring keeps its four slots.
+reaches shared memory by TMA: a ring of chunks, each landing on an mbarrier of its slot,
+the first ones copied during the reduction (h held in registers ahead of its use would take
+the registers the epilogue's arithmetic needs). One thread starts a chunk's copies, where a
+cp.async copy would cost every MMA thread its own addresses and copies and every warp a
+wait. The stage is the W_down slot of the tile's last reduction step, held back from the
+copies until the epilogue is done with it, so the ring keeps its four slots.
 
 Applies where ``gluon_row_gemm`` applies to the GEMM (16-bit, Hopper, 16-element aligned
 K, N and strides), the layout is concatenated (gate columns, then up) or the activation
@@ -31,7 +33,6 @@ from typing import Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from .. import settings
@@ -39,8 +40,8 @@ from ..layouts import linear_dims
 from ..settings import GemmTile
 from . import grouped_gemm as gg
 from . import triton_activations as acts
-from .gluon_common import (SPARE_SHARED_BYTES, async_load, cta_barrier, host_descriptor, on_hopper,
-                           reinterpret_shared, row_offsets_fit_32, slot_barriers, wgmma_acc_layout)
+from .gluon_common import (SPARE_SHARED_BYTES, cta_barrier, host_descriptor, on_hopper, reinterpret_shared,
+                           row_offsets_fit_32, slot_barriers, tma_load, wgmma_acc_layout)
 from .gluon_row_gemm import PRODUCER_GATHER, _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
 from .gluon_row_gemm import applies as row_gemm_applies
 from .launch import launch
@@ -77,57 +78,54 @@ def _stage_layout():
 
 
 @gluon.jit
-def _copy_h_chunk(h_slots, h_ptr, grp, row0, row_end, n0, E, I, stride_hm, j: gl.constexpr, ACT: gl.constexpr,
-                  BLOCK_M: gl.constexpr, CHUNK: gl.constexpr, PART_COLUMNS: gl.constexpr, WARPS: gl.constexpr):
-    """Starts the cp.async copies, as one commit group, of the h tiles (gate, up; h alone
-    where the activation is not gated) behind chunk ``j`` of a tile's epilogue
-    (``_dh_tile_epilogue``: rows (j % chunks) * CHUNK .. of the part of PART_COLUMNS columns
-    j // chunks) into slot j % slots of ``h_slots`` ([slots * 2, CHUNK, PART_COLUMNS]).
-    Masked elements land as zeros: rows past the expert's end, the sentinel group's
-    rows (a zero gradient and a zero activation), columns past I. Each thread later reads
-    back the elements it copied (``_dh_tile_epilogue``), so the copies need no barrier
-    before their reads; the compiler, which cannot see that, still places CTA barriers
-    around each chunk's wait and refill."""
+def _copy_h_chunk(h_desc, h_slots, h_ready, row0, n0, I, j: gl.constexpr, GATED: gl.constexpr,
+                  BLOCK_M: gl.constexpr, CHUNK: gl.constexpr, PART_COLUMNS: gl.constexpr):
+    """Starts the TMA copies of the h tiles (gate, up; h alone where not ``GATED``) behind
+    chunk ``j`` of a tile's epilogue (``_dh_tile_epilogue``: rows (j % chunks) * CHUNK ..
+    of the part of PART_COLUMNS columns j // chunks) into slot j % slots of ``h_slots``
+    ([slots * 2, CHUNK, PART_COLUMNS]); they land on the slot's ``h_ready`` barrier. Rows
+    past the expert's end (another expert's h, or zeros past L*K) and gate columns past I
+    (up columns) come in too: their gradient is zero and their outputs are masked."""
     CHUNKS: gl.constexpr = BLOCK_M // CHUNK
     SLOTS: gl.constexpr = h_slots.shape[0] // 2
-    layout: gl.constexpr = _chunk_layout(PART_COLUMNS, WARPS)
-    rows = row0 + (j % CHUNKS) * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-    cols = n0 + (j // CHUNKS) * PART_COLUMNS + gl.arange(0, PART_COLUMNS, layout=gl.SliceLayout(0, layout))
-    mask = ((rows < row_end) & (grp < E))[:, None] & (cols < I)[None, :]
-    src = h_ptr + rows.to(gl.int64)[:, None] * stride_hm + cols[None, :]
-    async_load(h_slots.index(2 * (j % SLOTS)), src, mask=mask)
-    if ACT < acts.NUM_GATED:
-        async_load(h_slots.index(2 * (j % SLOTS) + 1), src + I, mask=mask)
-    cp.commit_group()
+    slot: gl.constexpr = j % SLOTS
+    r0 = row0 + (j % CHUNKS) * CHUNK
+    c0 = n0 + (j // CHUNKS) * PART_COLUMNS
+    bar = h_ready.index(slot)
+    mbarrier.expect(bar, (2 if GATED else 1) * h_desc.block_type.nbytes)
+    tma_load(h_desc, [r0, c0], bar, h_slots.index(2 * slot))
+    if GATED:
+        tma_load(h_desc, [r0, I + c0], bar, h_slots.index(2 * slot + 1))
 
 
 @gluon.jit
-def _copy_first_h_chunks(h_slots, h_ptr, grp, row0, row_end, n0, E, I, stride_hm, ACT: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr,
-                         PART_COLUMNS: gl.constexpr, WARPS: gl.constexpr):
+def _copy_first_h_chunks(h_desc, h_slots, h_ready, row0, n0, I, GATED: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, PART_COLUMNS: gl.constexpr):
     """The copies of a tile's first chunks of h, one per slot: a kernel starts them before
     the tile's reduction, to have them in shared memory when the epilogue starts."""
     TOTAL: gl.constexpr = (BLOCK_N // PART_COLUMNS) * (BLOCK_M // CHUNK)
+    cta_barrier()  # the warps are done reading the last tile's chunks
     for j in gl.static_range(h_slots.shape[0] // 2):
         if j < TOTAL:
-            _copy_h_chunk(h_slots, h_ptr, grp, row0, row_end, n0, E, I, stride_hm, j, ACT, BLOCK_M, CHUNK,
-                          PART_COLUMNS, WARPS)
+            _copy_h_chunk(h_desc, h_slots, h_ready, row0, n0, I, j, GATED, BLOCK_M, CHUNK, PART_COLUMNS)
 
 
 @gluon.jit
-def _dh_tile_epilogue(acc, h_slots, stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr, dh_ptr,
-                      wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam, stride_tw0,
-                      stride_tw1, K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr,
-                      FAST_ACT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr):
+def _dh_tile_epilogue(acc, h_desc, h_slots, h_ready, tiles_done, stage, weights, grp, row0, row_end, n0, eti_ptr,
+                      tw_ptr, tim_ptr, dh_ptr, wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_dhm,
+                      stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr,
+                      WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr):
     """The epilogue of one [BLOCK_M, BLOCK_N] tile ``acc`` (dL/da / w) at rows ``row0 ..``
     of group ``grp`` and activation columns ``n0 ..``, by the ``WARPS`` warps that hold it:
     ``dh_outputs`` over parts of ``PART_COLUMNS`` columns, each staged in ``stage``
     ([BLOCK_M, PART_COLUMNS] fp32) and taken ``CHUNK`` rows at a time, their h from the
     ring ``h_slots`` (``_copy_h_chunk``; the caller has started the first slots'), each
     slot refilled with the chunk a ring ahead once read; one router partial per row and
-    part. The sentinel group's tiles (no reduction) leave the stage alone, as it may be a
-    ring slot they do not hold, and take zeros for the product."""
+    part. ``tiles_done``: the program's tiles before this one, for the phases of the
+    slots' ``h_ready`` barriers. The sentinel group's tiles (no reduction) leave the
+    stage alone, as it may be a ring slot they do not hold, and take zeros for the
+    product."""
     PARTS: gl.constexpr = BLOCK_N // PART_COLUMNS
     CHUNKS: gl.constexpr = BLOCK_M // CHUNK
     TOTAL: gl.constexpr = PARTS * CHUNKS
@@ -150,12 +148,10 @@ def _dh_tile_epilogue(acc, h_slots, stage, weights, grp, row0, row_end, n0, h_pt
             if grp < E:
                 stage.store(_column_slice(acc, j // CHUNKS, PARTS, BLOCK_M, BLOCK_N))
             cta_barrier()
-        # This thread's copies of chunk j have landed (those of the chunks after it, up to
-        # a ring ahead, may not have).
-        if j + SLOTS <= TOTAL:
-            cp.wait_group(SLOTS - 1)
-        else:
-            cp.wait_group(TOTAL - 1 - j)
+        # Chunk j's copies have landed: its slot's barrier completes once per chunk the
+        # slot holds, the same number of times in every tile.
+        mbarrier.wait(h_ready.index(j % SLOTS),
+                      (tiles_done * (TOTAL // SLOTS + (j % SLOTS < TOTAL % SLOTS)) + j // SLOTS) & 1)
         hg = h_slots.index(2 * (j % SLOTS)).load(layout)
         if ACT < acts.NUM_GATED:
             hu = h_slots.index(2 * (j % SLOTS) + 1).load(layout)
@@ -171,14 +167,14 @@ def _dh_tile_epilogue(acc, h_slots, stage, weights, grp, row0, row_end, n0, h_pt
         gl.store(part_ptr + rows.to(gl.int64) * n_parts + cols0 // PART_COLUMNS, partial,
                  mask=(rows < row_end) & (cols0 < I))
         if j + SLOTS < TOTAL:
-            # The slot's h is in registers and used above: the copy may overwrite it.
-            _copy_h_chunk(h_slots, h_ptr, grp, row0, row_end, n0, E, I, stride_hm, j + SLOTS, ACT, BLOCK_M, CHUNK,
-                          PART_COLUMNS, WARPS)
+            cta_barrier()  # every warp has read the slot: the copy may overwrite it
+            _copy_h_chunk(h_desc, h_slots, h_ready, row0, n0, I, j + SLOTS, ACT < acts.NUM_GATED, BLOCK_M, CHUNK,
+                          PART_COLUMNS)
 
 
 @gluon.jit
-def _dh_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_slots, stage, weights, h_ptr, eti_ptr, tw_ptr, tim_ptr,
-                 offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_hm, stride_dhm,
+def _dh_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_desc, h_slots, h_ready, stage, weights, eti_ptr, tw_ptr,
+                 tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_dhm,
                  stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr,
                  FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, PART_COLUMNS: gl.constexpr,
@@ -193,11 +189,12 @@ def _dh_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_slots, stage, weight
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, I, D, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
                                                   num_warps)
     step = 0
+    tiles_done = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
         # The epilogue's first h chunks land during the reduction.
-        _copy_first_h_chunks(h_slots, h_ptr, grp, row0, row_end, n0, E, I, stride_hm, ACT, BLOCK_M, BLOCK_N, CHUNK,
-                             PART_COLUMNS, num_warps)
+        _copy_first_h_chunks(h_desc, h_slots, h_ready, row0, n0, I, ACT < acts.NUM_GATED, BLOCK_M, BLOCK_N, CHUNK,
+                             PART_COLUMNS)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         if grp < E:  # the sentinel tiles: zeros everywhere
             acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, True, W_KMAJOR,
@@ -207,10 +204,11 @@ def _dh_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_slots, stage, weight
             tile_stage = reinterpret_shared(b_ring.index(held), gl.float32, [BLOCK_M, PART_COLUMNS], _stage_layout())
         else:
             tile_stage = stage
-        _dh_tile_epilogue(acc, h_slots, tile_stage, weights, grp, row0, row_end, n0, h_ptr, eti_ptr, tw_ptr, tim_ptr,
-                          dh_ptr, wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_hm, stride_dhm, stride_wam,
-                          stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, BLOCK_M, BLOCK_N, PART_COLUMNS, CHUNK,
-                          num_warps)
+        _dh_tile_epilogue(acc, h_desc, h_slots, h_ready, tiles_done, tile_stage, weights, grp, row0, row_end, n0,
+                          eti_ptr, tw_ptr, tim_ptr, dh_ptr, wact_ptr, part_ptr, E, I, alpha, limit, n_parts,
+                          stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, BLOCK_M,
+                          BLOCK_N, PART_COLUMNS, CHUNK, num_warps)
+        tiles_done += 1
         if STAGE_IN_RING:
             # The stage was written and read through the generic proxy; TMA refills it
             # through the async one.
@@ -221,9 +219,9 @@ def _dh_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_slots, stage, weight
 
 @gluon.jit
 def _dh_kernel(
-    go_ptr, w_desc, h_ptr, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr,
+    go_ptr, w_desc, h_desc, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr,
     LK, E, D, I, alpha, limit, n_parts,
-    stride_gm, stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
+    stride_gm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
     K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
     GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, H_SLOTS: gl.constexpr,
@@ -244,15 +242,15 @@ def _dh_kernel(
     else:
         stage = gl.allocate_shared_memory(gl.float32, [BLOCK_M, PART_COLUMNS], _stage_layout())
     weights = gl.allocate_shared_memory(gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    h_slots = gl.allocate_shared_memory(dtype, [2 * H_SLOTS, CHUNK, PART_COLUMNS],
-                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    h_slots = gl.allocate_shared_memory(dtype, [2 * H_SLOTS, CHUNK, PART_COLUMNS], h_desc.layout)
+    h_ready = slot_barriers(H_SLOTS, 1)
     a_ready = slot_barriers(NUM_STAGES, PRODUCER_WARPS * 32)
     b_ready = slot_barriers(NUM_STAGES, 1)
     empty = slot_barriers(NUM_STAGES, 1)
     gl.warp_specialize([
-        (_dh_consumer, (a_ring, b_ring, a_ready, b_ready, empty, h_slots, stage, weights, h_ptr, eti_ptr, tw_ptr,
-                        tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts,
-                        stride_hm, stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT,
+        (_dh_consumer, (a_ring, b_ring, a_ready, b_ready, empty, h_desc, h_slots, h_ready, stage, weights, eti_ptr,
+                        tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts,
+                        stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT,
                         W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, STAGE_IN_RING,
                         num_warps)),
         (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, I, D,
@@ -311,13 +309,15 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
                          f"of {PART_COLUMNS}")
     view, kmajor = _weight_view(w_down, not transposed)
     w_desc = host_descriptor(view, [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n])
+    # h's gate and up columns of a chunk, one box each ([L*K, 2I]; [L*K, I] not gated).
+    h_desc = host_descriptor(h, [CHUNK, PART_COLUMNS])
     max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(I, tile.block_n)
     warps, regs = PRODUCER
     launch(
         _dh_kernel, (gg.num_programs(h.device, max_tiles),),
-        grad_out, w_desc, h, eti, topk_weights, tim, offsets, grad_h, wact, parts,
+        grad_out, w_desc, h_desc, eti, topk_weights, tim, offsets, grad_h, wact, parts,
         LK, E, d, I, float(alpha), float(limit), parts.shape[1],
-        grad_out.stride(0), h.stride(0), grad_h.stride(0), wact.stride(0) if wact is not None else 0,
+        grad_out.stride(0), grad_h.stride(0), wact.stride(0) if wact is not None else 0,
         topk_weights.stride(0), topk_weights.stride(1),
         K=topk_weights.shape[1], ACT=act, WRITE_WACT=wact is not None, FAST_ACT=fast_activation, W_KMAJOR=kmajor,
         GROUPS=gg.next_power_of_2(E + 1), BAND=band, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
