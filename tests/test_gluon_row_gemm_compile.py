@@ -178,22 +178,23 @@ sys.path.insert(0, sys.argv[2])
 from test_gluon_compile import _compile_for_hopper
 from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type
 from moeblaze_ops.activations import activation_code
-from moeblaze_ops.kernels import gluon_dh
+from moeblaze_ops.kernels import gluon_dh, triton_activations
 
-dtype, k_contiguous, act, out = json.loads(sys.argv[1])
+dtype, k_contiguous, act, slots, out = json.loads(sys.argv[1])
+gated = activation_code(act) < triton_activations.NUM_GATED
 tile = gluon_dh.TILE
 block = [1, tile.block_n, tile.block_k] if k_contiguous else [1, tile.block_k, tile.block_n]
 warps, regs = gluon_dh.PRODUCER
 ints = ["LK", "E", "D", "I", "n_parts", "stride_gm", "stride_dhm", "stride_wam", "stride_tw0", "stride_tw1"]
 signature = {"go_ptr": f"*{dtype}", "w_desc": _descriptor_type(dtype, block),
-             "h_desc": _descriptor_type(dtype, [gluon_dh.CHUNK, gluon_dh.PART_COLUMNS]),
+             "h_desc": _descriptor_type(dtype, [2 if gated else 1, gluon_dh.CHUNK, gluon_dh.PART_COLUMNS]),
              "eti_ptr": "*i32", "tw_ptr": "*fp32", "tim_ptr": "*i32", "offsets_ptr": "*i32", "dh_ptr": f"*{dtype}",
              "wact_ptr": f"*{dtype}", "part_ptr": "*fp32", "alpha": "fp32", "limit": "fp32",
              **{name: "i32" for name in ints}}
 constexprs = dict(K=8, ACT=int(activation_code(act)), WRITE_WACT=True, FAST_ACT=True, W_KMAJOR=k_contiguous,
                   GROUPS=128, BAND=4, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                   NUM_STAGES=tile.num_stages, PART_COLUMNS=gluon_dh.PART_COLUMNS,
-                  CHUNK=gluon_dh.CHUNK, H_SLOTS=gluon_dh.h_slots(tile, MAX_SHARED),
+                  CHUNK=gluon_dh.CHUNK, H_SLOTS=slots or gluon_dh.h_slots(tile, MAX_SHARED),
                   STAGE_IN_RING=gluon_dh.stage_in_ring(tile),
                   PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=True, num_warps=tile.num_warps)
 aligned = ["go_ptr", "eti_ptr", "tim_ptr", "offsets_ptr", "dh_ptr", "wact_ptr", "part_ptr", "D", "I",
@@ -216,10 +217,11 @@ def _assert_dh_pipeline(ptx, dtype, tile):
     asynchronous wgmma over the tile's columns."""
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
     assert re.search(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)
-    # The epilogue's h chunks, 2-D TMA boxes landing on the slots' barriers; no cp.async groups.
-    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
+    # W_down's boxes and the epilogue's h chunks (gate and up in one box): 3-D TMA landing
+    # on the slots' barriers; no cp.async groups.
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)) >= 2
+    assert not re.search(r"cp\.async\.bulk\.tensor\.2d", ptx)
     assert not re.search(r"cp\.async\.wait_group", ptx)
-    assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
     ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.{ptx_type}\.{ptx_type}", ptx)
 
@@ -229,9 +231,10 @@ def test_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
     """The Gluon dH (``kernels.gluon_dh._dh_kernel``): one copy warpgroup for both operands,
     the two MMA warpgroups' wgmma 256 columns wide, the ring and the h chunks within the
     block's shared memory (the fp32 stage in a ring slot), and (almost) no spills."""
-    from moeblaze_ops.kernels import gluon_dh
+    from moeblaze_ops.activations import activation_code
+    from moeblaze_ops.kernels import gluon_dh, triton_activations
 
-    compiled = _compile_in_subprocess(_DH_SCRIPT, [dtype, k_contiguous, act], tmp_path)
+    compiled = _compile_in_subprocess(_DH_SCRIPT, [dtype, k_contiguous, act, None], tmp_path)
     ptx = compiled["ptx"]
     tile, (_, regs) = gluon_dh.TILE, gluon_dh.PRODUCER
     _assert_dh_pipeline(ptx, dtype, tile)
@@ -239,10 +242,21 @@ def test_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
     slots = gluon_dh.h_slots(tile, MAX_SHARED)
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
     assert gluon_dh.stage_in_ring(tile) and slots >= 2
-    assert ring + slots * 2 * gluon_dh.CHUNK * gluon_dh.PART_COLUMNS * 2 <= compiled["shared"] <= MAX_SHARED
+    gates = 2 if activation_code(act) < triton_activations.NUM_GATED else 1
+    assert ring + slots * gates * gluon_dh.CHUNK * gluon_dh.PART_COLUMNS * 2 <= compiled["shared"] <= MAX_SHARED
     # h loaded into registers ahead of its chunk spilled 84 to 128 bytes (and 8 for fp16
     # GeGLU with N-contiguous weights); the whole-tile epilogue spilled kilobytes.
     assert _spill_bytes(ptx, tmp_path) <= 64
+
+
+@pytest.mark.parametrize("act", ["swiglu", "gelu"])
+@pytest.mark.parametrize("slots", [1, 3, 10])
+def test_dh_compiles_with_any_count_of_h_slots(slots, act, tmp_path):
+    """A ring of h chunks whose slot count is no power of two (a caller's ``slots``, or
+    what a 3-stage tile leaves room for) compiles: each slot is read through a view of its
+    own box, where a view of the whole ring would have a shape no shared layout takes."""
+    compiled = _compile_in_subprocess(_DH_SCRIPT, ["bf16", True, act, slots], tmp_path)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d", compiled["ptx"])) >= 2
 
 
 #: Compiles a row GEMM with the activation in its epilogue in a subprocess, for the reason

@@ -16,10 +16,12 @@ steps. The epilogue moves the accumulator through an fp32 stage in shared memory
 of 64 columns at a time, and takes it back 32 rows at a time beside the matching h, which
 reaches shared memory by TMA: a ring of chunks, each landing on an mbarrier of its slot,
 the first ones copied during the reduction (h held in registers ahead of its use would take
-the registers the epilogue's arithmetic needs). One thread starts a chunk's copies, where a
-cp.async copy would cost every MMA thread its own addresses and copies and every warp a
-wait. The stage is the W_down slot of the tile's last reduction step, held back from the
-copies until the epilogue is done with it, so the ring keeps its four slots.
+the registers the epilogue's arithmetic needs). One thread starts a chunk's copy, gate and
+up in one 3-D box (``h_boxes``), where a cp.async copy would cost every MMA thread its own
+addresses and copies and every warp a wait; each TMA copy the MMA warps issue also costs
+them a CTA barrier, so one box a chunk rather than two. The stage is the W_down slot of
+the tile's last reduction step, held back from the copies until the epilogue is done with
+it, so the ring keeps its four slots.
 
 Applies where ``gluon_row_gemm`` applies to the GEMM (16-bit, Hopper, 16-element aligned
 K, N and strides), the layout is concatenated (gate columns, then up) or the activation
@@ -78,40 +80,44 @@ def _stage_layout():
 
 
 @gluon.jit
-def _copy_h_chunk(h_desc, h_slots, h_ready, row0, n0, I, j: gl.constexpr, GATED: gl.constexpr,
-                  BLOCK_M: gl.constexpr, CHUNK: gl.constexpr, PART_COLUMNS: gl.constexpr):
-    """Starts the TMA copies of the h tiles (gate, up; h alone where not ``GATED``) behind
-    chunk ``j`` of a tile's epilogue (``_dh_tile_epilogue``: rows (j % chunks) * CHUNK ..
-    of the part of PART_COLUMNS columns j // chunks) into slot j % slots of ``h_slots``
-    ([slots * 2, CHUNK, PART_COLUMNS]); they land on the slot's ``h_ready`` barrier. Rows
-    past the expert's end (another expert's h, or zeros past L*K) and gate columns past I
-    (up columns) come in too: their gradient is zero and their outputs are masked."""
+def _copy_h_chunk(h_desc, h_ring, h_ready, row0, n0, j: gl.constexpr, BLOCK_M: gl.constexpr, CHUNK: gl.constexpr,
+                  PART_COLUMNS: gl.constexpr):
+    """Starts the TMA copy of the h behind chunk ``j`` of a tile's epilogue
+    (``_dh_tile_epilogue``: rows (j % chunks) * CHUNK .. of the part of PART_COLUMNS
+    columns j // chunks), gate and up in one box of ``h_desc`` (``h_boxes``), into slot j %
+    slots of ``h_ring``; it lands on the slot's ``h_ready`` barrier. Rows past the expert's
+    end come in too (another expert's h, or zeros past L*K): their gradient is zero and
+    their outputs are masked."""
     CHUNKS: gl.constexpr = BLOCK_M // CHUNK
-    SLOTS: gl.constexpr = h_slots.shape[0] // 2
-    slot: gl.constexpr = j % SLOTS
-    r0 = row0 + (j % CHUNKS) * CHUNK
-    c0 = n0 + (j // CHUNKS) * PART_COLUMNS
+    slot: gl.constexpr = j % h_ring.shape[0]
     bar = h_ready.index(slot)
-    mbarrier.expect(bar, (2 if GATED else 1) * h_desc.block_type.nbytes)
-    tma_load(h_desc, [r0, c0], bar, h_slots.index(2 * slot))
-    if GATED:
-        tma_load(h_desc, [r0, I + c0], bar, h_slots.index(2 * slot + 1))
+    mbarrier.expect(bar, h_desc.block_type.nbytes)
+    tma_load(h_desc, [0, row0 + (j % CHUNKS) * CHUNK, n0 + (j // CHUNKS) * PART_COLUMNS], bar, h_ring.index(slot))
 
 
 @gluon.jit
-def _copy_first_h_chunks(h_desc, h_slots, h_ready, row0, n0, I, GATED: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, PART_COLUMNS: gl.constexpr):
+def _copy_first_h_chunks(h_desc, h_ring, h_ready, row0, n0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         CHUNK: gl.constexpr, PART_COLUMNS: gl.constexpr):
     """The copies of a tile's first chunks of h, one per slot: a kernel starts them before
     the tile's reduction, to have them in shared memory when the epilogue starts."""
     TOTAL: gl.constexpr = (BLOCK_N // PART_COLUMNS) * (BLOCK_M // CHUNK)
+    SLOTS: gl.constexpr = h_ring.shape[0]
     cta_barrier()  # the warps are done reading the last tile's chunks
-    for j in gl.static_range(h_slots.shape[0] // 2):
+    for j in gl.static_range(SLOTS):
         if j < TOTAL:
-            _copy_h_chunk(h_desc, h_slots, h_ready, row0, n0, I, j, GATED, BLOCK_M, CHUNK, PART_COLUMNS)
+            _copy_h_chunk(h_desc, h_ring, h_ready, row0, n0, j, BLOCK_M, CHUNK, PART_COLUMNS)
+
+
+@gluon.constexpr_function
+def _h_rows_layout(box_layout):
+    """A ring slot of h read as [gates * CHUNK, PART_COLUMNS] rows: a 3-D [gates, CHUNK,
+    PART_COLUMNS] TMA box lands as those rows (its swizzle goes by address), so gate and up
+    are each a slice of CHUNK rows."""
+    return gl.NVMMASharedLayout(box_layout.swizzle_byte_width, box_layout.element_bitwidth, rank=2)
 
 
 @gluon.jit
-def _dh_tile_epilogue(acc, h_desc, h_slots, h_ready, tiles_done, stage, weights, grp, row0, row_end, n0, eti_ptr,
+def _dh_tile_epilogue(acc, h_desc, h_ring, h_ready, tiles_done, stage, weights, grp, row0, row_end, n0, eti_ptr,
                       tw_ptr, tim_ptr, dh_ptr, wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_dhm,
                       stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr,
                       WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -120,7 +126,7 @@ def _dh_tile_epilogue(acc, h_desc, h_slots, h_ready, tiles_done, stage, weights,
     of group ``grp`` and activation columns ``n0 ..``, by the ``WARPS`` warps that hold it:
     ``dh_outputs`` over parts of ``PART_COLUMNS`` columns, each staged in ``stage``
     ([BLOCK_M, PART_COLUMNS] fp32) and taken ``CHUNK`` rows at a time, their h from the
-    ring ``h_slots`` (``_copy_h_chunk``; the caller has started the first slots'), each
+    ring ``h_ring`` (``_copy_h_chunk``; the caller has started the first slots'), each
     slot refilled with the chunk a ring ahead once read; one router partial per row and
     part. ``tiles_done``: the program's tiles before this one, for the phases of the
     slots' ``h_ready`` barriers. The sentinel group's tiles (no reduction) leave the
@@ -129,7 +135,8 @@ def _dh_tile_epilogue(acc, h_desc, h_slots, h_ready, tiles_done, stage, weights,
     PARTS: gl.constexpr = BLOCK_N // PART_COLUMNS
     CHUNKS: gl.constexpr = BLOCK_M // CHUNK
     TOTAL: gl.constexpr = PARTS * CHUNKS
-    SLOTS: gl.constexpr = h_slots.shape[0] // 2
+    SLOTS: gl.constexpr = h_ring.shape[0]
+    GATES: gl.constexpr = h_ring.shape[1]
     layout: gl.constexpr = _chunk_layout(PART_COLUMNS, WARPS)
     row_layout: gl.constexpr = gl.SliceLayout(1, layout)
     tile_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
@@ -152,9 +159,13 @@ def _dh_tile_epilogue(acc, h_desc, h_slots, h_ready, tiles_done, stage, weights,
         # slot holds, the same number of times in every tile.
         mbarrier.wait(h_ready.index(j % SLOTS),
                       (tiles_done * (TOTAL // SLOTS + (j % SLOTS < TOTAL % SLOTS)) + j // SLOTS) & 1)
-        hg = h_slots.index(2 * (j % SLOTS)).load(layout)
+        # The slot's box as rows, a view of one power-of-two shape (the ring's slot count
+        # need not be one).
+        h_rows = reinterpret_shared(h_ring.index(j % SLOTS), h_ring.dtype, [GATES * CHUNK, PART_COLUMNS],
+                                    _h_rows_layout(h_ring.layout))
+        hg = h_rows.slice(0, CHUNK, dim=0).load(layout)
         if ACT < acts.NUM_GATED:
-            hu = h_slots.index(2 * (j % SLOTS) + 1).load(layout)
+            hu = h_rows.slice(CHUNK, CHUNK, dim=0).load(layout)
         else:
             hu = hg
         rows = row0 + (j % CHUNKS) * CHUNK + gl.arange(0, CHUNK, layout=row_layout)
@@ -168,12 +179,11 @@ def _dh_tile_epilogue(acc, h_desc, h_slots, h_ready, tiles_done, stage, weights,
                  mask=(rows < row_end) & (cols0 < I))
         if j + SLOTS < TOTAL:
             cta_barrier()  # every warp has read the slot: the copy may overwrite it
-            _copy_h_chunk(h_desc, h_slots, h_ready, row0, n0, I, j + SLOTS, ACT < acts.NUM_GATED, BLOCK_M, CHUNK,
-                          PART_COLUMNS)
+            _copy_h_chunk(h_desc, h_ring, h_ready, row0, n0, j + SLOTS, BLOCK_M, CHUNK, PART_COLUMNS)
 
 
 @gluon.jit
-def _dh_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_desc, h_slots, h_ready, stage, weights, eti_ptr, tw_ptr,
+def _dh_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_desc, h_ring, h_ready, stage, weights, eti_ptr, tw_ptr,
                  tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_dhm,
                  stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr,
                  FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr,
@@ -193,8 +203,7 @@ def _dh_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_desc, h_slots, h_rea
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         grp, row0, row_end, n0 = _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M, BLOCK_N, BAND)
         # The epilogue's first h chunks land during the reduction.
-        _copy_first_h_chunks(h_desc, h_slots, h_ready, row0, n0, I, ACT < acts.NUM_GATED, BLOCK_M, BLOCK_N, CHUNK,
-                             PART_COLUMNS)
+        _copy_first_h_chunks(h_desc, h_ring, h_ready, row0, n0, BLOCK_M, BLOCK_N, CHUNK, PART_COLUMNS)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         if grp < E:  # the sentinel tiles: zeros everywhere
             acc, step = ws_tile_steps(acc, step, k_steps, a_ring, b_ring, a_ready, b_ready, empty, True, W_KMAJOR,
@@ -204,7 +213,7 @@ def _dh_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_desc, h_slots, h_rea
             tile_stage = reinterpret_shared(b_ring.index(held), gl.float32, [BLOCK_M, PART_COLUMNS], _stage_layout())
         else:
             tile_stage = stage
-        _dh_tile_epilogue(acc, h_desc, h_slots, h_ready, tiles_done, tile_stage, weights, grp, row0, row_end, n0,
+        _dh_tile_epilogue(acc, h_desc, h_ring, h_ready, tiles_done, tile_stage, weights, grp, row0, row_end, n0,
                           eti_ptr, tw_ptr, tim_ptr, dh_ptr, wact_ptr, part_ptr, E, I, alpha, limit, n_parts,
                           stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, BLOCK_M,
                           BLOCK_N, PART_COLUMNS, CHUNK, num_warps)
@@ -242,13 +251,13 @@ def _dh_kernel(
     else:
         stage = gl.allocate_shared_memory(gl.float32, [BLOCK_M, PART_COLUMNS], _stage_layout())
     weights = gl.allocate_shared_memory(gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    h_slots = gl.allocate_shared_memory(dtype, [2 * H_SLOTS, CHUNK, PART_COLUMNS], h_desc.layout)
+    h_ring = gl.allocate_shared_memory(dtype, [H_SLOTS] + h_desc.block_type.shape, h_desc.layout)
     h_ready = slot_barriers(H_SLOTS, 1)
     a_ready = slot_barriers(NUM_STAGES, PRODUCER_WARPS * 32)
     b_ready = slot_barriers(NUM_STAGES, 1)
     empty = slot_barriers(NUM_STAGES, 1)
     gl.warp_specialize([
-        (_dh_consumer, (a_ring, b_ring, a_ready, b_ready, empty, h_desc, h_slots, h_ready, stage, weights, eti_ptr,
+        (_dh_consumer, (a_ring, b_ring, a_ready, b_ready, empty, h_desc, h_ring, h_ready, stage, weights, eti_ptr,
                         tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts,
                         stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT,
                         W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, STAGE_IN_RING,
@@ -274,6 +283,13 @@ def h_slots(tile: GemmTile, shared_bytes: int) -> int:
     free = shared_bytes - SPARE_SHARED_BYTES - tile.smem_bytes(2) - stage
     chunks = (tile.block_n // PART_COLUMNS) * (tile.block_m // CHUNK)
     return max(0, min(chunks, free // (2 * CHUNK * PART_COLUMNS * 2)))
+
+
+def h_boxes(h: torch.Tensor, I: int, gated: bool) -> torch.Tensor:
+    """h ([L*K, 2I] gate columns then up, or [L*K, I]) as the [gates, L*K, I] view whose TMA
+    boxes ``_copy_h_chunk`` copies: a chunk's gate and up in one box, the columns past I
+    zero-filled."""
+    return h.as_strided((2 if gated else 1, h.shape[0], I), (I, h.stride(0), 1))
 
 
 def applies(grad_out: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor, transposed: bool, gated: bool,
@@ -309,8 +325,8 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
                          f"of {PART_COLUMNS}")
     view, kmajor = _weight_view(w_down, not transposed)
     w_desc = host_descriptor(view, [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n])
-    # h's gate and up columns of a chunk, one box each ([L*K, 2I]; [L*K, I] not gated).
-    h_desc = host_descriptor(h, [CHUNK, PART_COLUMNS])
+    gated = act < acts.NUM_GATED
+    h_desc = host_descriptor(h_boxes(h, I, gated), [2 if gated else 1, CHUNK, PART_COLUMNS])
     max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(I, tile.block_n)
     warps, regs = PRODUCER
     launch(
