@@ -177,11 +177,11 @@ import json, sys
 sys.path.insert(0, sys.argv[2])
 from test_gluon_compile import _compile_for_hopper
 from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type
-from moeblaze_ops.activations import activation_code
-from moeblaze_ops.kernels import gluon_dh, triton_activations
+from moeblaze_ops.activations import activation_code, is_gated
+from moeblaze_ops.kernels import gluon_dh
 
 dtype, k_contiguous, act, slots, out = json.loads(sys.argv[1])
-gated = activation_code(act) < triton_activations.NUM_GATED
+gated = is_gated(act)
 tile = gluon_dh.TILE
 block = [1, tile.block_n, tile.block_k] if k_contiguous else [1, tile.block_k, tile.block_n]
 warps, regs = gluon_dh.PRODUCER
@@ -231,8 +231,8 @@ def test_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
     """The Gluon dH (``kernels.gluon_dh._dh_kernel``): one copy warpgroup for both operands,
     the two MMA warpgroups' wgmma 256 columns wide, the ring and the h chunks within the
     block's shared memory (the fp32 stage in a ring slot), and (almost) no spills."""
-    from moeblaze_ops.activations import activation_code
-    from moeblaze_ops.kernels import gluon_dh, triton_activations
+    from moeblaze_ops.activations import is_gated
+    from moeblaze_ops.kernels import gluon_dh
 
     compiled = _compile_in_subprocess(_DH_SCRIPT, [dtype, k_contiguous, act, None], tmp_path)
     ptx = compiled["ptx"]
@@ -242,7 +242,7 @@ def test_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
     slots = gluon_dh.h_slots(tile, MAX_SHARED)
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
     assert gluon_dh.stage_in_ring(tile) and slots >= 2
-    gates = 2 if activation_code(act) < triton_activations.NUM_GATED else 1
+    gates = 2 if is_gated(act) else 1
     assert ring + slots * gates * gluon_dh.CHUNK * gluon_dh.PART_COLUMNS * 2 <= compiled["shared"] <= MAX_SHARED
     # h loaded into registers ahead of its chunk spilled 84 to 128 bytes (and 8 for fp16
     # GeGLU with N-contiguous weights); the whole-tile epilogue spilled kilobytes.
