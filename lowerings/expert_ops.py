@@ -92,16 +92,17 @@ def _index_arrays_from_dispatch(index_positions) -> bool:
     return all(_from_dispatch(args[i] if i < len(args) else None) for i in index_positions)
 
 
-def _widest_slab(kind, rows, reduction, weight) -> int:
+def _widest_slab(kind, rows, reduction, weight, gated=False) -> int:
     """``triton_combine.widest_slab`` of GEMM ``kind`` over ``rows`` routed rows
-    ``reduction`` deep with the weight stack ``weight``, by the size hints."""
+    ``reduction`` deep with the weight stack ``weight`` (``gated``: the down projection
+    of a gated activation), by the size hints."""
     numel = 1
     for size in weight.get_size():
         numel *= compat.hint(size)
-    return widest_slab(kind, compat.hint(rows), compat.hint(reduction), numel)
+    return widest_slab(kind, compat.hint(rows), compat.hint(reduction), numel, gated)
 
 
-def _op_runs_gluon(kind, a, rows, out_cols, reduction, weight=None) -> bool:
+def _op_runs_gluon(kind, a, rows, out_cols, reduction, weight=None, gated=False) -> bool:
     """Whether the op's own kernels would run GEMM ``kind`` (A = ``a`` over ``rows`` routed
     rows, ``out_cols`` output columns, ``reduction`` deep) on its Gluon kernel: the
     decision of ``grouped_gemm.gluon_module`` on each launch's operations (a column slab
@@ -111,13 +112,13 @@ def _op_runs_gluon(kind, a, rows, out_cols, reduction, weight=None) -> bool:
     multiples of 16; its stride and alignment rules hold for the contiguous operands the
     graph makes). Those kernels are faster than the ``tl`` templates, so the graph calls
     the op there; elsewhere the op's ``tl`` kernel would run, and the template, as fast,
-    lets consumers fuse."""
+    lets consumers fuse. ``gated``: as ``_widest_slab``'s."""
     device = a.get_device()
     if a.get_dtype() not in (torch.float16, torch.bfloat16) or device is None or device.type != "cuda":
         return False
     out_cols, reduction = compat.hint(out_cols), compat.hint(reduction)
     if kind != "up":
-        slabs = column_slabs(out_cols, _widest_slab(kind, rows, reduction, weight))
+        slabs = column_slabs(out_cols, _widest_slab(kind, rows, reduction, weight, gated))
         out_cols = slabs[0][1] - slabs[0][0] if slabs else 0
     if out_cols % 16 or reduction % 16:
         return False
@@ -242,13 +243,13 @@ def combine(rows, token_index_map, offsets, num_tokens, topk_weights=None):
 
 
 def combined_rows(kind, a, b, offsets, token_index_map, num_tokens, transposed, out_dim, topk_weights=None,
-                  bias=None):
+                  bias=None, gated=False):
     """``combine`` of the routed rows A_r @ B_e (+ bias_e), made one column slab at a time
     (``triton_combine.column_slabs``, as the eager kernels make their [L*K, d] scratch): the
-    forward's down projection (A = act(h)) and backward's dX (A = dH). ``out_dim`` is the
-    dimension of B that holds the output columns."""
+    forward's down projection (A = act(h); ``gated``: of a gated activation) and backward's
+    dX (A = dH). ``out_dim`` is the dimension of B that holds the output columns."""
     slabs = []
-    widest = _widest_slab(kind, a.get_size()[0], a.get_size()[1], b)
+    widest = _widest_slab(kind, a.get_size()[0], a.get_size()[1], b, gated)
     for c0, c1 in column_slabs(compat.static_int(b.get_size()[out_dim]), widest):
         w = compat.slice_view(b, out_dim, c0, c1)
         bias_slab = compat.slice_view(bias, 1, c0, c1) if bias is not None else None
@@ -349,28 +350,30 @@ def _down_projection(h, w_down, expert_token_indices, expert_offsets, token_inde
     else the activation pass, then the down GEMM and the combine in column slabs. The
     index arrays are at FX argument ``index_positions`` of the node being lowered."""
     out_dim = 2 if transposed else 1  # w_down is [E, d, I], or [E, I, d] when transposed
+    gated = is_gated(activation)
     if _op_runs_gluon("down", h, h.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim],
-                      w_down):
+                      w_down, gated):
         return compat.fallback(_graph_call("expert_down", index_positions), h, w_down, expert_token_indices,
                                expert_offsets, token_index_map, topk_weights, b_down, activation, transposed,
                                interleaved, alpha, limit)
     a = activation_pass(h, w_down.get_size()[3 - out_dim], activation_code(activation), interleaved, alpha, limit)
     return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],
-                         transposed, out_dim, topk_weights, b_down)
+                         transposed, out_dim, topk_weights, b_down, gated)
 
 
 def _down_projection_of_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                                   b_down, transposed):
-    """The down GEMM and the combine of rows activated already: the op where its GEMM runs
-    on Gluon or no template applies, else the templates in column slabs."""
+    """The down GEMM and the combine of rows activated already (act(h) beside h: a gated
+    activation's): the op where its GEMM runs on Gluon or no template applies, else the
+    templates in column slabs."""
     out_dim = 2 if transposed else 1
     if not _templates_apply(a, index_positions=_DOWN_INDEX_ARRAYS) \
             or _op_runs_gluon("down", a, a.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim],
-                              w_down):
+                              w_down, gated=True):
         return compat.fallback(_ops._down_activated_kernels.default, a, w_down, expert_token_indices, expert_offsets,
                                token_index_map, topk_weights, b_down, transposed)
     return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],
-                         transposed, out_dim, topk_weights, b_down)
+                         transposed, out_dim, topk_weights, b_down, gated=True)
 
 
 @compat.register_lowering(_ops.expert_layer.default, type_promotion_kind=None)

@@ -235,8 +235,10 @@ class _KernelCalls:
 
     @staticmethod
     def down_activated(a, w_down, eti, offsets, tim, tw, b_down, transposed):
+        # act(h) comes beside h for gated activations only.
         with _profiled("moeblaze::expert_down"):
-            return forward_backend(a).expert_down_activated(a, w_down, eti, offsets, tim, tw, b_down, transposed)
+            return forward_backend(a).expert_down_activated(a, w_down, eti, offsets, tim, tw, b_down, transposed,
+                                                            gated=True)
 
     @staticmethod
     def layer(x, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, args):

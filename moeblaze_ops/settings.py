@@ -215,11 +215,13 @@ class KernelSettings:
         column_slab_widen: make the slabs wider, in whole multiples of ``column_slab``,
             as far as the memory the layer's weight gradients take bounds them
             (``triton_combine.widest_slab``): the forward's scratch and act(h) within
-            twice the down weights' bytes, the dX rows' scratch within the up weights'
-            bytes (their gradient is made once the scratch is gone). Training then peaks
-            where it did with narrow slabs: in the backward, which holds the weight
-            gradients. False: always ``column_slab``. The default is chosen by
-            measurement (docs/perf-notes.md).
+            both weight gradients' bytes (three times the down weights' for a gated
+            activation, twice for another), the dX rows' scratch within the up weights'
+            bytes (their gradient is made once the scratch is gone); the fewest slabs
+            that fit, each as narrow as their count allows. Training then peaks where it
+            did with narrow slabs: in the backward, which holds the weight gradients.
+            False: always ``column_slab``. The default is chosen by measurement
+            (docs/perf-notes.md).
         dispatch_sorted_min_bins: dispatch ranks rows by sorted chunks from this many
             bins (E rounded up to a power of two); None: always by one-hot tiles. The
             default is chosen by measurement (docs/perf-notes.md).

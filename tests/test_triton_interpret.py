@@ -2,8 +2,11 @@
 
 import os
 
+import hypothesis
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kernel_cases import check_backward, check_dispatch_bitwise, check_forward, check_frozen_grads
 from conftest import make_layer, rel_err
@@ -296,18 +299,24 @@ def test_column_slabs(layout, seed):
 
 def test_widest_slab_bounds():
     """How wide the scratch may grow (``triton_combine.widest_slab``): the forward's
-    scratch and act(h) within twice the down weights, the dX scratch within the up
-    weights; ``column_slabs`` takes whole multiples of ``column_slab`` up to it, and only
-    where ``column_slab_widen``."""
+    scratch and act(h) within both weight gradients (the up weights as big as the down
+    ones, twice as big for a gated activation), the dX scratch within the up weights;
+    ``column_slabs`` takes the fewest slabs of whole multiples of ``column_slab`` up to it,
+    each as narrow as their count allows, and only where ``column_slab_widen``."""
     from moeblaze_ops.kernels.triton_combine import column_slabs, widest_slab
 
-    # down: 100 rows of act(h) 6 wide, down weights of 1000 elements: (2000 - 600) / 100.
+    # down: 100 rows of act(h) 6 wide, down weights of 1000 elements: (2000 - 600) / 100,
+    # or (3000 - 600) / 100 where gated.
     assert widest_slab("down", 100, 6, 1000) == 14
+    assert widest_slab("down", 100, 6, 1000, gated=True) == 24
     assert widest_slab("down", 100, 30, 1000) == 0  # act(h) alone is over the bound
+    assert widest_slab("down", 100, 30, 1000, gated=True) == 0
     assert widest_slab("dx", 100, 12, 1000) == 10
+    assert widest_slab("dx", 100, 12, 1000, gated=True) == 10  # dX's bound has no gate factor
     assert widest_slab("dx", 0, 12, 1000) == 0
     with settings.override(column_slab=4, column_slab_widen=True):
         assert column_slabs(20, 14) == [(0, 12), (12, 20)]
+        assert column_slabs(16, 12) == [(0, 8), (8, 16)]  # two slabs either way: 8 wide, not 12 and 4
         assert column_slabs(20, 3) == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20)]
         assert column_slabs(20, 40) == [(0, 20)]
     with settings.override(column_slab=4, column_slab_widen=False):
@@ -316,9 +325,28 @@ def test_widest_slab_bounds():
         assert column_slabs(20, 3) == [(0, 20)]
 
 
+@hypothesis.settings(max_examples=300, deadline=None)
+@given(d=st.integers(1, 20000), slab=st.integers(1, 600), widest=st.integers(0, 20000))
+def test_column_slabs_cover(d, slab, widest):
+    """``column_slabs`` cuts [0, d) into contiguous slabs, as many as slabs of the widest
+    whole multiple of ``column_slab`` within ``widest`` make (of ``column_slab`` where none
+    is wider), none wider than that multiple, all but the last whole multiples of
+    ``column_slab``, the last no wider than the first."""
+    from moeblaze_ops.kernels.grouped_gemm import cdiv
+    from moeblaze_ops.kernels.triton_combine import column_slabs
+
+    with settings.override(column_slab=slab, column_slab_widen=True):
+        slabs = column_slabs(d, widest)
+    most = max(slab, widest // slab * slab)
+    widths = [c1 - c0 for c0, c1 in slabs]
+    assert slabs[0][0] == 0 and slabs[-1][1] == d and all(a[1] == b[0] for a, b in zip(slabs, slabs[1:]))
+    assert len(slabs) == cdiv(d, most)
+    assert max(widths) <= most and all(w % slab == 0 for w in widths[:-1]) and widths[-1] <= widths[0]
+
+
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
 def test_widened_slabs(layout, seed, monkeypatch):
-    """Slabs widened by the layer's weights (d = 40, slabs of 8 widened to 16 and 24 by
+    """Slabs widened by the layer's weights (d = 40, slabs of 8 widened to 24 and 16 by
     ``widest_slab`` at these shapes): the forward and every gradient against the
     reference, and the slabs the kernels made are the widened ones."""
     from moeblaze_ops.kernels import triton_combine
@@ -331,18 +359,19 @@ def test_widened_slabs(layout, seed, monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(triton_combine, "column_slabs", recording)
-    # 24 tokens, K = 2 (48 rows), d = 40, I = 12, E = 4: down weights 1920 elements, so
-    # (3840 - 48 * 12) / 48 = 68 columns fit; the dX scratch, 2 * 1920 / 48 = 80.
+    # 24 tokens, K = 2 (48 rows), d = 40, I = 12, E = 4 (SwiGLU): down weights 1920
+    # elements, so (3 * 1920 - 48 * 12) / 48 = 108 columns fit; the dX scratch, 2 * 1920 / 48 = 80.
     with settings.override(column_slab=8, column_slab_widen=True):
         check_forward(24, 40, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
         assert made and all(slabs == [(0, 40)] for slabs in made), made
     made.clear()
-    # 45 tokens, K = 2 (90 rows), d = 40, I = 12, E = 3: down weights 1440 elements, so
-    # (2880 - 1080) / 90 = 20 columns (slabs of 16); the dX scratch 2880 / 90 = 32 (of 32).
+    # 45 tokens, K = 2 (90 rows), d = 40, I = 8, E = 3 (SwiGLU): down weights 960
+    # elements, up weights 1920, so (2880 - 720) / 90 = 24 columns fit the forward's scratch
+    # (two slabs, of 24 and 16) and 1920 / 90 = 21 the dX scratch (three, of 16, 16 and 8).
     with settings.override(column_slab=8, column_slab_widen=True):
-        check_backward(45, 40, 12, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True,
+        check_backward(45, 40, 8, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True,
                        routing="skewed", sentinel_frac=0.2)
-    assert [(0, 16), (16, 32), (32, 40)] in made and [(0, 32), (32, 40)] in made, made
+    assert [(0, 24), (24, 40)] in made and [(0, 16), (16, 32), (32, 40)] in made, made
 
 
 @pytest.mark.parametrize("chunk", [16, 128])

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .. import settings
-from ..activations import activation_code
+from ..activations import activation_code, is_gated
 from ..layouts import linear_dims, linear_strides, out_feature_slice
 from . import grouped_gemm as gg
 from .launch import launch
@@ -239,13 +239,15 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
     a = gg.empty(h.shape[0], I, dtype=h.dtype, device=h.device)
     launch_activation(h, a, act, interleaved, alpha, limit, gg.fast_sigmoid(h, settings.current().fast_activation))
     return expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
-                                 b_down, transposed)
+                                 b_down, transposed, gated=is_gated(activation))
 
 
 def expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-                          transposed):
+                          transposed, gated=False):
     """``expert_down`` of rows activated already (act(h), from ``expert_up_activated`` or
-    the activation pass): a plain grouped GEMM and the combine."""
+    the activation pass): a plain grouped GEMM and the combine, in the column slabs
+    ``widest_slab`` allows (``gated``: act(h) came from a gated activation, whose up
+    weights are twice the down ones)."""
     L = topk_weights.shape[0]
     E, d, _ = linear_dims(w_down, transposed)
     out = gg.empty(L, d, dtype=a.dtype, device=a.device)
@@ -255,6 +257,6 @@ def expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token
         b = b_down[:, c0:c1] if b_down is not None else None
         launch_gathered_gemm(a, None, w, b, expert_offsets, y, transposed, "down")
 
-    widest = widest_slab("down", a.shape[0], a.shape[1], w_down.numel())
+    widest = widest_slab("down", a.shape[0], a.shape[1], w_down.numel(), gated)
     return combine_in_slabs(expert_outputs, a.shape[0], a.dtype, token_index_map, topk_weights, expert_offsets, out, E,
                             widest)

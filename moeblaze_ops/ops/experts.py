@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .. import settings
-from ..activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
+from ..activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, is_gated
 from ..checks import check_expert_down, check_expert_up, check_grad
 from . import document
 from ..kernels import backward_backend, forward_backend
@@ -434,7 +434,8 @@ def layer_kernels(backend, x, w_gate_up, w_down, eti, offsets, tim, topk_weights
         a = backend.expert_up_activated(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, activation,
                                         interleaved, alpha, limit)
     with profiled("moeblaze::expert_down"):
-        return backend.expert_down_activated(a, w_down, eti, offsets, tim, topk_weights, b_down, transposed)
+        return backend.expert_down_activated(a, w_down, eti, offsets, tim, topk_weights, b_down, transposed,
+                                             gated=is_gated(activation))
 
 
 @expert_layer.register_fake

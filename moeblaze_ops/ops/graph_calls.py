@@ -82,7 +82,9 @@ def _up_with_activation_kernels(x, w_gate_up, eti, offsets, tim, b_gate_up, tran
 
 
 def _down_activated_kernels(a, w_down, eti, offsets, tim, topk_weights, b_down, transposed):
-    return forward_backend(a).expert_down_activated(a, w_down, eti, offsets, tim, topk_weights, b_down, transposed)
+    # The lowerings plan act(h) beside h for gated activations only.
+    return forward_backend(a).expert_down_activated(a, w_down, eti, offsets, tim, topk_weights, b_down, transposed,
+                                                    gated=True)
 
 
 def _up_backward_kernels(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed, need_input_grad=True,
