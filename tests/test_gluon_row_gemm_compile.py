@@ -194,7 +194,7 @@ signature = {"go_ptr": f"*{dtype}", "w_desc": _descriptor_type(dtype, block),
 constexprs = dict(K=8, ACT=int(activation_code(act)), WRITE_WACT=True, FAST_ACT=True, W_KMAJOR=k_contiguous,
                   GROUPS=128, BAND=4, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                   NUM_STAGES=tile.num_stages, PART_COLUMNS=gluon_dh.PART_COLUMNS,
-                  CHUNK=gluon_dh.CHUNK, H_SLOTS=slots or gluon_dh.h_slots(tile, MAX_SHARED, 2 if gated else 1),
+                  CHUNK=gluon_dh.CHUNK, H_SLOTS=slots or gluon_dh.h_slots(tile, MAX_SHARED),
                   STAGE_IN_RING=gluon_dh.stage_in_ring(tile),
                   PRODUCER_WARPS=warps, PRODUCER_REGS=regs, A_OFFSETS_32=True, num_warps=tile.num_warps)
 aligned = ["go_ptr", "eti_ptr", "tim_ptr", "offsets_ptr", "dh_ptr", "wact_ptr", "part_ptr", "D", "I",
@@ -239,10 +239,10 @@ def test_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
     tile, (_, regs) = gluon_dh.TILE, gluon_dh.PRODUCER
     _assert_dh_pipeline(ptx, dtype, tile)
     assert re.search(rf"setmaxnreg\.\w+\.sync\.aligned\.u32\s+{regs}\b", ptx)  # the copy warps' registers
-    gates = 2 if is_gated(act) else 1
-    slots = gluon_dh.h_slots(tile, MAX_SHARED, gates)
+    slots = gluon_dh.h_slots(tile, MAX_SHARED)
     ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
     assert gluon_dh.stage_in_ring(tile) and slots >= 2
+    gates = 2 if is_gated(act) else 1
     assert ring + slots * gates * gluon_dh.CHUNK * gluon_dh.PART_COLUMNS * 2 <= compiled["shared"] <= MAX_SHARED
     # h loaded into registers ahead of its chunk spilled 84 to 128 bytes (and 8 for fp16
     # GeGLU with N-contiguous weights); the whole-tile epilogue spilled kilobytes.

@@ -105,22 +105,6 @@ def test_gluon_dh_h_slots(slots, seed, launches, monkeypatch):
     assert launches[0] > 0
 
 
-@pytest.mark.parametrize("activation", ["gelu", "relu"])
-def test_gluon_dh_ungated_ring_holds_a_whole_tile(activation, seed, launches):
-    """An ungated activation's chunk of h is one [1, CHUNK, PART_COLUMNS] box, so its ring
-    has room for twice the gated slots: with a 3-stage tile, every chunk of the tile in
-    flight at once (the ring wraps at the tile's end)."""
-    from moeblaze_ops.kernels import gluon_dh
-
-    tile = GemmTile(128, 256, 64, 8, 3)
-    chunks = (tile.block_n // gluon_dh.PART_COLUMNS) * (tile.block_m // gluon_dh.CHUNK)
-    assert gluon_dh.h_slots(tile, settings.shared_memory_per_block(torch.device("cuda")), 1) == chunks
-    with settings.override(tiles={**settings.current().tiles, "dh": tile}):
-        check_backward(777, 512, 320, 8, 2, dtype=torch.bfloat16, device="cuda", seed=seed, activation=activation,
-                       layout="concatenated", tw_dtype=torch.float32, sentinel_frac=0.2)
-    assert launches[0] > 0
-
-
 @pytest.mark.parametrize("tile", [
     GemmTile(128, 128, 64, 8, 4),  # the fp32 stage in shared memory of its own: a W_down slot is too small
     GemmTile(128, 256, 64, 8, 3),  # a ring of 3 slots: more chunks of h in flight than the tile's parts

@@ -274,15 +274,15 @@ def stage_in_ring(tile: GemmTile) -> bool:
     return tile.block_n * tile.block_k * 2 >= tile.block_m * PART_COLUMNS * 4
 
 
-def h_slots(tile: GemmTile, shared_bytes: int, gates: int) -> int:
+def h_slots(tile: GemmTile, shared_bytes: int) -> int:
     """Chunks of h in flight for the epilogue (``_copy_h_chunk``): as many as a block's
     ``shared_bytes`` of shared memory hold beside the ring, the fp32 stage (unless in the
-    ring) and the weights, up to a tile's chunks (each a [gates, CHUNK, PART_COLUMNS] box,
-    16-bit: gate and up for a gated activation, h alone otherwise)."""
+    ring) and the weights, up to a tile's chunks (each [CHUNK, PART_COLUMNS] of gate and of
+    up, 16-bit)."""
     stage = tile.block_m * (PART_COLUMNS * (not stage_in_ring(tile)) + 1) * 4
     free = shared_bytes - SPARE_SHARED_BYTES - tile.smem_bytes(2) - stage
     chunks = (tile.block_n // PART_COLUMNS) * (tile.block_m // CHUNK)
-    return max(0, min(chunks, free // (gates * CHUNK * PART_COLUMNS * 2)))
+    return max(0, min(chunks, free // (2 * CHUNK * PART_COLUMNS * 2)))
 
 
 def h_boxes(h: torch.Tensor, I: int, gated: bool) -> torch.Tensor:
@@ -315,18 +315,17 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
             or tile.block_n % PART_COLUMNS or parts_of_tile not in (1, 2, 4) or tile.num_stages < 2):
         raise ValueError(f"moeblaze gluon dH: the tile is 4 or 8 warps over 16 rows each, 1, 2 or 4 parts of "
                          f"{PART_COLUMNS} columns, at least 2 stages, got {tile}")
-    LK = h.shape[0]
-    E, d, I = linear_dims(w_down, transposed)
-    boxes = h_boxes(h, I, act < acts.NUM_GATED)
-    if slots is None:
-        slots = h_slots(tile, settings.shared_memory_per_block(h.device), gates=boxes.shape[0])
+    slots = h_slots(tile, settings.shared_memory_per_block(h.device)) if slots is None else slots
     if slots < 1:
         raise ValueError(f"moeblaze gluon dH: no room for a chunk of h in shared memory beside the ring of {tile}")
+    LK = h.shape[0]
+    E, d, I = linear_dims(w_down, transposed)
     if parts.shape[1] != gg.cdiv(I, PART_COLUMNS):
         raise ValueError(f"moeblaze gluon dH: {parts.shape[1]} router partials per row for {I} columns in parts "
                          f"of {PART_COLUMNS}")
     view, kmajor = _weight_view(w_down, not transposed)
     w_desc = host_descriptor(view, [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n])
+    boxes = h_boxes(h, I, act < acts.NUM_GATED)
     h_desc = host_descriptor(boxes, [boxes.shape[0], CHUNK, PART_COLUMNS])
     max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(I, tile.block_n)
     warps, regs = PRODUCER
