@@ -278,7 +278,8 @@ def h_slots(tile: GemmTile, shared_bytes: int) -> int:
     """Chunks of h in flight for the epilogue (``_copy_h_chunk``): as many as a block's
     ``shared_bytes`` of shared memory hold beside the ring, the fp32 stage (unless in the
     ring) and the weights, up to a tile's chunks (each [CHUNK, PART_COLUMNS] of gate and of
-    up, 16-bit)."""
+    up, 16-bit). An ungated layer's boxes are half that size, but its ring keeps the same
+    count: twice the chunks in flight ran no faster (docs/perf-notes.md)."""
     stage = tile.block_m * (PART_COLUMNS * (not stage_in_ring(tile)) + 1) * 4
     free = shared_bytes - SPARE_SHARED_BYTES - tile.smem_bytes(2) - stage
     chunks = (tile.block_n // PART_COLUMNS) * (tile.block_m // CHUNK)
