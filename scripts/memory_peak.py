@@ -1,5 +1,7 @@
 """What is alive at the peak of one forward + backward (GPU): the largest blocks at the
-moment of peak allocated memory, with the Python lines that allocated them.
+moment of peak allocated memory, with the Python lines that allocated them. The traced
+step starts with no gradients allocated, as the benchmark's peak does, so its weight
+gradients are new blocks (not accumulated into the warm-up's).
 
     python scripts/memory_peak.py [--config conf3] [--peers moeblaze moeblaze_recompute] [--top 8]
 
@@ -44,6 +46,8 @@ def main():
     fns = peers(*inputs, train=True)
     for peer in a.peers:
         fns[peer]().backward(grad)  # warm up
+        for t in inputs:
+            t.grad = None
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
