@@ -92,19 +92,17 @@ def _index_arrays_from_dispatch(index_positions) -> bool:
     return all(_from_dispatch(args[i] if i < len(args) else None) for i in index_positions)
 
 
-def _widest_slab(kind, rows, reduction, weight, gated=False, tokens=0, out_cols=0) -> int:
+def _widest_slab(kind, rows, reduction, weight, gated=False) -> int:
     """``triton_combine.widest_slab`` of GEMM ``kind`` over ``rows`` routed rows
     ``reduction`` deep with the weight stack ``weight`` (``gated``: the down projection
-    of a gated activation, whose layer input of ``tokens`` rows has ``out_cols`` columns),
-    by the size hints."""
+    of a gated activation), by the size hints."""
     numel = 1
     for size in weight.get_size():
         numel *= compat.hint(size)
-    return widest_slab(kind, compat.hint(rows), compat.hint(reduction), numel, gated,
-                       compat.hint(tokens) * compat.hint(out_cols))
+    return widest_slab(kind, compat.hint(rows), compat.hint(reduction), numel, gated)
 
 
-def _op_runs_gluon(kind, a, rows, out_cols, reduction, weight=None, gated=False, tokens=0) -> bool:
+def _op_runs_gluon(kind, a, rows, out_cols, reduction, weight=None, gated=False) -> bool:
     """Whether the op's own kernels would run GEMM ``kind`` (A = ``a`` over ``rows`` routed
     rows, ``out_cols`` output columns, ``reduction`` deep) on its Gluon kernel: the
     decision of ``grouped_gemm.gluon_module`` on each launch's operations (a column slab
@@ -114,13 +112,13 @@ def _op_runs_gluon(kind, a, rows, out_cols, reduction, weight=None, gated=False,
     multiples of 16; its stride and alignment rules hold for the contiguous operands the
     graph makes). Those kernels are faster than the ``tl`` templates, so the graph calls
     the op there; elsewhere the op's ``tl`` kernel would run, and the template, as fast,
-    lets consumers fuse. ``gated``, ``tokens``: as ``_widest_slab``'s (for "down")."""
+    lets consumers fuse. ``gated``: as ``_widest_slab``'s."""
     device = a.get_device()
     if a.get_dtype() not in (torch.float16, torch.bfloat16) or device is None or device.type != "cuda":
         return False
     out_cols, reduction = compat.hint(out_cols), compat.hint(reduction)
     if kind != "up":
-        slabs = column_slabs(out_cols, _widest_slab(kind, rows, reduction, weight, gated, tokens, out_cols))
+        slabs = column_slabs(out_cols, _widest_slab(kind, rows, reduction, weight, gated))
         out_cols = slabs[0][1] - slabs[0][0] if slabs else 0
     if out_cols % 16 or reduction % 16:
         return False
@@ -251,9 +249,8 @@ def combined_rows(kind, a, b, offsets, token_index_map, num_tokens, transposed, 
     forward's down projection (A = act(h); ``gated``: of a gated activation) and backward's
     dX (A = dH). ``out_dim`` is the dimension of B that holds the output columns."""
     slabs = []
-    d = compat.static_int(b.get_size()[out_dim])
-    widest = _widest_slab(kind, a.get_size()[0], a.get_size()[1], b, gated, num_tokens, d)
-    for c0, c1 in column_slabs(d, widest):
+    widest = _widest_slab(kind, a.get_size()[0], a.get_size()[1], b, gated)
+    for c0, c1 in column_slabs(compat.static_int(b.get_size()[out_dim]), widest):
         w = compat.slice_view(b, out_dim, c0, c1)
         bias_slab = compat.slice_view(bias, 1, c0, c1) if bias is not None else None
         rows = row_gemm(kind, a, w, None, offsets, bias_slab, transposed, a.get_size()[0])
@@ -355,7 +352,7 @@ def _down_projection(h, w_down, expert_token_indices, expert_offsets, token_inde
     out_dim = 2 if transposed else 1  # w_down is [E, d, I], or [E, I, d] when transposed
     gated = is_gated(activation)
     if _op_runs_gluon("down", h, h.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim],
-                      w_down, gated, topk_weights.get_size()[0]):
+                      w_down, gated):
         return compat.fallback(_graph_call("expert_down", index_positions), h, w_down, expert_token_indices,
                                expert_offsets, token_index_map, topk_weights, b_down, activation, transposed,
                                interleaved, alpha, limit)
@@ -372,7 +369,7 @@ def _down_projection_of_activated(a, w_down, expert_token_indices, expert_offset
     out_dim = 2 if transposed else 1
     if not _templates_apply(a, index_positions=_DOWN_INDEX_ARRAYS) \
             or _op_runs_gluon("down", a, a.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim],
-                              w_down, gated=True, tokens=topk_weights.get_size()[0]):
+                              w_down, gated=True):
         return compat.fallback(_ops._down_activated_kernels.default, a, w_down, expert_token_indices, expert_offsets,
                                token_index_map, topk_weights, b_down, transposed)
     return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],

@@ -212,20 +212,16 @@ class KernelSettings:
         column_slab: width of the column slabs in which the [L*K, d] scratch (expert
             outputs before the combine, dX rows before their sum) is made; None: all d
             columns at once.
-        column_slab_widen: make the slabs wider, in steps of ``column_slab_step``
-            columns, as far as what the backward holds beside h bounds them
+        column_slab_widen: make the slabs wider, in whole multiples of ``column_slab``,
+            as far as the memory the layer's weight gradients take bounds them
             (``triton_combine.widest_slab``): the forward's scratch and act(h) within
             both weight gradients' bytes (three times the down weights' for a gated
-            activation, twice for another) and the input gradient's, the dX rows'
-            scratch within the up weights' bytes (their gradient is made once the
-            scratch is gone); the fewest slabs that fit, each as narrow as their count
-            allows. Training then peaks where it did with narrow slabs: in the
-            backward. False: always ``column_slab``. The default is chosen by
-            measurement (docs/perf-notes.md).
-        column_slab_step: widened slabs are whole multiples of this many columns; None,
-            or a step that does not divide ``column_slab``: of ``column_slab``. Finer
-            steps fit more of the room (three slabs of 768 columns in 2048 where the
-            room is 768).
+            activation, twice for another), the dX rows' scratch within the up weights'
+            bytes (their gradient is made once the scratch is gone); the fewest slabs
+            that fit, each as narrow as their count allows. Training then peaks where it
+            did with narrow slabs: in the backward, which holds the weight gradients.
+            False: always ``column_slab``. The default is chosen by measurement
+            (docs/perf-notes.md).
         dispatch_sorted_min_bins: dispatch ranks rows by sorted chunks from this many
             bins (E rounded up to a power of two); None: always by one-hot tiles. The
             default is chosen by measurement (docs/perf-notes.md).
@@ -275,7 +271,6 @@ class KernelSettings:
     dh_wide_min_columns: Optional[int] = 12288
     column_slab: Optional[int] = 512
     column_slab_widen: bool = True
-    column_slab_step: Optional[int] = 256
     dispatch_sorted_min_bins: Optional[int] = 16
     dispatch_sort_chunk: int = 512
     dispatch_one_program_max_rows: Optional[int] = 4096
@@ -345,10 +340,8 @@ class KernelSettings:
                 raise ValueError(f"moeblaze settings: {name} must be a positive int, got {value!r}")
         if not isinstance(self.small_gemm_flop, int) or self.small_gemm_flop < 0:
             raise ValueError(f"moeblaze settings: small_gemm_flop must be an int >= 0, got {self.small_gemm_flop!r}")
-        for name in ("column_slab", "column_slab_step"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"moeblaze settings: {name} must be a positive int or None, got {value!r}")
+        if self.column_slab is not None and self.column_slab < 1:
+            raise ValueError(f"moeblaze settings: column_slab must be positive or None, got {self.column_slab}")
         one = self.dispatch_one_program_max_rows
         if one is not None and not (isinstance(one, int) and 0 <= one <= MAX_ONE_PROGRAM_ROWS):
             raise ValueError("moeblaze settings: dispatch_one_program_max_rows must be None or an int in "

@@ -378,24 +378,6 @@ def test_column_slabs(layout, slab, seed, triton_bwd):
                        bias=True, tw_dtype=torch.float32)
 
 
-@pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
-def test_widened_column_slabs_in_steps(layout, seed, triton_bwd, monkeypatch):
-    """Slabs widened in steps finer than ``column_slab`` (128 in steps of 64: 192, 192 and
-    128 of d = 512, forward and dX, at this shape) on the GPU's kernels: the forward and
-    every gradient against the reference, and the slabs made are those."""
-    from moeblaze_ops.kernels import triton_combine
-
-    made = []
-    real = triton_combine.column_slabs
-    monkeypatch.setattr(triton_combine, "column_slabs", lambda d, widest=0: made.append(real(d, widest)) or made[-1])
-    with settings.override(column_slab=128, column_slab_step=64, column_slab_widen=True):
-        check_forward(1024, 512, 192, 4, 4, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
-                      bias=True, tw_dtype=torch.float32)
-        check_backward(1024, 512, 192, 4, 4, dtype=torch.bfloat16, device="cuda", seed=seed, layout=layout,
-                       bias=True, tw_dtype=torch.float32)
-    assert made and all(slabs == [(0, 192), (192, 384), (384, 512)] for slabs in made), made
-
-
 @pytest.mark.parametrize("columns", [None, 64, 32], ids=["whole", "halves", "quarters"])
 @pytest.mark.parametrize("fast", [True, False], ids=["approx", "exact"])
 @pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu", "silu"])

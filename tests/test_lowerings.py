@@ -333,25 +333,6 @@ def test_templates_run_the_layer(column_slab, row_band, seed):
 
 
 @gpu
-def test_templates_in_widened_slabs(seed, monkeypatch):
-    """The compiled layer's down GEMM in slabs widened in steps finer than
-    ``column_slab`` (128 widened in steps of 64: 192, 192 and 128 of d = 512, as the eager
-    kernels cut them at this shape), on the templates (``gluon`` empty): the layer matches
-    the float64 one."""
-    from moeblaze_ops.lowerings import expert_ops
-
-    made = []
-    real = expert_ops.column_slabs
-    monkeypatch.setattr(expert_ops, "column_slabs", lambda d, widest=0: made.append(real(d, widest)) or made[-1])
-    layer = _gpu_layer(seed, L=1024, d=512, I=192, E=4, K=4)
-    with settings.override(column_slab=128, column_slab_step=64, gluon=(), poison=True):
-        out, code = _compiled_code(moe_experts, *[layer[k] for k in LAYER_ARGS])
-    assert [(0, 192), (192, 384), (384, 512)] in made, made
-    assert "import gathered_gemm_tile" in code
-    assert rel_err(out, _reference(layer)) < 1e-2
-
-
-@gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon kernels need a Hopper GPU")
 @pytest.mark.parametrize("gluon", [True, False])

@@ -300,9 +300,8 @@ def test_column_slabs(layout, seed):
 def test_widest_slab_bounds():
     """How wide the scratch may grow (``triton_combine.widest_slab``): the forward's
     scratch and act(h) within both weight gradients (the up weights as big as the down
-    ones, twice as big for a gated activation) and the input gradient, the dX scratch
-    within the up weights; ``column_slabs`` takes the fewest slabs of whole multiples of
-    ``column_slab_step`` (of ``column_slab`` where the step does not divide it) up to it,
+    ones, twice as big for a gated activation), the dX scratch within the up weights;
+    ``column_slabs`` takes the fewest slabs of whole multiples of ``column_slab`` up to it,
     each as narrow as their count allows, and only where ``column_slab_widen``."""
     from moeblaze_ops.kernels.triton_combine import column_slabs, widest_slab
 
@@ -312,9 +311,6 @@ def test_widest_slab_bounds():
     assert widest_slab("down", 100, 6, 1000, gated=True) == 24
     assert widest_slab("down", 100, 30, 1000) == 0  # act(h) alone is over the bound
     assert widest_slab("down", 100, 30, 1000, gated=True) == 0
-    # with an input gradient of 500 elements: (3000 + 500 - 600) / 100
-    assert widest_slab("down", 100, 6, 1000, gated=True, input_numel=500) == 29
-    assert widest_slab("dx", 100, 12, 1000, input_numel=500) == 10  # dX's bound has no input term
     assert widest_slab("dx", 100, 12, 1000) == 10
     assert widest_slab("dx", 100, 12, 1000, gated=True) == 10  # dX's bound has no gate factor
     assert widest_slab("dx", 0, 12, 1000) == 0
@@ -323,12 +319,6 @@ def test_widest_slab_bounds():
         assert column_slabs(16, 12) == [(0, 8), (8, 16)]  # two slabs either way: 8 wide, not 12 and 4
         assert column_slabs(20, 3) == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20)]
         assert column_slabs(20, 40) == [(0, 20)]
-    with settings.override(column_slab=8, column_slab_step=4):
-        assert column_slabs(40, 29) == [(0, 20), (20, 40)]  # 28 fits: two slabs of 20
-        assert column_slabs(40, 7) == [(0, 8), (8, 16), (16, 24), (24, 32), (32, 40)]  # never below column_slab
-    for step in (None, 3):  # no step, or one that does not divide column_slab: multiples of 8
-        with settings.override(column_slab=8, column_slab_step=step):
-            assert column_slabs(40, 29) == [(0, 24), (24, 40)]
     with settings.override(column_slab=4, column_slab_widen=False):
         assert column_slabs(20, 14) == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20)]
     with settings.override(column_slab=None, column_slab_widen=True):
@@ -336,33 +326,29 @@ def test_widest_slab_bounds():
 
 
 @hypothesis.settings(max_examples=300, deadline=None)
-@given(d=st.integers(1, 20000), slab=st.integers(1, 600), step=st.one_of(st.none(), st.integers(1, 600)),
-       widest=st.integers(0, 20000))
-def test_column_slabs_cover(d, slab, step, widest):
+@given(d=st.integers(1, 20000), slab=st.integers(1, 600), widest=st.integers(0, 20000))
+def test_column_slabs_cover(d, slab, widest):
     """``column_slabs`` cuts [0, d) into contiguous slabs, as many as slabs of the widest
-    whole multiple of the step (``column_slab_step`` where it divides ``column_slab``,
-    else ``column_slab``) within ``widest`` make (of ``column_slab`` where none is wider),
-    none wider than that multiple nor narrower than ``column_slab`` but the last, all but
-    the last whole multiples of the step, the last no wider than the first."""
+    whole multiple of ``column_slab`` within ``widest`` make (of ``column_slab`` where none
+    is wider), none wider than that multiple, all but the last whole multiples of
+    ``column_slab``, the last no wider than the first."""
     from moeblaze_ops.kernels.grouped_gemm import cdiv
     from moeblaze_ops.kernels.triton_combine import column_slabs
 
-    with settings.override(column_slab=slab, column_slab_step=step, column_slab_widen=True):
+    with settings.override(column_slab=slab, column_slab_widen=True):
         slabs = column_slabs(d, widest)
-    unit = step if step and slab % step == 0 else slab
-    most = max(slab, widest // unit * unit)
+    most = max(slab, widest // slab * slab)
     widths = [c1 - c0 for c0, c1 in slabs]
     assert slabs[0][0] == 0 and slabs[-1][1] == d and all(a[1] == b[0] for a, b in zip(slabs, slabs[1:]))
     assert len(slabs) == cdiv(d, most)
-    assert max(widths) <= most and widths[-1] <= widths[0]
-    assert all(w % unit == 0 and w >= slab for w in widths[:-1])
+    assert max(widths) <= most and all(w % slab == 0 for w in widths[:-1]) and widths[-1] <= widths[0]
 
 
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
 def test_widened_slabs(layout, seed, monkeypatch):
-    """Slabs widened by the layer's weights and input gradient (d = 40, slabs of 8 widened
-    in steps of 2 to 20 and 10 by ``widest_slab`` at these shapes): the forward and every
-    gradient against the reference, and the slabs the kernels made are the widened ones."""
+    """Slabs widened by the layer's weights (d = 40, slabs of 8 widened to 24 and 16 by
+    ``widest_slab`` at these shapes): the forward and every gradient against the
+    reference, and the slabs the kernels made are the widened ones."""
     from moeblaze_ops.kernels import triton_combine
 
     made = []
@@ -374,19 +360,18 @@ def test_widened_slabs(layout, seed, monkeypatch):
 
     monkeypatch.setattr(triton_combine, "column_slabs", recording)
     # 24 tokens, K = 2 (48 rows), d = 40, I = 12, E = 4 (SwiGLU): down weights 1920
-    # elements, so (3 * 1920 + 24 * 40 - 48 * 12) / 48 = 128 columns fit; the dX scratch,
-    # 2 * 1920 / 48 = 80.
+    # elements, so (3 * 1920 - 48 * 12) / 48 = 108 columns fit; the dX scratch, 2 * 1920 / 48 = 80.
     with settings.override(column_slab=8, column_slab_widen=True):
         check_forward(24, 40, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
         assert made and all(slabs == [(0, 40)] for slabs in made), made
     made.clear()
-    # 90 tokens, K = 2 (180 rows), d = 40, I = 8, E = 3 (SwiGLU): down weights 960
-    # elements, up weights 1920, input 3600, so (2880 + 3600 - 1440) / 180 = 28 columns fit
-    # the forward's scratch (two slabs of 20) and 1920 / 180 = 10 the dX scratch (four of 10).
-    with settings.override(column_slab=8, column_slab_step=2, column_slab_widen=True):
-        check_backward(90, 40, 8, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True,
+    # 45 tokens, K = 2 (90 rows), d = 40, I = 8, E = 3 (SwiGLU): down weights 960
+    # elements, up weights 1920, so (2880 - 720) / 90 = 24 columns fit the forward's scratch
+    # (two slabs, of 24 and 16) and 1920 / 90 = 21 the dX scratch (three, of 16, 16 and 8).
+    with settings.override(column_slab=8, column_slab_widen=True):
+        check_backward(45, 40, 8, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True,
                        routing="skewed", sentinel_frac=0.2)
-    assert [(0, 20), (20, 40)] in made and [(0, 10), (10, 20), (20, 30), (30, 40)] in made, made
+    assert [(0, 24), (24, 40)] in made and [(0, 16), (16, 32), (32, 40)] in made, made
 
 
 @pytest.mark.parametrize("chunk", [16, 128])

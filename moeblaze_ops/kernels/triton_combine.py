@@ -99,37 +99,34 @@ def combine(rows, token_index_map, topk_weights, expert_offsets, out, E):
 def column_slabs(d: int, widest: int = 0) -> list[tuple[int, int]]:
     """The [c0, c1) column ranges the [L*K, d] scratch is made in: slabs of
     ``settings.column_slab`` columns or, where ``settings.column_slab_widen`` lets them fit
-    ``widest`` columns (``widest_slab``), the fewest slabs of whole multiples of
-    ``settings.column_slab_step`` (of ``column_slab`` where the step does not divide it)
-    that do, each as narrow as that count allows (2048 columns within 1536: two of 1024,
-    not 1536 and 512), so that the scratch is no wider than the launches need."""
+    ``widest`` columns (``widest_slab``), the fewest slabs of whole multiples of it that do,
+    each as narrow as that count allows (2048 columns within 1536: two of 1024, not 1536
+    and 512), so that the scratch is no wider than the launches need."""
     config = settings.current()
     slab = config.column_slab
     if slab and config.column_slab_widen and widest > slab:
-        step = config.column_slab_step
-        step = step if step and slab % step == 0 else slab
-        count = gg.cdiv(d, max(slab, widest // step * step))
-        slab = gg.cdiv(gg.cdiv(d, count), step) * step
+        most = widest // slab * slab
+        count = gg.cdiv(d, most)
+        slab = gg.cdiv(gg.cdiv(d, count), slab) * slab
     step = slab if slab and slab < d else max(d, 1)
     return [(c0, min(d, c0 + step)) for c0 in range(0, d, step)]
 
 
-def widest_slab(kind: str, rows: int, reduction: int, weight_numel: int, gated: bool = False,
-                input_numel: int = 0) -> int:
+def widest_slab(kind: str, rows: int, reduction: int, weight_numel: int, gated: bool = False) -> int:
     """The most columns the [rows, slab] scratch of GEMM ``kind`` may take so that training
-    peaks no higher than with narrow slabs: beside h, the backward holds the input
-    gradient ([tokens, d], ``input_numel`` elements) and both weight gradients, the down
-    weights' and the up weights' (as big as the down ones, or twice as big where the
-    activation is ``gated``: gate and up columns). The forward's down projection (``kind``
-    "down", A = act(h) [rows, reduction], ``weight_numel`` the down weights') keeps its
-    scratch and act(h) within those. The backward's dX rows (``kind`` "dx",
-    ``weight_numel`` the up weights') stay within the up weights' bytes: their gradient is
-    made only once the scratch is gone. Counted in elements (the scratch has the
-    weights' dtype); 0 where nothing fits or there are no rows."""
+    peaks no higher than with narrow slabs: its peak is in the backward, beside the weight
+    gradients. The forward's down projection (``kind`` "down", A = act(h) [rows,
+    reduction], ``weight_numel`` the down weights') keeps its scratch and act(h) within
+    the bytes of both weight gradients: the down weights' and the up weights', as big as
+    the down ones, or twice as big where the activation is ``gated`` (gate and up
+    columns). The backward's dX rows (``kind`` "dx", ``weight_numel`` the up weights') stay
+    within the up weights' bytes: their gradient is made only once the scratch is gone.
+    Counted in elements (the scratch has the weights' dtype); 0 where nothing fits or
+    there are no rows."""
     if rows <= 0:
         return 0
     if kind == "down":
-        room = (3 if gated else 2) * weight_numel + input_numel - rows * reduction
+        room = (3 if gated else 2) * weight_numel - rows * reduction
     else:
         room = weight_numel
     return max(0, room) // rows

@@ -257,6 +257,6 @@ def expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token
         b = b_down[:, c0:c1] if b_down is not None else None
         launch_gathered_gemm(a, None, w, b, expert_offsets, y, transposed, "down")
 
-    widest = widest_slab("down", a.shape[0], a.shape[1], w_down.numel(), gated, input_numel=out.numel())
+    widest = widest_slab("down", a.shape[0], a.shape[1], w_down.numel(), gated)
     return combine_in_slabs(expert_outputs, a.shape[0], a.dtype, token_index_map, topk_weights, expert_offsets, out, E,
                             widest)
