@@ -164,7 +164,7 @@ def _dh_tile_epilogue(acc, h_desc, h_ring, h_ready, tiles_done, stage, weights, 
         h_rows = reinterpret_shared(h_ring.index(j % SLOTS), h_ring.dtype, [GATES * CHUNK, PART_COLUMNS],
                                     _h_rows_layout(h_ring.layout))
         hg = h_rows.slice(0, CHUNK, dim=0).load(layout)
-        if ACT < acts.NUM_GATED:
+        if GATES == 2:  # a gated activation's box holds the chunk's up columns after its gate columns
             hu = h_rows.slice(CHUNK, CHUNK, dim=0).load(layout)
         else:
             hu = hg
