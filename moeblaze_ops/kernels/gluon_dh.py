@@ -326,7 +326,7 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
                          f"of {PART_COLUMNS}")
     view, kmajor = _weight_view(w_down, not transposed)
     w_desc = host_descriptor(view, [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n])
-    boxes = h_boxes(h, I, act < acts.NUM_GATED)
+    boxes = h_boxes(h, I, acts.is_gated_code(act))
     h_desc = host_descriptor(boxes, [boxes.shape[0], CHUNK, PART_COLUMNS])
     max_tiles = (gg.cdiv(LK, tile.block_m) + E + 1) * gg.cdiv(I, tile.block_n)
     warps, regs = PRODUCER

@@ -617,7 +617,7 @@ def applies_gated_epilogue(a: torch.Tensor, b: torch.Tensor, bias, out: torch.Te
     and I a multiple of half a tile (a paired tile never reaches the other half's
     columns)."""
     _, N, _ = linear_dims(b, transposed)
-    return (activation < int(acts.NUM_GATED) and not interleaved and bias is None and N % tile.block_n == 0
+    return (acts.is_gated_code(activation) and not interleaved and bias is None and N % tile.block_n == 0
             and out.shape[1] * 2 == N and _weight_view(b, transposed)[1] and applies(a, b, out, transposed)
             and (h is None or (h.shape == (out.shape[0], N) and applies(a, b, h, transposed))))
 

@@ -18,6 +18,11 @@ GELU = tl.constexpr(int(ActivationCode.GELU))
 NUM_GATED = tl.constexpr(int(ActivationCode.SILU))
 
 
+def is_gated_code(code) -> bool:
+    """Whether ``code`` (an ``ActivationCode``) is a gated activation's, on the host."""
+    return int(code) < NUM_GATED.value
+
+
 @triton.jit
 def _tanh_approx(x):
     return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,

@@ -23,7 +23,7 @@ from ..activations import activation_code, is_gated
 from ..layouts import linear_dims, linear_strides, out_feature_slice
 from . import grouped_gemm as gg
 from .launch import launch
-from .triton_activations import NUM_GATED, activate
+from .triton_activations import activate, is_gated_code
 from .triton_combine import combine_in_slabs, widest_slab
 
 
@@ -171,7 +171,7 @@ def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, toke
     _, N, _ = linear_dims(w_gate_up, transposed)
     act = activation_code(activation)
     LK = expert_token_indices.shape[0]
-    a = gg.empty(LK, N // 2 if int(act) < int(NUM_GATED) else N, dtype=x.dtype, device=x.device)
+    a = gg.empty(LK, N // 2 if is_gated_code(act) else N, dtype=x.dtype, device=x.device)
     if LK == 0:
         return a
     fast = gg.fast_sigmoid(a, settings.current().fast_activation)
@@ -209,7 +209,7 @@ def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets
     act = activation_code(activation)
     LK = expert_token_indices.shape[0]
     E, N, _ = linear_dims(w_gate_up, transposed)
-    gated = int(act) < int(NUM_GATED)
+    gated = is_gated_code(act)
     if not (always or (LK and gated and settings.current().activation_beside_h(N // 2, LK, E))):
         return expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                          transposed), None

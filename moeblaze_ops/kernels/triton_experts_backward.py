@@ -294,7 +294,7 @@ def dh_gluon_module(grad_out, h, w_down, *, act, transposed, interleaved, has_bi
     ``dh_tile``)."""
     E, d, I = linear_dims(w_down, transposed)
     gluon = gg.gluon_kernels("dh", h, 2 * h.shape[0] * d * I)
-    if gluon is None or not gluon.applies(grad_out, h, w_down, transposed, int(act) < acts.NUM_GATED.value, interleaved,
+    if gluon is None or not gluon.applies(grad_out, h, w_down, transposed, acts.is_gated_code(act), interleaved,
                                           has_bias):
         return None
     return gluon
