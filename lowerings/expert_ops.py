@@ -3,9 +3,9 @@
 - ``expert_up``: one ``row_gemm`` (A rows gathered from x through the dispatch's
   ``expert_token_indices``) writing h. Where the op runs instead (below) and its h feeds
   one ``expert_down`` whose activation the up GEMM's epilogue can apply, under
-  ``settings.activation_beside_h`` (the size hints), it writes act(h) beside h, as eager
-  training does: the internal ``_up_with_activation_kernels``, and the ``expert_down`` is
-  lowered to the down projection of act(h) (``_down_activated_kernels`` or the
+  ``config.activation_beside_h`` (the size hints), it writes act(h) beside h, as eager
+  training does: the internal op ``_expert_up_beside``, and the ``expert_down`` is
+  lowered to the down projection of act(h) (``_expert_down_activated`` or the
   templates), with no activation pass.
 - ``expert_layer`` (the layer without gradients): the op itself where its up GEMM runs
   on Gluon (its epilogue writes act(h), no h); elsewhere ``expert_up``'s and
@@ -16,23 +16,22 @@
   each token's K rows into it. With one slab the combine's ``store_output`` writes the
   layer output, and Inductor fuses its pointwise consumers into that epilogue; with more,
   Inductor's ``cat`` joins the slabs (and takes the pointwise consumers).
-- ``expert_up_backward``, where ``settings.backward_templates`` has "dx": grad_x as the
-  down projection's pattern on dH (``row_gemm`` per slab, then an unweighted
-  ``combine``); the weight gradients stay the op's kernels.
+- ``expert_up_backward``: grad_x as the down projection's pattern on dH (``row_gemm``
+  per slab, then an unweighted ``combine``); the weight gradients stay the op's kernels.
 - ``expert_down_backward``: the op's kernels, in place over h where h is donated to it.
 - ``dispatch``: the op's kernels, as an extern call.
 
-Each lowering falls back to the op's own kernel (an extern call, as for an op without a
-lowering; under ``settings.lean_graph_calls`` through its internal twin in
-``ops.graph_calls``, which skips the checks, where the index arrays come from a
-``dispatch`` in the same graph) where the templates do not apply: tensors not on CUDA,
+Each lowering falls back to the op itself (an extern call, as for an op without a
+lowering, with the arguments the graph gave it: ``moe_experts`` passes
+``check_indices=False`` for the index arrays its own ``dispatch`` made) where the
+templates do not apply: tensors not on CUDA,
 float64, ``settings.backend == "torch"``, and index arrays
 that do not come straight from ``moeblaze::dispatch`` in the same graph (the op checks
 such arrays' values; the templates do not); and where the op would run the GEMM on its
-Gluon kernel (Hopper, ``settings.gluon``, at least ``settings.small_gemm_flop``), which
-is faster than a ``tl`` template.
+Gluon kernel (Hopper, at least ``config.SMALL_GEMM_FLOP``), which is faster than a
+``tl`` template.
 
-The tile is the eager kernels' (``settings.pick_tile``) unless ``mode="max-autotune"``
+The tile is the eager kernels' (``config.pick_tile``) unless ``mode="max-autotune"``
 asks Inductor to benchmark the table's other tiles too, on index arrays made valid by
 ``input_gen_fns``. The settings in force when the graph compiles are the ones it keeps.
 """
@@ -52,7 +51,6 @@ from moeblaze_ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT,
 from moeblaze_ops.kernels import grouped_gemm as gg
 from moeblaze_ops.kernels.triton_combine import COMBINE_TILE, column_slabs, widest_slab
 from moeblaze_ops.kernels.triton_experts import ACTIVATION_TILE
-from moeblaze_ops.ops import graph_calls
 
 from . import compat, templates
 
@@ -270,7 +268,7 @@ def dispatch(topk_ids, num_experts):
 
 @compat.register_lowering(_ops.expert_up.default, type_promotion_kind=None)
 def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up=None,
-              transposed=False):
+              transposed=False, check_indices=True):
     """The template, or the op where its GEMM runs on Gluon or no template applies; the op
     then writes act(h) beside h for the down projection where ``_activation_beside_h``
     plans it."""
@@ -280,12 +278,12 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
         plan = _activation_beside_h(x, w_gate_up, rows, N, b_gate_up)
         if plan is not None:
             down, activation_args = plan
-            h, a = compat.fallback(_ops._up_with_activation_kernels.default, x, w_gate_up, expert_token_indices,
+            h, a = compat.fallback(_ops._expert_up_beside.default, x, w_gate_up, expert_token_indices,
                                    expert_offsets, token_index_map, b_gate_up, transposed, *activation_args)
             down.meta[_ACTIVATED] = (weakref.ref(V.graph), a)
             return h
-        return compat.fallback(_graph_call("expert_up", _UP_INDEX_ARRAYS), x, w_gate_up, expert_token_indices,
-                               expert_offsets, token_index_map, b_gate_up, transposed)
+        return compat.fallback(_ops.expert_up.default, x, w_gate_up, expert_token_indices, expert_offsets,
+                               token_index_map, b_gate_up, transposed, check_indices)
     return row_gemm("up", x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed, rows)
 
 
@@ -299,7 +297,7 @@ def _activation_beside_h(x, w_gate_up, rows, N, b_gate_up):
     """``(down, (activation, interleaved, alpha, limit))`` where the ``expert_up`` being
     lowered (to the op) should write act(h) beside h for ``down``, the one
     ``expert_down`` FX node that reads its h, as eager training does
-    (``settings.activation_beside_h``, by the size hints): a gated activation over
+    (``config.activation_beside_h``, by the size hints): a gated activation over
     concatenated halves with constant parameters, no up bias, every index array from a
     dispatch in this graph (the internal ops check none). Else None: the down projection
     runs the activation pass."""
@@ -315,7 +313,7 @@ def _activation_beside_h(x, w_gate_up, rows, N, b_gate_up):
                                                                 "token_index_map")):
         return None
     experts = compat.static_int(w_gate_up.get_size()[0])
-    if not settings.current().activation_beside_h(compat.hint(N) // 2, compat.hint(rows), experts):
+    if not config.activation_beside_h(compat.hint(N) // 2, compat.hint(rows), experts):
         return None
     return downs[0], activation_args
 
@@ -332,30 +330,29 @@ def _named_args(node) -> dict:
 @compat.register_lowering(_ops.expert_down.default, type_promotion_kind=None)
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down=None,
                 activation="swiglu", transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA,
-                limit=CLAMPED_SWIGLU_LIMIT):
+                limit=CLAMPED_SWIGLU_LIMIT, check_indices=True):
     args = (h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down, activation,
-            transposed, interleaved, alpha, limit)
+            transposed, interleaved, alpha, limit, check_indices)
     graph, a = V.graph.current_node.meta.pop(_ACTIVATED, (lambda: None, None))
     if graph() is V.graph:  # act(h) made beside h (``_activation_beside_h``): no activation pass
         return _down_projection_of_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map,
                                              topk_weights, b_down, transposed)
     if not _templates_apply(h, index_positions=_DOWN_INDEX_ARRAYS):
-        return compat.fallback(_graph_call("expert_down", _DOWN_INDEX_ARRAYS), *args)
-    return _down_projection(*args, index_positions=_DOWN_INDEX_ARRAYS)
+        return compat.fallback(_ops.expert_down.default, *args)
+    return _down_projection(*args)
 
 
 def _down_projection(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-                     activation, transposed, interleaved, alpha, limit, index_positions):
+                     activation, transposed, interleaved, alpha, limit, check_indices):
     """``expert_down`` of h where the templates apply: the op where its GEMM runs on Gluon,
-    else the activation pass, then the down GEMM and the combine in column slabs. The
-    index arrays are at FX argument ``index_positions`` of the node being lowered."""
+    else the activation pass, then the down GEMM and the combine in column slabs."""
     out_dim = 2 if transposed else 1  # w_down is [E, d, I], or [E, I, d] when transposed
     gated = is_gated(activation)
     if _op_runs_gluon("down", h, h.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim],
                       w_down, gated):
-        return compat.fallback(_graph_call("expert_down", index_positions), h, w_down, expert_token_indices,
-                               expert_offsets, token_index_map, topk_weights, b_down, activation, transposed,
-                               interleaved, alpha, limit)
+        return compat.fallback(_ops.expert_down.default, h, w_down, expert_token_indices, expert_offsets,
+                               token_index_map, topk_weights, b_down, activation, transposed, interleaved, alpha,
+                               limit, check_indices)
     a = activation_pass(h, w_down.get_size()[3 - out_dim], activation_code(activation), interleaved, alpha, limit)
     return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],
                          transposed, out_dim, topk_weights, b_down, gated)
@@ -370,8 +367,8 @@ def _down_projection_of_activated(a, w_down, expert_token_indices, expert_offset
     if not _templates_apply(a, index_positions=_DOWN_INDEX_ARRAYS) \
             or _op_runs_gluon("down", a, a.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim],
                               w_down, gated=True):
-        return compat.fallback(_ops._down_activated_kernels.default, a, w_down, expert_token_indices, expert_offsets,
-                               token_index_map, topk_weights, b_down, transposed)
+        return compat.fallback(_ops._expert_down_activated.default, a, w_down, expert_token_indices, expert_offsets,
+                               token_index_map, topk_weights, b_down, transposed, True)
     return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],
                          transposed, out_dim, topk_weights, b_down, gated=True)
 
@@ -379,19 +376,19 @@ def _down_projection_of_activated(a, w_down, expert_token_indices, expert_offset
 @compat.register_lowering(_ops.expert_layer.default, type_promotion_kind=None)
 def expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                  b_gate_up=None, b_down=None, activation="swiglu", transposed=False, interleaved=False,
-                 alpha=CLAMPED_SWIGLU_ALPHA, limit=CLAMPED_SWIGLU_LIMIT):
+                 alpha=CLAMPED_SWIGLU_ALPHA, limit=CLAMPED_SWIGLU_LIMIT, check_indices=True):
     """The op where its up GEMM runs on the Gluon kernel, whose epilogue writes act(h) (h
     never made); elsewhere the up projection's template writing h, then the down
     projection as ``expert_down`` lowers it."""
     rows = expert_token_indices.get_size()[0]
     if not _templates_apply(x, index_positions=_LAYER_INDEX_ARRAYS) \
             or _op_runs_gluon("up", x, rows, w_gate_up.get_size()[2 if transposed else 1], x.get_size()[1]):
-        return compat.fallback(_graph_call("expert_layer", _LAYER_INDEX_ARRAYS), x, w_gate_up, w_down,
-                               expert_token_indices, expert_offsets, token_index_map, topk_weights, b_gate_up,
-                               b_down, activation, transposed, interleaved, alpha, limit)
+        return compat.fallback(_ops.expert_layer.default, x, w_gate_up, w_down, expert_token_indices,
+                               expert_offsets, token_index_map, topk_weights, b_gate_up, b_down, activation,
+                               transposed, interleaved, alpha, limit, check_indices)
     h = row_gemm("up", x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed, rows)
     return _down_projection(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-                            activation, transposed, interleaved, alpha, limit, index_positions=_LAYER_INDEX_ARRAYS)
+                            activation, transposed, interleaved, alpha, limit, check_indices)
 
 
 # --------------------------------------------------------------------------- backward
@@ -400,7 +397,7 @@ def expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, tok
 @compat.register_lowering(_ops.expert_up_backward.default, type_promotion_kind=None)
 def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, has_bias,
                        transposed, need_input_grad=True, need_weight_grad=True):
-    """grad_x as templates where ``settings.backward_templates`` has "dx": each routed row's
+    """grad_x as templates where they apply: each routed row's
     dH @ W_e (the up weight read the other way round: ``row_gemm`` with the layout
     flipped), each token's K rows summed with unit weights (``combine``), in column slabs.
     The weight gradients stay the op's kernels (Gluon on Hopper), called for them alone."""
@@ -408,32 +405,15 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
     # The index arrays are the backward graph's inputs, saved from a forward that checked
     # them (a dispatch, or a forward op's device-side check): the backward ops trust them,
     # as their eager kernels do.
-    if not (need_input_grad and "dx" in settings.current().backward_templates
-            and _templates_apply(x, index_positions=()) and not compat.known_zero(x.get_size()[0])
+    if not (need_input_grad and _templates_apply(x, index_positions=()) and not compat.known_zero(x.get_size()[0])
             and not _op_runs_gluon("dx", grad_h, grad_h.get_size()[0], x.get_size()[1], grad_h.get_size()[1],
                                    w_gate_up)):
-        return compat.fallback(_graph_call("expert_up_backward"), *args, need_input_grad, need_weight_grad)
+        return compat.fallback(_ops.expert_up_backward.default, *args, need_input_grad, need_weight_grad)
     out_dim = 1 if transposed else 2  # the d of w_gate_up [E, N, d], or of [E, d, N] when transposed
     grad_x = combined_rows("dx", compat.contiguous(grad_h), w_gate_up, expert_offsets, token_index_map,
                            x.get_size()[0], not transposed, out_dim)
-    _, grad_w, grad_b = compat.fallback(_graph_call("expert_up_backward"), *args, False, need_weight_grad)
+    _, grad_w, grad_b = compat.fallback(_ops.expert_up_backward.default, *args, False, need_weight_grad)
     return grad_x, grad_w, grad_b
-
-
-#: The internal op (``ops.graph_calls``) of each op the lowerings call as an extern kernel.
-_INTERNAL = {"expert_up_backward": "_up_backward_kernels",
-             "expert_down_backward": "_down_backward_kernels", "expert_down_backward_": "_down_backward_kernels_",
-             **{public: twin for twin, public in graph_calls.FORWARD_TWINS.items()}}
-
-
-def _graph_call(op: str, index_positions=()):
-    """The op a compiled graph calls for op ``op``: the public one, or its internal twin
-    under ``settings.lean_graph_calls``. A forward op's twin checks nothing, so it is taken
-    only where the index arrays (FX argument ``index_positions`` of the node being
-    lowered) come from a ``dispatch`` in this graph; the backward ops' come from a checked
-    forward."""
-    lean = settings.current().lean_graph_calls and _index_arrays_from_dispatch(index_positions)
-    return getattr(_ops, _INTERNAL[op] if lean else op).default
 
 
 def _donated_and_last_use(node, position) -> bool:
@@ -457,6 +437,6 @@ def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offse
     args = (grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
             activation, transposed, interleaved, alpha, limit, need_weight_grad)
     if not overwrite:
-        return compat.fallback(_graph_call("expert_down_backward"), *args)
-    grad_w, grad_b, grad_tw = compat.fallback(_graph_call("expert_down_backward_"), *args)
+        return compat.fallback(_ops.expert_down_backward.default, *args)
+    grad_w, grad_b, grad_tw = compat.fallback(_ops.expert_down_backward_.default, *args)
     return h, grad_w, grad_b, grad_tw

@@ -14,9 +14,8 @@ kernels; CPU and float64 tensors run vectorised PyTorch.
 
 - ``moe_experts``: the differentiable experts layer composed of those ops, the front door.
 - ``dispatch``, ``expert_up``, ``expert_down``, ``expert_up_backward``,
-  ``expert_down_backward``, ``expert_layer``: the ops themselves (``torch.library.custom_op``
-  objects; ``dispatch``, which has no autograd formula, is its ``torch.ops.moeblaze`` op),
-  callable from Python.
+  ``expert_down_backward``, ``expert_layer``: the ops themselves (their
+  ``torch.ops.moeblaze`` packets), callable from Python.
 - ``ACTIVATIONS``, ``GATED_ACTIVATIONS``, ``is_gated``: the activations the kernels fuse.
 - ``settings``: the kernel settings (backend choice, tiles, ...), changed for a block with
   ``settings.override``.
@@ -38,7 +37,7 @@ from .activations import ACTIVATIONS, GATED_ACTIVATIONS, is_gated
 from .functional import moe_experts
 from .ops.dispatch import dispatch
 from .ops.experts import expert_down, expert_down_backward, expert_layer, expert_up, expert_up_backward
-from .ops import graph_calls as _graph_calls  # noqa: F401  (registers the compiled graphs' internal ops)
+from .ops import formulas as _formulas  # noqa: F401  (registers the autograd formulas)
 
 __all__ = [
     "ACTIVATIONS",

@@ -150,41 +150,95 @@ def test_opcheck_backward_ops_skipping_gradients(flags, seed):
         torch.library.opcheck(getattr(ops, op).default, args[op] + flags[1:], test_utils=TEST_UTILS)
 
 
-@pytest.mark.parametrize("op,public", [("_up_kernels", "expert_up"),
-                                       ("_down_kernels", "expert_down"), ("_layer_kernels", "expert_layer"),
-                                       ("_up_backward_kernels", "expert_up_backward"),
-                                       ("_down_backward_kernels", "expert_down_backward"),
-                                       ("_down_backward_kernels_", "expert_down_backward_")])
-@pytest.mark.parametrize("case", ["basic", "sentinels"])
-def test_graph_call_ops(op, public, case, seed):
-    """The internal ops compiled graphs call under ``settings.lean_graph_calls``
-    (``ops.graph_calls``): schema, fake function and kernel agree (opcheck), and each
-    returns what its public op returns, h overwritten alike by the in-place pair."""
-    L, d, I, E, K, routing, sf = CASES[case]
-    layer = make_layer(L, d, I, E, K, routing=routing, sentinel_frac=sf, bias=True, seed=seed)
-    # Graphs call the internal ops after autograd: no input of theirs requires grad.
-    args = tuple(a.detach() if torch.is_tensor(a) else a for a in op_args(layer)[public])
+# --------------------------------------------------------------------------- called as a user calls them
+
+
+def user_call(layer, op):
+    """``(args, kwargs)`` of ``op`` called as a user calls it: the required arguments, and
+    keywords only where they differ from the defaults (the dispatcher then drops the
+    omitted ones, and a formula sees fewer arguments than the schema has)."""
     ops = torch.ops.moeblaze
-    torch.library.opcheck(getattr(ops, op).default, args, test_utils=TEST_UTILS)
-    h_at = 1  # the in-place ops' h
-    internal_args, public_args = (tuple(a.clone() if i == h_at and torch.is_tensor(a) else a
-                                        for i, a in enumerate(args)) for _ in range(2))
-    got, want = (out if isinstance(out, tuple) else (out,)
-                 for out in (getattr(ops, op)(*internal_args), getattr(ops, public)(*public_args)))
-    for g, w in zip(got, want, strict=True):
-        assert torch.equal(g, w)
-    if public != "dispatch":
-        assert torch.equal(internal_args[h_at], public_args[h_at])
+    x, wgu, wd, tw = layer["x"], layer["w_gate_up"], layer["w_down"], layer["topk_weights"]
+    E = wgu.shape[0]
+    eti, offsets, tim = ops.dispatch(layer["topk_ids"], E)
+    up_kwargs = {k: v for k, v in (("b_gate_up", layer["b_gate_up"]), ("transposed", layer["transposed"]))
+                 if v is not None and v is not False}
+    act_kwargs = {k: v for k, v in (("b_down", layer["b_down"]), ("transposed", layer["transposed"]),
+                                    ("interleaved", layer["interleaved"])) if v is not None and v is not False}
+    if layer["activation"] != "swiglu":
+        act_kwargs["activation"] = layer["activation"]
+    with torch.no_grad():
+        h = ops.expert_up(x, wgu, eti, offsets, tim, **up_kwargs)
+    h.requires_grad_(True)
+    if op == "dispatch":
+        return (layer["topk_ids"], E), {}
+    if op == "expert_up":
+        return (x, wgu, eti, offsets, tim), up_kwargs
+    if op == "expert_down":
+        return (h, wd, eti, offsets, tim, tw), act_kwargs
+    layer_kwargs = {**act_kwargs, **({"b_gate_up": layer["b_gate_up"]} if layer["b_gate_up"] is not None else {})}
+    return (x, wgu, wd, eti, offsets, tim, tw), layer_kwargs
+
+
+FORWARD_OPS = ("dispatch", "expert_up", "expert_down", "expert_layer")
+
+
+def _user_variants(distinct_shapes=False):
+    """(op, activation, layout, bias) for every forward op; ``distinct_shapes``: one
+    activation of each kind (gated, plain) per layout and bias, for the slower traces."""
+    variants = []
+    for op in FORWARD_OPS:
+        for layout in LAYOUTS:
+            for bias in (False, True):
+                activations = ("swiglu", "gelu") if distinct_shapes else ACTIVATIONS
+                for activation in activations:
+                    variants.append(pytest.param(op, activation, layout, bias, id=f"{op}-{activation}-{layout}-"
+                                                 f"{'bias' if bias else 'nobias'}"))
+    return variants
+
+
+def _user_layer(activation, layout, bias, seed):
+    return make_layer(6, 8, 4, 3, 2, activation=activation, layout=layout, bias=bias, seed=seed,
+                      requires_grad=True)
+
+
+@pytest.mark.parametrize("op,activation,layout,bias", _user_variants())
+def test_opcheck_as_users_call(op, activation, layout, bias, seed):
+    """Every forward op, every activation, layout and bias, called with the defaults left
+    out: the registration checks (schema, autograd registration, fake function), then one
+    backward through the op's formula."""
+    layer = _user_layer(activation, layout, bias, seed)
+    args, kwargs = user_call(layer, op)
+    packet = getattr(torch.ops.moeblaze, op)
+    torch.library.opcheck(packet.default, args, kwargs, test_utils=REGISTRATION_UTILS)
+    if op == "dispatch":
+        return
+    out = packet(*args, **kwargs)
+    out.backward(torch.randn_like(out))
+    for arg in list(args) + list(kwargs.values()):
+        if torch.is_tensor(arg) and arg.requires_grad:
+            assert arg.grad is not None and torch.isfinite(arg.grad).all()
+
+
+@pytest.mark.parametrize("op,activation,layout,bias", _user_variants(distinct_shapes=True))
+def test_opcheck_as_users_call_traced(op, activation, layout, bias, seed):
+    """The same calls traced by AOTAutograd (forward and backward, static shapes)."""
+    layer = _user_layer(activation, layout, bias, seed)
+    args, kwargs = user_call(layer, op)
+    torch.library.opcheck(getattr(torch.ops.moeblaze, op).default, args, kwargs,
+                          test_utils=("test_aot_dispatch_static",))
+
+
+# --------------------------------------------------------------------------- the internal pair
 
 
 @pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
                                                ("gelu", "concatenated")])
 @pytest.mark.parametrize("case", ["basic", "sentinels"])
-def test_activation_beside_h_graph_ops(activation, layout, case, seed):
-    """The internal pair a compiled training graph calls where its up projection writes
-    act(h) beside h (``ops.graph_calls``): opcheck of each; ``_up_with_activation_kernels``'
-    h is ``expert_up``'s, and ``_down_activated_kernels`` on its act(h) gives
-    ``expert_down`` of that h."""
+def test_activation_beside_h_ops(activation, layout, case, seed):
+    """The internal pair a training layer runs where its up projection writes act(h) beside
+    h: opcheck of each; ``_expert_up_beside``'s h is ``expert_up``'s, and
+    ``_expert_down_activated`` on its act(h) gives ``expert_down`` of that h."""
     L, d, I, E, K, routing, sf = CASES[case]
     layer = make_layer(L, d, I, E, K, routing=routing, sentinel_frac=sf, activation=activation, layout=layout,
                        bias=True, seed=seed)
@@ -194,12 +248,13 @@ def test_activation_beside_h_graph_ops(activation, layout, case, seed):
     activation_args = (activation, layer["interleaved"]) + down_args[-2:]  # alpha, limit
     ops = torch.ops.moeblaze
     up_args = h_args + activation_args
-    torch.library.opcheck(ops._up_with_activation_kernels.default, up_args, test_utils=TEST_UTILS)
-    h, a = ops._up_with_activation_kernels(*up_args)
+    torch.library.opcheck(ops._expert_up_beside.default, up_args, test_utils=TEST_UTILS)
+    h, a = ops._expert_up_beside(*up_args)
     assert torch.equal(h, ops.expert_up(*h_args))
     transposed = layer["transposed"]
-    activated_args = (a,) + down_args[1:7] + (transposed,)  # w_down, the index arrays, topk_weights, b_down
-    torch.library.opcheck(ops._down_activated_kernels.default, activated_args, test_utils=TEST_UTILS)
-    out = ops._down_activated_kernels(*activated_args)
+    # w_down, the index arrays, topk_weights, b_down
+    activated_args = (a,) + down_args[1:7] + (transposed, is_gated(activation))
+    torch.library.opcheck(ops._expert_down_activated.default, activated_args, test_utils=TEST_UTILS)
+    out = ops._expert_down_activated(*activated_args)
     expected = ops.expert_down(h, *down_args[1:])
     assert (out - expected).norm() <= 1e-6 * expected.norm()

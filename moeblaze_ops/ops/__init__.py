@@ -1,24 +1,35 @@
-"""The moeblaze ops: ``torch.library`` custom ops with fake functions and autograd formulas.
+"""The moeblaze ops: schemas, kernels, fake functions and autograd formulas.
 
-``dispatch`` groups the routed rows by expert (``ops/dispatch.py``); ``expert_up``,
-``expert_down``, their backward ops and ``expert_layer`` (both projections, h never made)
-run the experts (``ops/experts.py``).
+Every op is defined once, through the low-level ``torch.library`` API (``define`` and
+``impl``), which costs a call the dispatcher alone, not the Python wrappers of
+``torch.library.custom_op`` (small layers pay host time on every op of every step):
+
+- ``ops/dispatch.py``: ``dispatch``, the routing as three small int32 index arrays;
+- ``ops/experts.py``: ``expert_up``, ``expert_down``, ``expert_layer`` (both projections,
+  h never made) and the backward ops, with their fake functions;
+- ``ops/formulas.py``: the autograd formulas, each written once and registered on its op.
+
+``moeblaze_ops.moe_experts`` (``functional.py``) is made of these ops in every mode.
 """
+
+from __future__ import annotations
 
 import inspect
 
 import torch
 
-
-def document(op):
-    """Gives ``op`` (a ``CustomOpDef``) and its ``torch.ops.moeblaze`` packet the op's own
-    schema and docstring, so ``help()`` shows them instead of the classes' documentation."""
-    packet = getattr(getattr(torch.ops, op._namespace), op._name)
-    op.__doc__ = document_packet(packet, op._init_fn.__doc__).__doc__
-    return op
+#: The library every moeblaze op is defined in.
+LIB = torch.library.Library("moeblaze", "FRAGMENT")
 
 
-def document_packet(packet, docstring):
-    """``packet`` (a ``torch.ops`` op) with its schema and ``docstring`` as its help."""
-    packet.__doc__ = f"{packet.default._schema}\n\n{inspect.cleandoc(docstring or '')}"
+def define(schema: str, kernel, fake, doc: str):
+    """Defines op ``schema`` (``"name(args) -> returns"``) in the ``moeblaze`` namespace,
+    ``kernel`` as its implementation for every backend and ``fake`` as its fake function;
+    returns the ``torch.ops.moeblaze`` op, whose ``help()`` shows the schema and ``doc``."""
+    name = schema.split("(", 1)[0]
+    LIB.define(schema)
+    LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"moeblaze::{name}", fake, lib=LIB)
+    packet = getattr(torch.ops.moeblaze, name)
+    packet.__doc__ = f"{packet.default._schema}\n\n{inspect.cleandoc(doc)}"
     return packet

@@ -6,16 +6,8 @@ import torch
 from torch import Tensor
 
 from ..checks import check_dispatch
-from . import document_packet
 from ..kernels import forward_backend
-
-
-# Defined through the low-level ``torch.library`` API rather than ``custom_op``: it has no
-# autograd formula (integer outputs) and a call then costs the dispatcher alone, without
-# the custom-op wrappers (``scripts/host_overhead.py --op-registration``), which its
-# callers, small layers included, would pay on every step.
-_lib = torch.library.Library("moeblaze", "FRAGMENT")
-_lib.define("dispatch(Tensor topk_ids, SymInt num_experts) -> (Tensor, Tensor, Tensor)")
+from . import define
 
 
 def _dispatch(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -43,10 +35,6 @@ def _dispatch(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tenso
     return forward_backend(topk_ids).dispatch(topk_ids, num_experts)
 
 
-_lib.impl("dispatch", _dispatch, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("moeblaze::dispatch", lib=_lib)
 def dispatch_like(topk_ids, num_experts):
     """Empty tensors shaped as ``dispatch``'s outputs, after its argument checks (the fake
     functions)."""
@@ -59,5 +47,6 @@ def dispatch_like(topk_ids, num_experts):
     )
 
 
-#: ``torch.ops.moeblaze.dispatch``, documented.
-dispatch = document_packet(torch.ops.moeblaze.dispatch, _dispatch.__doc__)
+#: ``torch.ops.moeblaze.dispatch`` (integer outputs: no autograd formula).
+dispatch = define("dispatch(Tensor topk_ids, SymInt num_experts) -> (Tensor, Tensor, Tensor)", _dispatch,
+                  dispatch_like, _dispatch.__doc__)

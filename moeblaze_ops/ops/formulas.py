@@ -1,0 +1,202 @@
+"""The autograd formulas of the expert ops, each written once.
+
+``up_backward``, ``down_backward`` and ``recomputed_backward`` are the math; they call
+the backward ops through the dispatcher. They are registered on the forward ops
+(``torch.library.register_autograd``: direct callers, ``opcheck``, traced graphs), and
+``DownProjection``, the autograd node of ``moe_experts``'s down projection, runs the same
+``down_backward``, with the one thing an op's formula cannot know: that h is the layer's
+own, so that eager backward may write dH over it.
+
+A formula sees ``ctx.needs_input_grad`` only for the arguments the call passed (the
+dispatcher drops trailing arguments equal to their defaults): ``_needs`` pads it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..activations import is_gated
+from . import experts  # noqa: F401  (defines the ops the formulas are registered on)
+
+_ops = torch.ops.moeblaze
+
+
+def _needs(ctx, count: int) -> tuple:
+    """``ctx.needs_input_grad`` padded to ``count`` flags (arguments left at their
+    defaults need no gradient)."""
+    need = tuple(ctx.needs_input_grad)
+    return need + (False,) * (count - len(need))
+
+
+# --------------------------------------------------------------------------- the math
+
+
+def up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed, need_x, need_w, need_b):
+    """``(grad_x, grad_w_gate_up, grad_b_gate_up)`` of the up projection, None where not needed."""
+    if not (need_x or need_w or (has_bias and need_b)):
+        return None, None, None
+    grad_x, grad_w, grad_b = _ops.expert_up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed,
+                                                     need_x, need_w or (has_bias and need_b))
+    return grad_x if need_x else None, grad_w if need_w else None, grad_b if has_bias and need_b else None
+
+
+def down_backward(grad_out, h, w_down, b_down, topk_weights, eti, offsets, tim, args, need_h, need_w, need_b,
+                  need_tw, in_place=False):
+    """``(grad_h, grad_w_down, grad_b_down, grad_topk_weights)`` of the down projection
+    (``args``: activation, transposed, interleaved, alpha, limit), None where not needed;
+    ``in_place`` writes grad_h over h (then returned as grad_h)."""
+    has_b = b_down is not None
+    need_wb = need_w or (has_b and need_b)
+    if in_place:
+        grad_w, grad_b, grad_tw = _ops.expert_down_backward_(grad_out, h, w_down, eti, offsets, tim, topk_weights,
+                                                             b_down, *args, need_wb)
+        grad_h = h
+    else:
+        grad_h, grad_w, grad_b, grad_tw = _ops.expert_down_backward(grad_out, h, w_down, eti, offsets, tim,
+                                                                    topk_weights, b_down, *args, need_wb)
+    return (grad_h if need_h else None, grad_w if need_w else None, grad_b if has_b and need_b else None,
+            grad_tw if need_tw else None)
+
+
+def recomputed_backward(grad_out, x, w_gate_up, w_down, b_gate_up, b_down, topk_weights, eti, offsets, tim, args,
+                        need):
+    """The backward of a layer that kept no h: h recomputed and dH written over it, then
+    the up projection's gradients. ``need`` and the result: ``(x, w_gate_up, w_down,
+    b_gate_up, b_down, topk_weights)``, None where not needed."""
+    need_x, need_wgu, need_wd, need_bgu, need_bd, need_tw = need
+    has_bgu, has_bd = b_gate_up is not None, b_down is not None
+    grad_h, grad_wd, grad_bd, grad_tw = _ops.expert_down_backward_recompute(
+        grad_out, x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, *args,
+        need_wd or (has_bd and need_bd))
+    grad_x, grad_wgu, grad_bgu = up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bgu, args[1], need_x,
+                                             need_wgu, need_bgu)
+    return (grad_x, grad_wgu, grad_wd if need_wd else None, grad_bgu, grad_bd if has_bd and need_bd else None,
+            grad_tw if need_tw else None)
+
+
+# --------------------------------------------------------------------------- registered on the ops
+
+
+def _up_setup_context(ctx, inputs, output):
+    x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, *_ = inputs
+    ctx.save_for_backward(x, w_gate_up, eti, offsets, tim)
+    ctx.has_bias, ctx.transposed = b_gate_up is not None, transposed
+
+
+def _up_formula(ctx, grad_h):
+    x, w_gate_up, eti, offsets, tim = ctx.saved_tensors
+    need = _needs(ctx, 8)  # x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, check_indices
+    grad_x, grad_w, grad_b = up_backward(grad_h, x, w_gate_up, eti, offsets, tim, ctx.has_bias, ctx.transposed,
+                                         need[0], need[1], need[5])
+    return grad_x, grad_w, None, None, None, grad_b, None, None
+
+
+def _up_beside_setup_context(ctx, inputs, output):
+    _up_setup_context(ctx, inputs, output)
+    ctx.mark_non_differentiable(output[1])  # act(h): the down projection differentiates through h
+    ctx.set_materialize_grads(False)  # else a zero-filled [L*K, I] gradient for act(h)
+
+
+def _up_beside_formula(ctx, grad_h, grad_a):
+    if grad_h is None:
+        return (None,) * 11
+    return (*_up_formula(ctx, grad_h)[:7], None, None, None, None)
+
+
+def _down_setup_context(ctx, inputs, output):
+    h, w_down, eti, offsets, tim, topk_weights, b_down, *args = inputs
+    ctx.save_for_backward(h, w_down, b_down, topk_weights, eti, offsets, tim)
+    ctx.args = tuple(args[:5])  # activation, transposed, interleaved, alpha, limit
+
+
+def _down_formula(ctx, grad_out):
+    h, w_down, b_down, topk_weights, eti, offsets, tim = ctx.saved_tensors
+    need = _needs(ctx, 13)  # h, w_down, eti, offsets, tim, topk_weights, b_down, activation..limit, check_indices
+    grad_h, grad_w, grad_b, grad_tw = down_backward(grad_out, h, w_down, b_down, topk_weights, eti, offsets, tim,
+                                                    ctx.args, need[0], need[1], need[6], need[5])
+    return (grad_h, grad_w, None, None, None, grad_tw, grad_b) + (None,) * 6
+
+
+def _layer_setup_context(ctx, inputs, output):
+    x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, *args = inputs
+    ctx.save_for_backward(x, w_gate_up, w_down, b_gate_up, b_down, topk_weights, eti, offsets, tim)
+    ctx.args = tuple(args[:5])  # activation, transposed, interleaved, alpha, limit
+
+
+def _layer_formula(ctx, grad_out):
+    x, w_gate_up, w_down, b_gate_up, b_down, topk_weights, eti, offsets, tim = ctx.saved_tensors
+    need = _needs(ctx, 15)  # x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, ...
+    grad_x, grad_wgu, grad_wd, grad_bgu, grad_bd, grad_tw = recomputed_backward(
+        grad_out, x, w_gate_up, w_down, b_gate_up, b_down, topk_weights, eti, offsets, tim, ctx.args,
+        (need[0], need[1], need[2], need[7], need[8], need[6]))
+    return (grad_x, grad_wgu, grad_wd, None, None, None, grad_tw, grad_bgu, grad_bd) + (None,) * 6
+
+
+def _refuse_double_backward(name):
+    def formula(ctx, *grads):
+        raise NotImplementedError(f"moeblaze.{name}: gradients of gradients (double backward, e.g. gradgradcheck "
+                                  "or create_graph=True followed by another backward) are not supported")
+
+    return formula
+
+
+def _nothing_to_save(ctx, inputs, output):
+    pass
+
+
+for _name, _formula, _setup in (("expert_up", _up_formula, _up_setup_context),
+                                ("_expert_up_beside", _up_beside_formula, _up_beside_setup_context),
+                                ("expert_down", _down_formula, _down_setup_context),
+                                ("expert_layer", _layer_formula, _layer_setup_context),
+                                # The backward ops are differentiable only in name: a second
+                                # differentiation says so clearly.
+                                *((name, _refuse_double_backward(name), _nothing_to_save)
+                                  for name in ("expert_up_backward", "expert_down_backward",
+                                               "expert_down_backward_recompute"))):
+    torch.library.register_autograd(f"moeblaze::{_name}", _formula, setup_context=_setup)
+
+
+# --------------------------------------------------------------------------- moe_experts' down projection
+
+
+class DownProjection(torch.autograd.Function):
+    """``moe_experts``'s down projection of its own h: ``expert_down`` (or, given ``a`` =
+    act(h) from ``_expert_up_beside``, ``_expert_down_activated``), whose backward is
+    ``down_backward``. Where ``up`` is given (eager autograd: the up projection's x,
+    w_gate_up and b_gate_up), backward writes dH over h, the layer's own tensor: h and dH
+    never exist at once. A second backward through the same graph (``retain_graph=True``)
+    finds h overwritten and recomputes it from ``up``: one more GEMM for the rare second
+    pass, nothing more kept for the first.
+    """
+
+    @staticmethod
+    def forward(ctx, h, a, w_down, b_down, topk_weights, eti, offsets, tim, args, up):
+        ctx.save_for_backward(h, w_down, b_down, topk_weights, eti, offsets, tim)
+        ctx.args, ctx.up, ctx.overwritten = args, up, False
+        if a is not None:
+            return _ops._expert_down_activated(a, w_down, eti, offsets, tim, topk_weights, b_down, args[1],
+                                               is_gated(args[0]))
+        return _ops.expert_down(h, w_down, eti, offsets, tim, topk_weights, b_down, *args, False)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, w_down, b_down, topk_weights, eti, offsets, tim = ctx.saved_tensors
+        need = ctx.needs_input_grad  # h, a, w_down, b_down, topk_weights, ...
+        # A backward that builds a graph (create_graph) runs out of place, and the backward
+        # ops refuse the second differentiation clearly.
+        in_place = ctx.up is not None and not torch.is_grad_enabled()
+        if in_place and ctx.overwritten:  # a second backward: the saved h holds the first one's dH
+            x, w_gate_up, b_gate_up = ctx.up
+            h = _ops.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, ctx.args[1], False)
+        if in_place:
+            # The write over h is deliberate and tracked (``overwritten``), so h keeps its
+            # version: a second backward may unpack it, and then recomputes it.
+            with torch.autograd._unsafe_preserve_version_counter(h):
+                grads = down_backward(grad_out, h, w_down, b_down, topk_weights, eti, offsets, tim, ctx.args,
+                                      need[0], need[2], need[3], need[4], in_place=True)
+            ctx.overwritten = True
+        else:
+            grads = down_backward(grad_out, h, w_down, b_down, topk_weights, eti, offsets, tim, ctx.args, need[0],
+                                  need[2], need[3], need[4])
+        grad_h, grad_w, grad_b, grad_tw = grads
+        return grad_h, None, grad_w, grad_b, grad_tw, None, None, None, None, None
