@@ -12,7 +12,10 @@ does (``import moeblaze_ops`` itself never imports transformers). Then any of
     model.set_experts_implementation("moeblaze")
 
 runs the experts through ``moeblaze_ops.moe_experts``; ``"moeblaze_recompute"`` runs it in
-full-recompute mode (the least memory kept for backward). The backend reads the experts
+full-recompute mode (the least memory kept for backward). ``check_model(model)`` returns
+the number of experts modules moeblaze runs, and raises unless it runs all of them
+(``ExpertsNotOnMoeblazeError`` for experts left on another implementation,
+``NotImplementedError`` for experts the backend cannot run). The backend reads the experts
 module's flags: ``is_transposed`` and ``is_concatenated`` (weight layout), ``has_bias``,
 ``has_gate`` (``gate_up_proj`` or ``up_proj``), and its gate: HF's default gate with the
 config's ``hidden_act`` (silu -> swiglu, gelu -> geglu), or GPT-OSS's clamped gate.
@@ -143,8 +146,25 @@ def model_config(family: str, *, hidden_size=64, num_layers=2, num_heads=4, num_
     return AutoConfig.for_model(model_type, **kw)
 
 
+class ExpertsNotOnMoeblazeError(ValueError):
+    """``check_model``'s error for a model some of whose experts modules do not run through
+    moeblaze: they kept another experts implementation (``"eager"``, ``"grouped_mm"``, ...),
+    or the model has no experts module at all. ``modules`` maps each such module's name to
+    the implementation it kept (empty for a model without experts)."""
+
+    def __init__(self, message, modules):
+        super().__init__(message)
+        self.modules = dict(modules)
+
+
 def check_model(model) -> int:
-    """Checks that every experts module of ``model`` runs through moeblaze; returns their count.
+    """Checks that every experts module of ``model`` runs through moeblaze; returns their
+    count (at least 1).
+
+    Raises ``ExpertsNotOnMoeblazeError`` (a ``ValueError``) naming the experts modules
+    whose ``experts_implementation`` is not one of ``BACKENDS`` (a model built or switched
+    with another one, e.g. ``experts_implementation="grouped_mm"``), and for a model with
+    no experts module at all: a check that passes means moeblaze runs every expert.
 
     transformers routes only the experts classes decorated with
     ``@use_experts_implementation`` through the experts interface. Others, such as Llama
@@ -154,7 +174,7 @@ def check_model(model) -> int:
     for them instead of letting them run silently, and for decorated experts that the
     backend cannot run (an unsupported gate or activation).
     """
-    count = 0
+    count, elsewhere = 0, {}
     for name, module in model.named_modules():
         is_experts = type(module).__name__.endswith("Experts") and hasattr(module, "down_proj")
         if not is_experts:
@@ -164,9 +184,23 @@ def check_model(model) -> int:
                 f"moeblaze experts backend: {name} ({type(module).__name__}) is not routed through transformers' "
                 "experts interface, so experts_implementation='moeblaze' does not reach it; moeblaze does not "
                 "support this model's experts")
-        if getattr(getattr(module, "config", None), "_experts_implementation", None) in BACKENDS:
+        impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        if impl in BACKENDS:
             _activation(module)
             count += 1
+        else:
+            elsewhere[name] = impl
+    if elsewhere:
+        shown = ", ".join(f"{name} ({impl!r})" for name, impl in list(elsewhere.items())[:8])
+        more = f" and {len(elsewhere) - 8} more" if len(elsewhere) > 8 else ""
+        raise ExpertsNotOnMoeblazeError(
+            f"moeblaze experts backend: {len(elsewhere)} experts module(s) of {type(model).__name__} run another "
+            f"experts implementation: {shown}{more}; build the model with experts_implementation='moeblaze' or "
+            "call model.set_experts_implementation('moeblaze')", elsewhere)
+    if not count:
+        raise ExpertsNotOnMoeblazeError(
+            f"moeblaze experts backend: {type(model).__name__} has no experts module (no MoE layer) for moeblaze "
+            "to run", {})
     return count
 
 

@@ -1,8 +1,6 @@
 """The benchmark's own smoke runs on CPU: what it measures, records and writes; and the
 measuring scripts' helpers that need no GPU."""
 
-import argparse
-import csv
 import json
 import math
 
@@ -70,19 +68,70 @@ def test_train_smoke_measures_what_backward_keeps(tmp_path):
 
 
 def test_settings_are_in_force_and_recorded(tmp_path, monkeypatch):
-    """--set and --torch-backward change the settings the measurements run under, and the
-    run records them (no configs: nothing is measured)."""
+    """--set changes the settings the measurements run under, and the run records them (no
+    configs: nothing is measured); bench.json records the changes alone, no other field."""
     seen = []
     monkeypatch.setattr(cli, "bench_forward", lambda ctx, names: seen.append(settings.current()) or [])
-    result, md = run(tmp_path, "--configs", "--torch-backward", "--set", "column_slab=None",
-                     "--set", "dispatch_sort_chunk=256")
-    assert seen[0].column_slab is None and seen[0].dispatch_sort_chunk == 256 and not seen[0].triton_backward
+    result, md = run(tmp_path, "--configs", "--set", "column_slab=None", "--set", "poison=True")
+    assert seen[0].column_slab is None and seen[0].poison is True
     assert settings.current().column_slab is not None  # only for the run
-    assert result["settings"] == {"triton_backward": False, "column_slab": None, "dispatch_sort_chunk": 256}
-    assert result["triton_backward"] is False and result["forward"] == []
-    assert md.splitlines()[0].endswith("settings triton_backward=False, column_slab=None, dispatch_sort_chunk=256")
+    assert result["settings"] == {"column_slab": None, "poison": True}
+    assert "triton_backward" not in result and result["forward"] == []
+    assert md.splitlines()[0].endswith("settings column_slab=None, poison=True")
     assert table_rows(md, "smoke") == {}
     assert not (tmp_path / "forward.png").exists()  # no forward rows: nothing to plot
+
+
+def usage_error(tmp_path, capsys, *args):
+    """Runs the benchmark with ``args``, which must stop with argparse's usage error before
+    measuring anything; returns the message."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--device", "cpu", "--out", str(tmp_path), *args])
+    assert exit_.value.code == 2
+    assert not (tmp_path / "bench.json").exists()
+    return capsys.readouterr().err
+
+
+def test_torch_backward_flag_is_gone(tmp_path, capsys):
+    """The PyTorch backward is no setting any more: the flag that chose it is unknown."""
+    assert "unrecognized arguments: --torch-backward" in usage_error(tmp_path, capsys, "--configs",
+                                                                      "--torch-backward")
+
+
+@pytest.mark.parametrize("flag,bad,allowed", [
+    ("--skip", "bogus", "moeblaze_compiled"),
+    ("--configs", "bogus", "olmoe"),
+    ("--mode", "bogus", "train"),
+    ("--device", "gpu", "cuda"),
+])
+def test_unknown_choice_is_a_usage_error(tmp_path, capsys, flag, bad, allowed):
+    """A name a choice list does not know stops the run, naming it and the names allowed
+    (``--skip bogus`` used to measure every peer and exit 0)."""
+    err = usage_error(tmp_path, capsys, *(["--configs"] if flag != "--configs" else []), flag, bad)
+    assert f"argument {flag}: invalid choice: {bad!r}" in err and repr(allowed) in err, err
+
+
+def test_skip_names_every_peer():
+    """``--skip`` takes every peer the benchmark may offer (``PEER_NAMES``), in their order."""
+    from moeblaze_ops.bench import make_inputs, peers
+    from moeblaze_ops.bench.implementations import PEER_NAMES
+
+    offered = list(peers(*make_inputs(*CONFIGS["smoke"], device="cpu"), train=True, cuda_graphs=True))
+    assert set(offered) <= set(PEER_NAMES)
+    assert offered == [name for name in PEER_NAMES if name in offered]
+    assert {"hf_eager", "moeblaze", "moeblaze_compiled", "moeblaze_recompute"} <= set(offered)
+
+
+def test_skip_bogus_fails_on_the_command_line(tmp_path):
+    """The command a user types: exit code 2, the bad name and the allowed ones, no traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "moeblaze_ops.bench", "--device", "cpu", "--configs",
+                           "--out", str(tmp_path), "--skip", "bogus"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "invalid choice: 'bogus'" in proc.stderr and "'hf_eager'" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_peer_that_cannot_run_on_cpu_is_left_out_with_a_note(tmp_path, monkeypatch, capsys):
@@ -100,14 +149,20 @@ def test_a_peer_that_cannot_run_on_cpu_is_left_out_with_a_note(tmp_path, monkeyp
     assert set(table_rows(md, "smoke")) == {"working"}
 
 
-@pytest.mark.parametrize("item", ["no_such_setting=1", "column_slab", "dispatch_sort_chunk=100", "gluon={'wgrad'}",
-                                  "wgrad_band=0", "wgrad_rows_tma={'up'}"])
+@pytest.mark.parametrize("item", ["no_such_setting=1", "column_slab", "=1", "column_slab=0", "backend='cuda'",
+                                  "tiles={'no_such_kind': (16, 16, 16, 4, 1)}", "tiles=5"])
 def test_bad_setting_is_a_usage_error(tmp_path, item, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["--device", "cpu", "--configs", "--out", str(tmp_path), "--set", item])
-    assert exit_.value.code == 2
-    assert "--set" in capsys.readouterr().err
-    assert not (tmp_path / "bench.json").exists()
+    assert "--set" in usage_error(tmp_path, capsys, "--configs", "--set", item)
+
+
+def test_unknown_setting_names_are_all_named_with_the_fields(tmp_path, capsys):
+    """Every unknown name of the run's ``--set`` items in one message, with the fields the
+    settings have (their own ValueError, as a usage error: no traceback)."""
+    err = usage_error(tmp_path, capsys, "--configs", "--set", "no_such_setting=1", "--set", "column_slab=None",
+                      "--set", "triton_backwards=False")
+    assert "no_such_setting" in err and "triton_backwards" in err, err
+    assert all(name in err for name in ("backend", "poison", "tiles", "column_slab")), err
+    assert "Traceback" not in err
 
 
 def test_peer_site_makes_its_packages_importable(tmp_path, monkeypatch):
@@ -212,106 +267,6 @@ def test_train_steps_start_without_gradients():
 
     measure.time_ms(step, "cpu", grad_to_none=(t,))
     assert len(seen) >= 2 and all(seen)
-
-
-def _script(name):
-    """``scripts/<name>.py`` as a module."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.mark.parametrize("T,K,E", [(8192, 8, 256), (100, 4, 16), (7, 2, 8)])
-def test_tile_padding_balanced_routing(T, K, E):
-    """``scripts/tile_padding.py``'s balanced routing gives every expert the same number of
-    rows (where E divides T*K), K distinct experts per token, ids in range."""
-    import torch
-
-    ids = _script("tile_padding").balanced_ids(T, K, E, device="cpu")
-    assert ids.shape == (T, K) and int(ids.min()) >= 0 and int(ids.max()) < E
-    assert all(len(set(row)) == K for row in ids.tolist())
-    counts = torch.bincount(ids.flatten(), minlength=E)
-    if (T * K) % E == 0:
-        assert counts.eq(T * K // E).all()
-    else:
-        assert int(counts.max() - counts.min()) <= 1
-
-
-def test_stall_regions_splits_a_warp_specialised_kernel(tmp_path):
-    """``scripts/stall_regions.py`` reads ncu's source-page CSV and sums the samples of the
-    copy warps, the MMA warps' setup, reduction steps and epilogue, and the rest, by the
-    SASS markers that bound them; a share is of all samples, a reason's of its region's."""
-    regions = _script("stall_regions")
-    code = [("LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", 30, {"long_sb": 30}),
-            ("@!P0 EXIT", 2, {"wait": 2}),
-            ("IMAD R3, R4, R5, RZ", 4, {"selected": 4}),
-            ("BAR.SYNC.DEFER_BLOCKING 0x0, 0x100", 4, {"barrier": 4}),
-            ("SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [R23+URZ+0x38290], R22", 10, {"wait": 10}),
-            ("HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8], R24", 20, {"math": 5, "wait": 15}),
-            ("WARPGROUP.DEPBAR.LE gsb0, 0x0", 5, {"wait": 5}),
-            ("FMUL R1, R2, R3", 10, {"short_sb": 6, "selected": 4}),
-            ("@P1 SYNCS.ARRIVE.TRANS64.A1T0 RZ, [R204+URZ+0x382d0], RZ", 5, {"barrier": 5}),
-            ("@!P0 BRA 0x7fd6737db770", 10, {"long_sb": 10})]
-    reasons = ["barrier", "long_sb", "math", "selected", "short_sb", "wait"]
-    path = tmp_path / "source.csv"
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["Kernel Name", "_dh_kernel", ""])
-        writer.writerow(["Address", "Source", "Warp Stall Sampling (All Samples)"] + [f"stall_{r}" for r in reasons]
-                        + [f"stall_{r} (Not Issued)" for r in reasons])
-        for i, (source, samples, split) in enumerate(code):
-            writer.writerow([hex(0x1000 + 16 * i), "  " + source, samples] + [split.get(r, 0) for r in reasons]
-                            + [0] * len(reasons))
-    lines = regions.read_source_csv(str(path))
-    assert [(r.name, r.start, r.end) for r in regions.regions(lines)] == [
-        ("copy warps", 0, 2), ("MMA warps before their loop", 2, 3), ("MMA warps: reduction steps", 3, 6),
-        ("MMA warps: epilogue", 6, 9), ("rest (exit, wait retries)", 9, 10)]
-    shares = [row.split(";")[0].split()[-3] for row in regions.summarize(lines, top=2)]
-    assert shares == ["32.0%", "4.0%", "34.0%", "20.0%", "10.0%"]
-    assert regions.summarize(lines, top=2)[2].endswith("of samples; wait 74%, math 15%")
-    assert regions.epilogue_opcodes(lines).startswith("FMUL 50.0% (1), WARPGROUP 25.0% (1), SYNCS 25.0% (1)")
-
-
-def test_ab_step_times_each_variant_under_its_own_settings(monkeypatch):
-    """``scripts/ab_step.py`` interleaves the variants round by round, each timed (and its
-    peak measured) with its settings in force and the defaults back afterwards; the
-    report's ratio is the first variant's median over each one's. The forward mode runs
-    without gradients."""
-
-    ab = _script("ab_step")
-    seen, grad_modes = [], []
-
-    def fake_time_ms(fn, device, grad_to_none=()):
-        fn()  # a real step, so the inputs and the op are exercised
-        band = settings.current().row_band
-        seen.append(band)
-        return float(band)
-
-    def fake_peak_bytes(fn, device):
-        out = fn()
-        grad_modes.append(out is not None and out.requires_grad)
-        return settings.current().row_band * 1e9
-
-    monkeypatch.setattr(ab, "time_ms", fake_time_ms)
-    monkeypatch.setattr(ab, "peak_bytes", fake_peak_bytes)
-    default_band = settings.current().row_band
-    variants = [ab.parse_variant(v) for v in ("row_band=2", "row_band=8 wgrad_band=3")]
-    results, peaks = ab.run(["smoke"], variants, rounds=3, device="cpu")
-    assert seen == [2, 8] * 3 and settings.current().row_band == default_band
-    assert results == {"smoke": {0: [2.0] * 3, 1: [8.0] * 3}}
-    assert peaks == {"smoke": {0: 2.0, 1: 8.0}}
-    table = ab.report(results, peaks, ["row_band=2", "row_band=8 wgrad_band=3"])
-    assert table.splitlines()[-1].endswith("| 8.00 | 0.250x | 8.000 |")
-    seen.clear()
-    ab.run(["smoke"], variants[:1], rounds=1, device="cpu", mode="forward")
-    assert seen == [2] and grad_modes[-1] is False  # the forward's output carries no graph
-    with pytest.raises(argparse.ArgumentTypeError):
-        ab.parse_variant("no_such_setting=1")
 
 
 def test_cuda_graph_peers_train_from_no_gradients(monkeypatch):

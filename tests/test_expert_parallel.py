@@ -184,17 +184,18 @@ def test_hf_ep_implementation_moeblaze(seed, tmp_path):
 
 
 def test_expert_parallel_benchmark_smoke(tmp_path):
-    """scripts/bench_expert_parallel.py on two gloo processes: one row per config with finite,
-    positive throughputs, a straggler ratio of at least 1, and the table written."""
+    """``python -m moeblaze_ops.bench.expert_parallel`` on two gloo processes: one row per
+    config with finite, positive throughputs, a straggler ratio of at least 1, and the table
+    written."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_expert_parallel.py"
-    run = subprocess.run([sys.executable, str(script), "--spawn", str(WORLD), "--device", "cpu", "--configs", "smoke",
-                          "--reps", "1", "--warmup", "1", "--out", str(tmp_path)], capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run([sys.executable, "-m", "moeblaze_ops.bench.expert_parallel", "--spawn", str(WORLD),
+                          "--device", "cpu", "--configs", "smoke", "--reps", "1", "--warmup", "1",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "bench_ep.json").read_text())
     assert [r["config"] for r in rows] == ["smoke"]

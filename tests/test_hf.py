@@ -114,12 +114,40 @@ def test_compiled_train_step(family, seed):
 
 
 def test_selection_paths(seed):
+    """Built with moeblaze, the check counts its experts; switched to another implementation,
+    the check raises naming the modules that left moeblaze; switched back, it counts again."""
     config = model_config("qwen3_moe", hidden_size=32, num_layers=LAYERS, num_experts=4)
     model = AutoModelForCausalLM.from_config(config, experts_implementation="moeblaze")
     assert model.config._experts_implementation == "moeblaze"
     assert moeblaze_ops.hf.check_model(model) == LAYERS
     model.set_experts_implementation("grouped_mm")
-    assert moeblaze_ops.hf.check_model(model) == 0
+    with pytest.raises(moeblaze_ops.hf.ExpertsNotOnMoeblazeError) as error:
+        moeblaze_ops.hf.check_model(model)
+    assert error.value.modules == {f"model.layers.{i}.mlp.experts": "grouped_mm" for i in range(LAYERS)}
+    model.set_experts_implementation(moeblaze_ops.hf.RECOMPUTE_BACKEND)
+    assert moeblaze_ops.hf.check_model(model) == LAYERS
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+def test_experts_on_another_implementation_are_an_error(impl):
+    """A model whose experts run another implementation fails the check (a ValueError)
+    naming each such module and the implementation it kept: a check that passes means
+    moeblaze runs the experts."""
+    config = model_config("qwen3_moe", hidden_size=32, num_layers=LAYERS, num_experts=4)
+    model = AutoModelForCausalLM.from_config(config, experts_implementation=impl)
+    with pytest.raises(ValueError, match=rf"model\.layers\.0\.mlp\.experts \('{impl}'\)") as error:
+        moeblaze_ops.hf.check_model(model)
+    assert "model.layers.1.mlp.experts" in str(error.value)
+    assert isinstance(error.value, moeblaze_ops.hf.ExpertsNotOnMoeblazeError)
+
+
+def test_model_without_experts_is_an_error():
+    """Nothing for moeblaze to run (a dense model) fails the check too."""
+    config = AutoConfig.for_model("llama", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=4, vocab_size=VOCAB, intermediate_size=48)
+    with pytest.raises(moeblaze_ops.hf.ExpertsNotOnMoeblazeError, match="no experts module") as error:
+        moeblaze_ops.hf.check_model(AutoModelForCausalLM.from_config(config))
+    assert error.value.modules == {}
 
 
 def test_sentinel_ids_contribute_nothing(seed):

@@ -6,7 +6,9 @@ Run it as ``python -m moeblaze_ops.bench`` (``--help`` lists the options). Its p
 - ``implementations``: the peers compared, each a callable on one config's inputs (``peers``);
 - ``measure``: time, peak and activation memory per peer, and the dispatch micro-benchmark;
 - ``report``: the markdown tables and the forward bar charts;
-- ``cli``: the command line, which runs the measurements under the kernel settings it is given.
+- ``cli``: the command line, which runs the measurements under the kernel settings it is given;
+- ``expert_parallel``: expert parallelism against one device, a command of its own
+  (``torchrun --nproc-per-node N -m moeblaze_ops.bench.expert_parallel``; not imported here).
 """
 
 from .cli import main

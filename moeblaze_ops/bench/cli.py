@@ -17,8 +17,13 @@ processed) before the peers are imported: where a peer's wheels were installed w
 
 ``--set NAME=VALUE`` (repeatable) runs every measurement with that field of
 ``moeblaze_ops.settings.KernelSettings`` changed; VALUE is a Python literal (``None``,
-``512``, ``False``) or else a string. ``--device cpu --configs smoke`` is a quick check of
-the benchmark itself (fp32, no peak memory, no dispatch micro-benchmark).
+``512``, ``False``) or else a string. A NAME the settings do not have, or a VALUE they
+reject, is a usage error (exit code 2) that says which fields there are; so is a name
+``--configs`` or ``--skip`` does not know. ``--device cpu --configs smoke`` is a quick
+check of the benchmark itself (fp32, no peak memory, no dispatch micro-benchmark).
+
+``python -m moeblaze_ops.bench.expert_parallel`` (under torchrun, or ``--spawn N --device
+cpu``) measures expert parallelism against one device.
 """
 
 from __future__ import annotations
@@ -36,23 +41,21 @@ import torch
 from .. import settings
 from .configs import CONFIGS
 from .console import note
+from .implementations import PEER_NAMES
 from .measure import BenchContext, bench_dispatch, bench_forward, bench_train
 from .report import dispatch_table, forward_table, plot, title, train_table
 
-__all__ = ["add_peer_sites", "main", "parse_setting"]
-
-_SETTING_NAMES = tuple(f.name for f in dataclasses.fields(settings.KernelSettings))
+__all__ = ["add_peer_sites", "main", "parse_setting", "setting_changes"]
 
 
 def parse_setting(text):
     """``NAME=VALUE`` -> (NAME, VALUE), VALUE read as a Python literal or else kept as a string;
-    an argparse type, so a malformed item or an unknown NAME is a usage error."""
+    an argparse type, so a malformed item is a usage error (the names are checked by the
+    settings themselves: ``setting_changes``)."""
     name, sep, raw = text.partition("=")
     name = name.strip()
-    if not sep:
+    if not sep or not name:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    if name not in _SETTING_NAMES:
-        raise argparse.ArgumentTypeError(f"no kernel setting named {name!r}; known: {', '.join(_SETTING_NAMES)}")
     try:
         value = ast.literal_eval(raw.strip())
     except (ValueError, SyntaxError):
@@ -66,13 +69,12 @@ def _parser():
     p.add_argument("--mode", choices=["forward", "train"], default="forward",
                    help="forward: the experts' forward; train: forward + backward, activation and peak memory")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--torch-backward", action="store_true",
-                   help="moeblaze's backward through the PyTorch kernels instead of the Triton ones "
-                        "(the same as --set triton_backward=False)")
     p.add_argument("--set", dest="settings", metavar="NAME=VALUE", action="append", type=parse_setting, default=[],
                    help="change a kernel setting for the whole run (repeatable), e.g. --set column_slab=None")
-    p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument("--skip", nargs="*", default=[], help="peers to leave out, e.g. hf_eager")
+    p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS),
+                   help="layer shapes to measure (none: the dispatch micro-benchmark alone)")
+    p.add_argument("--skip", nargs="*", default=[], choices=PEER_NAMES, metavar="PEER",
+                   help=f"peers to leave out, of: {', '.join(PEER_NAMES)}")
     p.add_argument("--no-dispatch", action="store_true", help="skip the dispatch micro-benchmark")
     p.add_argument("--cudagraphs", action="store_true",
                    help="add grouped_mm and moeblaze compiled with mode='reduce-overhead' (CUDA graphs; "
@@ -84,11 +86,11 @@ def _parser():
     return p
 
 
-def _setting_changes(parser, args):
-    """The settings the run changes, in command-line order (--set after --torch-backward),
-    checked against ``KernelSettings``' own validation."""
-    changes = {"triton_backward": False} if args.torch_backward else {}
-    changes.update(args.settings)
+def setting_changes(parser, items):
+    """``{NAME: VALUE}`` of the ``--set`` items (``parse_setting``'s pairs; a later one wins),
+    checked by ``KernelSettings`` itself: a name it does not have or a value it rejects is
+    ``parser``'s usage error, with the settings' own message (which lists the fields)."""
+    changes = dict(items)
     try:
         settings.current().replace(**changes)
     except (ValueError, TypeError) as e:
@@ -119,8 +121,7 @@ def _versions():
 def _measure(args, ctx, changes):
     """Runs the measurements (under the settings in force) -> (bench.json's dict, bench.md's lines)."""
     device_name = torch.cuda.get_device_name() if ctx.on_cuda else "CPU"
-    result = dict(device=device_name, torch=torch.__version__, mode=args.mode,
-                  triton_backward=settings.current().triton_backward, settings=changes, **_versions())
+    result = dict(device=device_name, torch=torch.__version__, mode=args.mode, settings=changes, **_versions())
     text = [title(args.mode, device_name, torch.__version__, changes)]
     if not args.no_dispatch:
         if ctx.on_cuda:
@@ -154,7 +155,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA GPU here: --device cpu runs the smoke check")
-    changes = _setting_changes(parser, args)
+    changes = setting_changes(parser, args.settings)
     add_peer_sites(parser, args.peer_site)
     if args.cudagraphs and args.device != "cuda":
         parser.error("--cudagraphs needs --device cuda")

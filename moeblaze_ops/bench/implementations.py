@@ -17,7 +17,13 @@ import moeblaze_ops
 
 from .console import note
 
-__all__ = ["CUDA_GRAPH_PEERS", "HFExpertsModule", "hf_eager_forward", "peers"]
+__all__ = ["CUDA_GRAPH_PEERS", "HFExpertsModule", "PEER_NAMES", "hf_eager_forward", "peers"]
+
+#: Every peer ``peers`` may offer, in its order (which ones it offers depends on the mode,
+#: ``cuda_graphs``, the device and what is importable): the names ``--skip`` takes.
+PEER_NAMES = ("hf_eager", "hf_grouped_mm", "hf_grouped_mm_compiled", "hf_grouped_mm_cudagraphs", "moeblaze",
+              "moeblaze_compiled", "moeblaze_cudagraphs", "moeblaze_recompute", "moeblaze_recompute_compiled",
+              "sonicmoe")
 
 #: The peers that replay CUDA graphs: their memory lives in the graphs' private pool,
 #: allocated once, so a call's peak and saved bytes are not measured for them.

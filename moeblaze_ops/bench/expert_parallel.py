@@ -2,8 +2,8 @@
 the single-device layer on the same per-rank batch, and the straggler ratio under skewed
 routing.
 
-    torchrun --nproc-per-node 2 scripts/bench_expert_parallel.py --configs olmoe mixtral --out DIR
-    python scripts/bench_expert_parallel.py --spawn 2 --device cpu --configs smoke --out DIR   # gloo smoke
+    torchrun --nproc-per-node 2 -m moeblaze_ops.bench.expert_parallel --configs olmoe mixtral --out DIR
+    python -m moeblaze_ops.bench.expert_parallel --spawn 2 --device cpu --configs smoke --out DIR   # gloo smoke
 
 Each rank holds T tokens (the config's T) and E / N experts. Rows:
 
@@ -25,18 +25,15 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from moeblaze_ops import moe_experts  # noqa: E402
-from moeblaze_ops.bench import CONFIGS  # noqa: E402
-from moeblaze_ops.expert_parallel import combine_from_experts, dispatch_to_experts  # noqa: E402
+from moeblaze_ops import moe_experts
+from moeblaze_ops.bench.configs import CONFIGS
+from moeblaze_ops.expert_parallel import combine_from_experts, dispatch_to_experts
 
 #: NVLink multicast off: these machines' notes ask for it, and the tests check it.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -216,7 +213,8 @@ def _spawned(rank, world, port, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m moeblaze_ops.bench.expert_parallel", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=["olmoe", "mixtral"], choices=list(CONFIGS))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda: NCCL, one GPU per rank; cpu: gloo")
     p.add_argument("--zipf", type=float, default=1.0, help="routing skew exponent (0: uniform)")
