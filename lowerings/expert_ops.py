@@ -48,6 +48,7 @@ from torch._inductor.virtualized import V
 
 from moeblaze_ops import settings
 from moeblaze_ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, activation_code, is_gated
+from moeblaze_ops.kernels import config
 from moeblaze_ops.kernels import grouped_gemm as gg
 from moeblaze_ops.kernels.triton_combine import COMBINE_TILE, column_slabs, widest_slab
 from moeblaze_ops.kernels.triton_experts import ACTIVATION_TILE
@@ -132,10 +133,10 @@ def _op_runs_gluon(kind, a, rows, out_cols, reduction, weight=None, gated=False)
 
 def _row_gemm_tiles(kind, dtype, device):
     """The eager kernels' tile; under max-autotune the table's other tiles that fit too."""
-    first = settings.pick_tile(kind, dtype, device)
+    first = config.pick_tile(kind, dtype, device)
     if not (inductor_config.max_autotune or inductor_config.max_autotune_gemm):
         return [first]
-    others = settings.candidate_tiles(("up", "down", "dx"), dtype, device)
+    others = config.candidate_tiles(("up", "down", "dx"), dtype, device)
     return [first] + [t for t in others if t != first]
 
 
@@ -193,8 +194,8 @@ def row_gemm(kind, a, b, a_row_ids, offsets, bias, transposed, out_rows):
         templates.row_gemm.maybe_append_choice(
             choices, input_nodes=inputs, layout=layout, num_stages=tile.num_stages, num_warps=tile.num_warps,
             GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None, TRANSPOSED=transposed,
-            B_TMA=kind in settings.current().weight_tma and _tma_ready(b, tile), B_KMAJOR=kmajor,
-            GROUPS=triton.next_power_of_2(compat.static_int(E) + 1), BAND=settings.current().row_band,
+            B_TMA=kind in config.WEIGHT_TMA_KINDS and _tma_ready(b, tile), B_KMAJOR=kmajor,
+            GROUPS=triton.next_power_of_2(compat.static_int(E) + 1), BAND=config.ROW_BAND,
             PRECISION=repr(gg.precision(dtype)),
             NUM_PROGRAMS=gg.num_programs(device, None, tile.programs_per_sm),
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
@@ -214,7 +215,7 @@ def activation_pass(h, I, act, interleaved, alpha, limit):
     templates.activation.maybe_append_choice(
         choices, input_nodes=[h], layout=layout, num_stages=1, num_warps=4, ACT=int(act), INTERLEAVED=interleaved,
         ALPHA=float(alpha), LIMIT=float(limit),
-        FAST_ACT=settings.current().fast_activation and dtype != torch.float32,
+        FAST_ACT=dtype != torch.float32,
         NUM_PROGRAMS=gg.num_programs(device, None, 4), BLOCK_M=block_m, BLOCK_K=block_k)
     return compat.select_algorithm("moeblaze_activation", choices, [h], layout)
 

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .activations import clamped_swiglu_defaults, is_gated
 from .checks import check_moe_experts
-from . import settings as _tmp_settings  # TMP until kernels.config lands
+from .kernels import config
 from .layouts import linear_dims
 from .ops.formulas import DownProjection
 
@@ -145,4 +145,4 @@ def _differentiates(*tensors) -> bool:
 def _beside(w_gate_up, transposed, rows, experts) -> bool:
     """Whether the up GEMM of a gated layer writes act(h) beside h (the config's rule on
     its intermediate width and routed rows per expert)."""
-    return _tmp_settings.current().activation_beside_h(linear_dims(w_gate_up, transposed)[1] // 2, rows, experts)
+    return config.activation_beside_h(linear_dims(w_gate_up, transposed)[1] // 2, rows, experts)

@@ -266,10 +266,11 @@ class _SeesOps(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("mode", [{}, {"overwrite_h": False}, {"recompute": True}],
                          ids=["default", "kept_apart", "recompute"])
-def test_kernel_route_matches_op_route(mode, seed):
-    """Plain eager tensors run the kernels without the ops; a dispatch mode (as a subclass
-    would) makes the layer run the ops. Outputs and every gradient agree bit for bit, in a
-    first and a second backward through the graph."""
+def test_plain_and_moded_calls_agree(mode, seed):
+    """A dispatch mode (as a subclass would) sees every op of the layer, forward and
+    backward; outputs and every gradient agree bit for bit with plain tensors', in a
+    first and a second backward through the graph (the second recomputes the h the first
+    overwrote)."""
     layer = make_layer(41, 8, 4, 5, 3, dtype=torch.float32, routing="skewed", bias=True, seed=seed,
                        activation="clamped_swiglu", layout="transposed_interleaved", tw_dtype=torch.float32)
     names = _grad_inputs(layer)
@@ -285,19 +286,21 @@ def test_kernel_route_matches_op_route(mode, seed):
         if seen is not None:
             # recompute's forward needs no h: the gated layer runs as expert_layer
             forward = {"expert_layer"} if mode.get("recompute") else {"expert_up", "expert_down"}
-            assert {"dispatch", *forward, "expert_up_backward"} <= seen.ops, seen.ops
+            backward = ("expert_down_backward_recompute" if mode.get("recompute") else
+                        "expert_down_backward" if mode.get("overwrite_h") is False else "expert_down_backward_")
+            assert {"dispatch", *forward, backward, "expert_up_backward"} <= seen.ops, seen.ops
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
 
-def test_kernel_route_shows_op_names_in_profiles(seed):
-    """The kernel route names its steps after the ops in a profiler trace."""
+def test_profiles_show_the_ops(seed):
+    """A profiler trace of the layer names its steps after the ops."""
     layer = make_layer(9, 8, 4, 3, 2, dtype=torch.float32, seed=seed, requires_grad=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         moe_experts(**layer).sum().backward()
     names = {e.key for e in prof.key_averages()}
     expected = {"moeblaze::dispatch", "moeblaze::expert_up", "moeblaze::expert_down",
-                "moeblaze::expert_down_backward", "moeblaze::expert_up_backward"}
+                "moeblaze::expert_down_backward_", "moeblaze::expert_up_backward"}
     assert expected <= names, expected - names
 
 
@@ -340,80 +343,68 @@ def _spy_on_torch_backend(monkeypatch, **labels):
     return seen
 
 
-def _step_under(layer, grad_out, seen, **changes):
-    """One forward + backward of ``layer`` under the settings ``changes``: ``((output,
-    *gradients), the labels added to seen meanwhile)``."""
-    from moeblaze_ops import settings
-
+def _step(layer, grad_out, seen):
+    """One forward + backward of ``layer``: ``((output, *gradients), the labels added to
+    seen meanwhile)``."""
     names = _grad_inputs(layer)
     inputs = {k: (v.clone().requires_grad_(True) if k in names else v) for k, v in layer.items()}
     seen.clear()
-    with settings.override(**changes):
-        out = moe_experts(**inputs)
-        grads = torch.autograd.grad(out, [inputs[k] for k in names], grad_out)
+    out = moe_experts(**inputs)
+    grads = torch.autograd.grad(out, [inputs[k] for k in names], grad_out)
     return (out, *grads), list(seen)
+
+
+def _beside_rule(monkeypatch, max_columns, min_rows):
+    """Moves the edges of ``config.activation_beside_h`` to put a small layer on either side."""
+    from moeblaze_ops.kernels import config
+
+    monkeypatch.setattr(config, "ACTIVATION_BESIDE_H_MAX_COLUMNS", max_columns)
+    monkeypatch.setattr(config, "ACTIVATION_BESIDE_H_MIN_ROWS", min_rows)
 
 
 @pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
                                                ("silu", "concatenated")])
-def test_up_epilogue_activation_route(activation, layout, seed, monkeypatch):
-    """``settings.up_epilogue_activation``: with nothing to differentiate, a gated layer
-    gets act(h) from the up projection (no h) and hands it to the down projection, which
-    then activates nothing itself; output bit for bit as without it. The op route (a
-    dispatch mode) calls ``expert_layer``, which does the same. With gradients and for
-    non-gated layers, h and the down projection's activation as before."""
-    from moeblaze_ops import settings
-
-    seen = _spy_on_torch_backend(monkeypatch, expert_up="up", expert_up_with_activation="up",
+def test_layer_without_gradients_makes_no_h(activation, layout, seed, monkeypatch):
+    """With nothing to differentiate, a gated layer runs as ``expert_layer``: act(h) from
+    the up projection (no h), handed to the down projection, which activates nothing
+    itself; the output is the one the training route gives. Non-gated layers, and every
+    layer with gradients, make h and activate it in the down projection."""
+    seen = _spy_on_torch_backend(monkeypatch, expert_up="up", expert_up_with_activation="up_beside",
                                  expert_up_activated="up_activated", expert_down="down",
                                  expert_down_activated="down_activated")
     layer = make_layer(41, 8, 4, 5, 3, dtype=torch.float32, routing="skewed", bias=True, seed=seed,
                        activation=activation, layout=layout)
     g = torch.randn(41, 8, generator=torch.Generator().manual_seed(seed + 1))
-    runs = []
-    for fused in (False, True):  # gradients: h either way (and, act(h) beside it off, the pass)
-        run, called = _step_under(layer, g, seen, up_epilogue_activation=fused, activation_beside_h_max_columns=None)
-        runs.append(run)
-        assert called == ["up", "down"]
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
-    with torch.no_grad():  # nothing to differentiate: no h
-        outs = []
-        for fused in (False, True):
-            seen.clear()
-            with settings.override(up_epilogue_activation=fused):
-                outs.append(moe_experts(**layer))
-            takes = fused and is_gated(activation)
-            assert seen == (["up_activated", "down_activated"] if takes else ["up", "down"])
-        assert torch.equal(*outs)
-        with settings.override(up_epilogue_activation=True), _SeesOps() as mode:  # the op route
-            seen.clear()
-            assert torch.equal(moe_experts(**layer), outs[1])
-        assert mode.ops == ({"dispatch", "expert_layer"} if is_gated(activation)
-                            else {"dispatch", "expert_up", "expert_down"})
-        assert seen == (["up_activated", "down_activated"] if is_gated(activation) else ["up", "down"])
+    (trained, *_), called = _step(layer, g, seen)
+    assert called == ["up", "down"]
+    with torch.no_grad(), _SeesOps() as mode:
+        seen.clear()
+        out = moe_experts(**layer)
+    gated = is_gated(activation)
+    assert mode.ops == ({"dispatch", "expert_layer"} if gated else {"dispatch", "expert_up", "expert_down"})
+    assert seen == (["up_activated", "down_activated"] if gated else ["up", "down"])
+    assert rel_err(out, trained.detach()) <= 1e-6
 
 
 @pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
                                                ("gelu", "concatenated")])
 def test_activation_beside_h_route(activation, layout, seed, monkeypatch):
-    """``settings.activation_beside_h_max_columns`` at or above the layer's I and
-    ``activation_beside_h_min_rows`` at or below its routed rows per expert: with
-    gradients, a gated layer's up projection hands act(h) beside h to the down
-    projection, which then runs no activation of its own (``expert_down_activated``);
-    outputs and gradients as without it (float32, where act(h) rounds to nothing).
-    Past either edge, None, and in non-gated layers: h alone and the down projection's
-    activation."""
-    seen = _spy_on_torch_backend(monkeypatch, expert_up_with_activation="up", expert_down="down",
+    """``config.activation_beside_h``'s column bound at or above the layer's I and its row
+    bound at or below its routed rows per expert: with gradients, a gated layer's up
+    projection hands act(h) beside h to the down projection, which then runs no
+    activation of its own (``expert_down_activated``); outputs and gradients as without
+    it (float32, where act(h) rounds to nothing). Past either edge, and in non-gated
+    layers: h alone and the down projection's activation."""
+    seen = _spy_on_torch_backend(monkeypatch, expert_up_with_activation="up", expert_up="up", expert_down="down",
                                  expert_down_activated="down_activated")
     layer = make_layer(41, 8, 4, 5, 3, dtype=torch.float32, routing="skewed", bias=True, seed=seed,
                        activation=activation, layout=layout)
     g = torch.randn(41, 8, generator=torch.Generator().manual_seed(seed + 1))
     runs = []
     # I is 4; 123 routed rows over 5 experts: 24.6 a expert
-    for limit, min_rows in ((None, 0), (3, 0), (4, 0), (4, 24), (4, 25)):
-        run, called = _step_under(layer, g, seen, activation_beside_h_max_columns=limit,
-                                  activation_beside_h_min_rows=min_rows)
+    for limit, min_rows in ((-1, 0), (3, 0), (4, 0), (4, 24), (4, 25)):
+        _beside_rule(monkeypatch, limit, min_rows)
+        run, called = _step(layer, g, seen)
         runs.append(run)
         beside = limit == 4 and min_rows <= 24 and is_gated(activation)
         assert called == (["up", "down_activated"] if beside else ["up", "down"])
@@ -422,13 +413,13 @@ def test_activation_beside_h_route(activation, layout, seed, monkeypatch):
             assert rel_err(b, a) <= 1e-6
 
 
-def test_activation_beside_h_backward_makes_no_gradient_for_it(seed):
+def test_activation_beside_h_backward_makes_no_gradient_for_it(seed, monkeypatch):
     """act(h) beside h is not differentiable, and backward makes no gradient for it: no
     [L*K, I] buffer of zeros (autograd's materialized gradient of an unused output, as big
     as act(h) itself and alive in the up projection's backward, at its peak)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from moeblaze_ops import moe_experts, settings
+    from moeblaze_ops import moe_experts
 
     L, I, K = 41, 4, 3
     layer = make_layer(L, 8, I, 5, K, dtype=torch.float32, seed=seed, requires_grad=True)
@@ -443,22 +434,20 @@ def test_activation_beside_h_backward_makes_no_gradient_for_it(seed):
                 self.shapes.append(tuple(out.shape))
             return out
 
-    with settings.override(activation_beside_h_max_columns=I, activation_beside_h_min_rows=0):
-        out = moe_experts(**layer)
-        with Zeros():
-            out.backward(torch.randn_like(out))
+    _beside_rule(monkeypatch, I, 0)
+    out = moe_experts(**layer)
+    with Zeros():
+        out.backward(torch.randn_like(out))
     assert (L * K, I) not in Zeros.shapes
     assert layer["x"].grad is not None and layer["w_gate_up"].grad is not None
 
 
 @pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved")])
-def test_activation_beside_h_parity_with_reference(activation, layout, seed):
+def test_activation_beside_h_parity_with_reference(activation, layout, seed, monkeypatch):
     """The same route in bfloat16, where the down projection reads act(h) rounded to 16
     bits rather than computed from h in float32: output and every gradient still within
     the reference's tolerance."""
-    from moeblaze_ops import settings
-
     layer = make_layer(64, 32, 24, 8, 2, dtype=torch.bfloat16, activation=activation, layout=layout,
                        bias=LAYOUTS[layout][0], seed=seed, requires_grad=True)
-    with settings.override(activation_beside_h_max_columns=24, activation_beside_h_min_rows=0):
-        _parity(layer, seed, TOL[torch.bfloat16], limit=7.0)
+    _beside_rule(monkeypatch, 24, 0)
+    _parity(layer, seed, TOL[torch.bfloat16], limit=7.0)

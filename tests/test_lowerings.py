@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moeblaze_ops import moe_experts, settings
-from moeblaze_ops.ops.graph_calls import FORWARD_TWINS
+from moeblaze_ops.kernels import config
 from moeblaze_ops.testing import make_layer, rel_err
 
 LAYER_ARGS = ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")
@@ -157,37 +157,27 @@ def test_op_called_only_where_its_gluon_kernel_takes_the_shape(kind, out_cols, r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lean", [True, False], ids=["lean_graph_calls", "public_ops"])
-@pytest.mark.parametrize("up_epilogue_activation", [True, False])
-def test_cpu_falls_back_to_the_ops(up_epilogue_activation, lean, seed):
-    """On CPU the lowering calls the ops' own kernels: the compiled graph (nothing to
-    differentiate) calls ``expert_layer`` (which makes h after all with
-    ``settings.up_epilogue_activation`` off), through its unchecked internal twin under
-    ``settings.lean_graph_calls`` (the index arrays come from the graph's dispatch), and
-    matches eager."""
+def test_cpu_falls_back_to_the_ops(seed):
+    """On CPU the lowering calls the ops themselves: the compiled graph (nothing to
+    differentiate) calls ``dispatch`` and ``expert_layer``, and matches eager."""
     from torch._inductor.utils import run_and_get_code
 
     layer = make_layer(24, 16, 8, 4, 2, seed=seed)
     residual = torch.randn_like(layer["x"])
     args = [layer[k] for k in LAYER_ARGS] + [residual]
     torch._dynamo.reset()
-    with settings.override(up_epilogue_activation=up_epilogue_activation, lean_graph_calls=lean):
-        out, (code,) = run_and_get_code(torch.compile(residual_moe, fullgraph=True), *args)
-    called = {"_layer_kernels", "dispatch"} if lean else {"expert_layer", "dispatch"}
-    for op in ("expert_layer", "_layer_kernels", "dispatch", "expert_up", "expert_down",
-               "_up_kernels", "_down_kernels"):
+    out, (code,) = run_and_get_code(torch.compile(residual_moe, fullgraph=True), *args)
+    called = {"expert_layer", "dispatch"}
+    for op in ("expert_layer", "dispatch", "expert_up", "expert_down"):
         assert (f"torch.ops.moeblaze.{op}.default(" in code) == (op in called), op
-    with settings.override(up_epilogue_activation=up_epilogue_activation):
-        assert rel_err(out, residual_moe(*args)) < 1e-6
+    assert rel_err(out, residual_moe(*args)) < 1e-6
 
 
 @pytest.mark.slow
-def test_forward_twins_only_for_the_graphs_own_index_arrays(seed):
-    """Index arrays that a compiled graph takes as inputs (not made by its own dispatch)
-    reach the public, checking ops even under ``settings.lean_graph_calls``; made by its
-    dispatch, they reach the internal twins. Both match eager."""
-    from torch._inductor.utils import run_and_get_code
-
+def test_compiled_graphs_check_index_arrays_they_are_given(seed):
+    """Index arrays a compiled graph takes as inputs (not made by a dispatch of its own)
+    have their values checked by the ops, as in eager: offsets that run past the rows
+    raise. Valid ones match eager."""
     layer = make_layer(24, 16, 8, 4, 2, seed=seed)
     ops = torch.ops.moeblaze
     eti, offsets, tim = ops.dispatch(layer["topk_ids"], 4)
@@ -196,17 +186,14 @@ def test_forward_twins_only_for_the_graphs_own_index_arrays(seed):
         h = ops.expert_up(x, w_gate_up, eti, offsets, tim)
         return ops.expert_down(h, w_down, eti, offsets, tim, topk_weights)
 
-    def own_arrays(x, w_gate_up, w_down, topk_weights, topk_ids):
-        return given_arrays(x, w_gate_up, w_down, topk_weights, *ops.dispatch(topk_ids, 4))
-
     tensors = [layer[k] for k in ("x", "w_gate_up", "w_down", "topk_weights")]
-    for fn, extra, twins in ((given_arrays, [eti, offsets, tim], False), (own_arrays, [layer["topk_ids"]], True)):
-        torch._dynamo.reset()
-        out, (code,) = run_and_get_code(torch.compile(fn, fullgraph=True), *tensors, *extra)
-        for public, twin in (("expert_up", "_up_kernels"), ("expert_down", "_down_kernels")):
-            assert (f"torch.ops.moeblaze.{twin}.default(" in code) == twins, twin
-            assert (f"torch.ops.moeblaze.{public}.default(" in code) == (not twins), public
-        assert rel_err(out, given_arrays(*tensors, eti, offsets, tim)) < 1e-6
+    torch._dynamo.reset()
+    compiled = torch.compile(given_arrays, fullgraph=True)
+    assert rel_err(compiled(*tensors, eti, offsets, tim), given_arrays(*tensors, eti, offsets, tim)) < 1e-6
+    bad = offsets.clone()
+    bad[2] = eti.shape[0] + 5
+    with pytest.raises(ValueError, match="expert_offsets"):
+        compiled(*tensors, eti, bad, tim)
 
 
 def _loss(x, topk_ids, topk_weights, w_gate_up, w_down):
@@ -222,44 +209,35 @@ def _grads(fn, layer, **backward_kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lean", [False, True], ids=["public_ops", "lean_graph_calls"])
-def test_compiled_backward_writes_dh_over_h(lean, seed):
+def test_compiled_backward_writes_dh_over_h(seed):
     """The compiled backward runs the in-place form of expert_down_backward on the h that
     AOTAutograd donated to it (h and dH never both exist, as in eager), with eager's
     gradients; a second backward through that graph is refused rather than reading the
-    overwritten h. Under ``settings.lean_graph_calls`` the graph calls the internal ops
-    (``ops.graph_calls``) instead of the public ones (dispatch has none), with the same
-    gradients."""
+    overwritten h."""
     from torch._inductor.utils import run_and_get_code
 
     layer = make_layer(24, 16, 8, 4, 2, seed=seed)
     torch._dynamo.reset()
-    with settings.override(lean_graph_calls=lean):
-        compiled = torch.compile(_loss, fullgraph=True)
-        (_, grads), codes = run_and_get_code(lambda: _grads(compiled, layer))
-        down, up = (("_down_backward_kernels_", "_up_backward_kernels") if lean else
-                    ("expert_down_backward_", "expert_up_backward"))
-        assert any(f"torch.ops.moeblaze.{down}.default(" in code for code in codes)
-        assert any(f"torch.ops.moeblaze.{up}.default(" in code for code in codes)
-        assert any("torch.ops.moeblaze.dispatch.default(" in code for code in codes)
-        if lean:  # no call of the public backward ops left
-            assert not any(f"torch.ops.moeblaze.{op}.default(" in code for code in codes
-                           for op in ("expert_down_backward_", "expert_down_backward", "expert_up_backward"))
-        for g, ref in zip(grads, _grads(_loss, layer)[1]):
-            assert rel_err(g, ref) < 1e-6
-        with pytest.raises(RuntimeError, match="retain_graph"):
-            _grads(compiled, layer, retain_graph=True)
+    compiled = torch.compile(_loss, fullgraph=True)
+    (_, grads), codes = run_and_get_code(lambda: _grads(compiled, layer))
+    for op in ("expert_down_backward_", "expert_up_backward", "dispatch"):
+        assert any(f"torch.ops.moeblaze.{op}.default(" in code for code in codes), op
+    assert not any("torch.ops.moeblaze.expert_down_backward.default(" in code for code in codes)
+    for g, ref in zip(grads, _grads(_loss, layer)[1]):
+        assert rel_err(g, ref) < 1e-6
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        _grads(compiled, layer, retain_graph=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["beside_h", "setting_off", "below_min_rows", "up_bias", "interleaved"])
-def test_compiled_training_plans_activation_beside_h(case, seed):
-    """Where the up projection runs as the op and ``settings.activation_beside_h`` holds for
+@pytest.mark.parametrize("case", ["beside_h", "too_wide", "below_min_rows", "up_bias", "interleaved"])
+def test_compiled_training_plans_activation_beside_h(case, seed, monkeypatch):
+    """Where the up projection runs as the op and ``config.activation_beside_h`` holds for
     the size hints (a gated activation over concatenated halves, no up bias), the compiled
-    forward calls ``_up_with_activation_kernels`` (h and act(h)) and
-    ``_down_activated_kernels`` (no activation pass), as eager training does; elsewhere
-    ``_up_kernels`` and ``_down_kernels``. The backward still writes dH over h, and every
-    gradient matches eager's."""
+    forward calls ``_expert_up_beside`` (h and act(h)) and ``_expert_down_activated`` (no
+    activation pass), as eager training does; elsewhere ``expert_up`` and
+    ``expert_down``. The backward still writes dH over h, and every gradient matches
+    eager's."""
     from torch._inductor.utils import run_and_get_code
 
     layer = make_layer(24, 16, 8, 4, 2, seed=seed, bias=case == "up_bias",
@@ -276,15 +254,15 @@ def test_compiled_training_plans_activation_beside_h(case, seed):
         fn(inputs).backward()
         return [inputs[k].grad for k in trainable]
 
-    rule = {"beside_h": dict(activation_beside_h_min_rows=0), "setting_off": dict(activation_beside_h_max_columns=None),
-            "below_min_rows": dict(activation_beside_h_min_rows=13)}.get(case, dict(activation_beside_h_min_rows=0))
+    # 48 routed rows over 4 experts: 12 a expert; I = 8
+    monkeypatch.setattr(config, "ACTIVATION_BESIDE_H_MIN_ROWS", 13 if case == "below_min_rows" else 0)
+    monkeypatch.setattr(config, "ACTIVATION_BESIDE_H_MAX_COLUMNS", 4 if case == "too_wide" else 8)
     torch._dynamo.reset()
-    with settings.override(**rule):  # 48 routed rows over 4 experts: 12 a expert
-        got, codes = run_and_get_code(lambda: grads(torch.compile(loss, fullgraph=True)))
+    got, codes = run_and_get_code(lambda: grads(torch.compile(loss, fullgraph=True)))
     code = "\n".join(codes)
     beside = case == "beside_h"
-    for op, called in (("_up_with_activation_kernels", beside), ("_down_activated_kernels", beside),
-                       ("_up_kernels", not beside), ("_down_kernels", not beside), ("_down_backward_kernels_", True)):
+    for op, called in (("_expert_up_beside", beside), ("_expert_down_activated", beside),
+                       ("expert_up", not beside), ("expert_down", not beside), ("expert_down_backward_", True)):
         assert (f"torch.ops.moeblaze.{op}.default(" in code) == called, op
     for name, g, ref in zip(trainable, got, grads(loss)):
         assert rel_err(g, ref) < 1e-6, name
