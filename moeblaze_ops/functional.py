@@ -5,11 +5,13 @@ and modes): ``dispatch``, then
 
 - ``expert_layer`` where no h is needed after the forward (nothing to differentiate, or
   ``recompute=True``, whose backward recomputes h);
-- else ``expert_up`` and the down projection (``ops.formulas.DownProjection``, which
-  calls ``expert_down``), h kept for backward. In eager autograd, where
-  ``kernels.config.activation_beside_h`` says so, the up GEMM writes act(h) beside h
-  (``_expert_up_beside``) and the down GEMM reads it; compiled graphs make the same
-  choice in their lowering (``lowerings/expert_ops.py``).
+- else ``expert_up`` and ``expert_down``, h kept for backward. Traced, the graph records
+  the two ops with their registered formulas; in eager autograd the down projection is
+  ``ops.formulas.DownProjection``, which calls the same op and runs the same formula,
+  writing dH over the layer's own h. In eager, where ``kernels.config.activation_beside_h``
+  says so, the up GEMM writes act(h) beside h (``_expert_up_beside``) and the down GEMM
+  reads it; compiled graphs make the same choice in their lowering
+  (``lowerings/expert_ops.py``).
 
 Every step is a ``torch.ops.moeblaze`` op, seen by modes, subclasses and Dynamo alike,
 and every gradient comes from the formulas in ``ops/formulas.py``.
@@ -130,10 +132,15 @@ def moe_experts(
                                          interleaved, alpha, limit)
         else:
             h = ops.expert_up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed, False)
-        # Eager autograd may write dH over h, the layer's own; a compiled backward decides
-        # for itself (its lowering writes over h where AOTAutograd donated it).
-        up = (x2, w_gate_up, b_gate_up) if overwrite_h and not traced else None
-        out = DownProjection.apply(h, a, w_down, b_down, tw, eti, offsets, tim, args, up)
+        if traced:
+            # The op and its registered formula (the same ``down_backward``): a traced graph
+            # records expert_down itself, and the lowering writes dH over h where
+            # AOTAutograd donated h to the backward.
+            out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args, False)
+        else:
+            # Eager autograd may write dH over h, the layer's own.
+            up = (x2, w_gate_up, b_gate_up) if overwrite_h else None
+            out = DownProjection.apply(h, a, w_down, b_down, tw, eti, offsets, tim, args, up)
     return out.reshape(*lead, d)
 
 

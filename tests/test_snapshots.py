@@ -32,13 +32,13 @@ class TestSnapshots(expecttest.TestCase):
         schemas = "\n".join(str(getattr(torch.ops.moeblaze, op).default._schema) for op in OPS)
         self.assertExpectedInline(schemas, """\
 moeblaze::dispatch(Tensor topk_ids, SymInt num_experts) -> (Tensor, Tensor, Tensor)
-moeblaze::expert_up(Tensor x, Tensor w_gate_up, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor? b_gate_up=None, bool transposed=False) -> Tensor
-moeblaze::expert_down(Tensor h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_down=None, str activation="swiglu", bool transposed=False, bool interleaved=False, float alpha=1.702, float limit=7.) -> Tensor
+moeblaze::expert_up(Tensor x, Tensor w_gate_up, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor? b_gate_up=None, bool transposed=False, bool check_indices=True) -> Tensor
+moeblaze::expert_down(Tensor h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_down=None, str activation="swiglu", bool transposed=False, bool interleaved=False, float alpha=1.702, float limit=7., bool check_indices=True) -> Tensor
 moeblaze::expert_up_backward(Tensor grad_h, Tensor x, Tensor w_gate_up, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, bool has_bias, bool transposed, bool need_input_grad=True, bool need_weight_grad=True) -> (Tensor, Tensor, Tensor)
 moeblaze::expert_down_backward(Tensor grad_out, Tensor h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_down, str activation, bool transposed, bool interleaved, float alpha, float limit, bool need_weight_grad=True) -> (Tensor, Tensor, Tensor, Tensor)
-moeblaze::expert_down_backward_(Tensor grad_out, Tensor(a1!) h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_down, str activation, bool transposed, bool interleaved, float alpha, float limit, bool need_weight_grad=True) -> (Tensor, Tensor, Tensor)
+moeblaze::expert_down_backward_(Tensor grad_out, Tensor(a!) h, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_down, str activation, bool transposed, bool interleaved, float alpha, float limit, bool need_weight_grad=True) -> (Tensor, Tensor, Tensor)
 moeblaze::expert_down_backward_recompute(Tensor grad_out, Tensor x, Tensor w_gate_up, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_gate_up, Tensor? b_down, str activation, bool transposed, bool interleaved, float alpha, float limit, bool need_weight_grad=True) -> (Tensor, Tensor, Tensor, Tensor)
-moeblaze::expert_layer(Tensor x, Tensor w_gate_up, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_gate_up=None, Tensor? b_down=None, str activation="swiglu", bool transposed=False, bool interleaved=False, float alpha=1.702, float limit=7.) -> Tensor""")
+moeblaze::expert_layer(Tensor x, Tensor w_gate_up, Tensor w_down, Tensor expert_token_indices, Tensor expert_offsets, Tensor token_index_map, Tensor topk_weights, Tensor? b_gate_up=None, Tensor? b_down=None, str activation="swiglu", bool transposed=False, bool interleaved=False, float alpha=1.702, float limit=7., bool check_indices=True) -> Tensor""")
 
     def _compiled_calls(self, recompute, grad=True):
         captured = {}
@@ -72,7 +72,7 @@ backward: moeblaze.expert_down_backward.default, moeblaze.expert_up_backward.def
 
     def test_compiled_graphs_recompute(self):
         self.assertExpectedInline(self._compiled_calls(True), """\
-dynamo: moeblaze.dispatch
+dynamo: moeblaze.dispatch, moeblaze.expert_layer
 forward: moeblaze.dispatch.default, moeblaze.expert_layer.default
 backward: moeblaze.expert_down_backward_recompute.default, moeblaze.expert_up_backward.default""")
 
