@@ -9,7 +9,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeblaze_ops import settings as moeblaze_settings
 from moeblaze_ops.testing import make_topk_ids
 
 
@@ -168,22 +167,25 @@ def test_column_scan(num_chunks, width, max_tile, seed):
 @pytest.mark.parametrize("checked", [False, True], ids=["unchecked", "checked"])
 @pytest.mark.parametrize(
     "L,K,E,family",
-    [(40, 8, 256, dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=16, dispatch_one_program_max_rows=None)),
-     (400, 3, 6, dict(dispatch_sorted_min_bins=None, dispatch_one_program_max_rows=None))],
+    [(40, 8, 256, dict(DISPATCH_SORTED_MIN_BINS=1, DISPATCH_SORT_CHUNK=16, DISPATCH_ONE_PROGRAM_MAX_ROWS=-1)),
+     (400, 3, 6, dict(DISPATCH_SORTED_MIN_BINS=2**31, DISPATCH_ONE_PROGRAM_MAX_ROWS=-1))],
     ids=["sorted16", "onehot"],
 )
-def test_triton_dispatch_scan_in_steps(L, K, E, family, checked, scan_tile, seed):
+def test_triton_dispatch_scan_in_steps(L, K, E, family, checked, scan_tile, seed, monkeypatch):
     """The Triton dispatch with its column scan in several programs of several steps, the
     last block of rows and of columns part-filled, against the portable dispatch bit for
     bit: a small scan tile (8 rows of 4 columns; or 16 elements, 2 rows of 8 columns, so
     that the table is scanned in blocks) does to tables of 20 and 19 chunks (16-row sorted
     chunks of 256 experts: 257 or 259 columns; 64-row one-hot chunks of 6 experts: 9 or
-    11) what the real one does to thousands. Checked, the id flags say the ids are valid."""
-    from moeblaze_ops.kernels import torch_dispatch, triton_dispatch
+    11) what the real one does to thousands. ``family``: the constants of
+    ``config.dispatch_family`` that send these small routings to each kernel family.
+    Checked, the id flags say the ids are valid."""
+    from moeblaze_ops.kernels import config, torch_dispatch, triton_dispatch
 
+    for name, value in family.items():
+        monkeypatch.setattr(config, name, value)
     ids = make_topk_ids(L, K, E, "skewed", sentinel_frac=0.1, generator=torch.Generator().manual_seed(seed))
-    with moeblaze_settings.override(**family):
-        *got, ok = triton_dispatch._dispatch(ids.to(triton_device()), E, check_ids=checked, scan_tile=scan_tile)
+    *got, ok = triton_dispatch._dispatch(ids.to(triton_device()), E, check_ids=checked, scan_tile=scan_tile)
     for g, w in zip(got, torch_dispatch.dispatch(ids, E)):
         assert torch.equal(g.cpu(), w)
     assert (ok is None) != checked and (not checked or ok.cpu().tolist() == [1, 1])

@@ -10,13 +10,11 @@ from conftest import rel_err
 from moeblaze_ops.layouts import expert_matrix, out_feature_slice
 
 
-#: ``launch_row_gemm``'s kernel variants: the warp-specialised kernel and the other, tiles
-#: stored from registers or by TMA.
+#: ``launch_row_gemm``'s kernels: the warp-specialised one (``config.row_gemm_warp_specialized``
+#: picks it from many rows per expert) and the pipelined one.
 KERNELS = {
-    "ws": dict(warp_specialize=True, tma_store=False),
-    "ws_tma_store": dict(warp_specialize=True, tma_store=True),
-    "pipelined": dict(warp_specialize=False, tma_store=False),
-    "pipelined_tma_store": dict(warp_specialize=False, tma_store=True),
+    "ws": dict(warp_specialize=True),
+    "pipelined": dict(warp_specialize=False),
 }
 
 
@@ -142,7 +140,7 @@ def test_gluon_row_gemm_gated_epilogue_matches_float64(counts, sentinels, K, I, 
     alpha, limit = clamped_swiglu_defaults()
     assert gluon_row_gemm.applies_gated_epilogue(x, w, None, a, False, int(activation_code(activation)), False, h=h)
 
-    epilogue = gluon_row_gemm.GatedEpilogue(int(activation_code(activation)), alpha, limit, fast=True)
+    epilogue = gluon_row_gemm.GatedEpilogue(int(activation_code(activation)), alpha, limit)
     gluon_row_gemm.launch_row_gemm(x, ids, w, None, offsets, a, False, epilogue=epilogue, h=h, **KERNELS[kernel])
     torch.cuda.synchronize()
 

@@ -307,100 +307,264 @@ def test_settings_override_reaches_other_threads():
     assert seen_from_another_thread() == default
 
 
-@pytest.mark.parametrize("name,bad", [("activation_beside_h_max_columns", -1),
-                                      ("activation_beside_h_max_columns", 2048.0),
-                                      ("activation_beside_h_min_rows", None), ("activation_beside_h_min_rows", -5)])
-def test_activation_beside_h_settings_refuse_bad_values(name, bad):
-    """The two bounds of ``settings.activation_beside_h`` are refused by name when they are
-    not counts (None turns the first off)."""
-    with pytest.raises(ValueError, match=name):
-        settings.KernelSettings(**{name: bad})
-    assert not settings.KernelSettings(activation_beside_h_max_columns=None).activation_beside_h(1, 10 ** 9, 1)
+# --------------------------------------------------------------------------- settings: errors a user meets
 
 
-@pytest.mark.parametrize("bad", [-1, 8193, 4096.0, "4096"])
-def test_one_program_dispatch_bound_refuses_bad_values(bad):
-    """``dispatch_one_program_max_rows`` is a row count no larger than one program can sort
-    (``settings.MAX_ONE_PROGRAM_ROWS``), or None; anything else is refused by name."""
-    with pytest.raises(ValueError, match="dispatch_one_program_max_rows"):
-        settings.KernelSettings(dispatch_one_program_max_rows=bad)
-    assert settings.KernelSettings(dispatch_one_program_max_rows=settings.MAX_ONE_PROGRAM_ROWS)
-    assert settings.KernelSettings(dispatch_one_program_max_rows=None)
+@pytest.mark.parametrize("name,bad,shown,allowed", [
+    ("column_slab", "abc", "'abc'", "None or a positive int"), ("column_slab", 0, "0", "None or a positive int"),
+    ("column_slab", 512.0, "512.0", "None or a positive int"), ("column_slab", True, "True", "None or a positive int"),
+    ("poison", 1, "1", "True or False"), ("backend", "cuda", "'cuda'", "'auto', 'triton', 'torch'"),
+    ("tiles", {"up": "big"}, "'big'", "must be a GemmTile"), ("tiles", {"upp": (64, 64, 32, 4, 3)}, "'upp'", "known:"),
+    ("tiles", [("up", (64, 64, 32, 4, 3))], "[('up'", "mapping of GEMM kind to GemmTile"),
+    ("tiles", {"up": (64, 64, 32, 4, 0)}, "(64, 64, 32, 4, 0)", "num_stages must be a positive int"),
+])
+def test_settings_refuse_bad_values_by_name(name, bad, shown, allowed):
+    """A setting of the wrong type or value is refused when the settings are made, by a
+    ValueError naming the setting, the value and what is allowed, rather than a TypeError
+    from deep inside a kernel launch (``column_slab="abc"`` used to compare a str with an
+    int in the combine)."""
+    for make in (lambda: settings.KernelSettings(**{name: bad}), lambda: settings.override(**{name: bad}).__enter__()):
+        with pytest.raises(ValueError) as error:
+            make()
+        message = str(error.value)
+        assert name in message and shown in message and allowed in message, message
 
 
-def test_split_mma_setting_takes_its_kinds_only():
-    """``wgrad_split_mma`` is a set of the GEMM kinds its kernel runs; any other kind is
-    refused by name, and a set of good ones is kept as a frozenset."""
-    assert settings.KernelSettings(wgrad_split_mma={"wgrad_up"}).wgrad_split_mma == frozenset({"wgrad_up"})
-    with pytest.raises(ValueError, match="wgrad_split_mma names the kinds"):
-        settings.KernelSettings(wgrad_split_mma={"up"})
+def test_settings_take_tiles_as_tuples():
+    """A tile given as the tuple of its fields is kept as a ``GemmTile``; the user's dict is
+    copied, so changing it later changes no settings."""
+    from moeblaze_ops.kernels.config import GemmTile
+
+    tiles = {"up": (64, 64, 32, 4, 3)}
+    made = settings.KernelSettings(tiles=tiles)
+    tiles["down"] = GemmTile(64, 64, 32, 4, 3)
+    assert made.tiles == {"up": GemmTile(64, 64, 32, 4, 3)}
+
+
+@pytest.mark.parametrize("name", sorted(settings.REMOVED))
+def test_removed_settings_are_refused_by_name(name):
+    """A setting that was removed (its alternative never won, or it became a rule of
+    ``kernels.config``) is refused by a ValueError that says it was removed, what took its
+    place and which settings there are: by ``override``, ``replace`` and the constructor."""
+    for make in (lambda: settings.override(**{name: 1}).__enter__(),
+                 lambda: settings.current().replace(**{name: 1}),
+                 lambda: settings.KernelSettings(**{name: 1})):
+        with pytest.raises(ValueError) as error:
+            make()
+        message = str(error.value)
+        assert f"'{name}' was removed" in message and settings.REMOVED[name] in message, message
+        assert "backend, poison, tiles, column_slab" in message, message
+
+
+def test_unknown_settings_are_refused_by_name():
+    """A name that was never a setting is refused with the settings there are."""
+    with pytest.raises(ValueError, match=r"no setting named 'colum_slab'; the settings are: backend, poison"):
+        settings.KernelSettings(colum_slab=256)
+    with pytest.raises(ValueError, match="no setting named 'colum_slab'"):
+        settings.override(colum_slab=256).__enter__()
+
+
+def test_settings_have_few_fields():
+    """The settings are the user's choices only (every other choice is a rule of
+    ``kernels.config``), each documented in ``KernelSettings``' docstring."""
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(settings.KernelSettings)]
+    assert names == ["backend", "poison", "tiles", "column_slab"]
+    assert all(f"{name}:" in settings.KernelSettings.__doc__ for name in names)
+
+
+def _python(script, **env):
+    """Runs ``script`` in a fresh interpreter with the environment changed by ``env`` (a
+    None value removes the variable); returns the finished process."""
+    import subprocess
+    import sys
+    import textwrap
+
+    environ = dict(os.environ)
+    for key, value in env.items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=environ, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_backend_environment_variable_is_checked_on_first_use():
+    """``MOEBLAZE_BACKEND`` is read when the settings are first needed, not at import, and a
+    value that is no backend fails there with a ValueError naming it and the allowed ones;
+    "triton" and "torch" are taken as they are."""
+    run = _python("""
+        import moeblaze_ops  # no settings read yet
+        from moeblaze_ops import settings
+        try:
+            settings.current()
+        except ValueError as error:
+            print("refused:", error)
+    """, MOEBLAZE_BACKEND="bogus")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "refused:" in run.stdout and "'bogus'" in run.stdout, run.stdout
+    assert all(f"'{name}'" in run.stdout for name in ("auto", "triton", "torch")), run.stdout
+    for name in ("torch", "triton"):
+        run = _python("from moeblaze_ops import settings; print(settings.current().backend)", MOEBLAZE_BACKEND=name)
+        assert run.returncode == 0 and run.stdout.split() == [name], run.stderr[-2000:]
+
+
+def test_triton_backend_on_cpu_tensors_outside_the_interpreter():
+    """``backend="triton"`` with CPU tensors and no ``TRITON_INTERPRET=1``: a clear error
+    naming the two ways on (the interpreter, or the "torch" / "auto" backends), not
+    Triton's own "0 active drivers" from inside a launch."""
+    pytest.importorskip("triton")
+    run = _python("""
+        import torch, moeblaze_ops
+        from moeblaze_ops import settings
+        from moeblaze_ops.kernels import TritonDeviceError
+        with settings.override(backend="triton"):
+            try:
+                moeblaze_ops.dispatch(torch.tensor([[0, 1], [1, 2]]), 3)
+            except TritonDeviceError as error:
+                print("refused:", error)
+    """, TRITON_INTERPRET=None, MOEBLAZE_BACKEND=None)
+    assert run.returncode == 0, run.stderr[-2000:]
+    message = run.stdout
+    for needle in ("refused:", "TRITON_INTERPRET=1", 'backend="torch"', '"auto"', "cpu"):
+        assert needle in message, (needle, message)
+
+
+# --------------------------------------------------------------------------- the kernel configuration's rules
+
+
+def test_rule_small_gemms():
+    """GEMMs of fewer than ``SMALL_GEMM_FLOP`` operations are small: they run the ``tl``
+    kernel (every kind with a Gluon kernel runs it from that count on) and read their
+    weights by pointer (up, dH, dX read them by TMA from that count on, down never)."""
+    from moeblaze_ops.kernels import config
+
+    limit = config.SMALL_GEMM_FLOP
+    assert limit == 10**11
+    assert config.is_small_gemm(limit - 1) and not config.is_small_gemm(limit)
+    for kind in config.GEMM_KINDS:
+        assert not config.runs_gluon(kind, limit - 1)
+        assert config.runs_gluon(kind, limit) == (kind in config.GLUON_KINDS)
+        assert not config.reads_weight_by_tma(kind, limit - 1)
+        assert config.reads_weight_by_tma(kind, limit) == (kind in ("up", "dh", "dx"))
+    assert "dh_wide" not in config.GLUON_KINDS
+
+
+def test_rule_warp_specialization_and_mma_partitions():
+    """The Gluon row GEMMs are warp-specialised from 1024 routed rows per expert on average;
+    the weight gradient splits its MMA warpgroups for "wgrad_up" only."""
+    from moeblaze_ops.kernels import config
+
+    assert config.row_gemm_warp_specialized(1024 * 8, 8) and not config.row_gemm_warp_specialized(1024 * 8 - 1, 8)
+    assert config.wgrad_split_mma("wgrad_up") and not config.wgrad_split_mma("wgrad_down")
+    assert config.ROW_BAND == 4
+
+
+def test_rule_activation_beside_h():
+    """act(h) is written beside h in layers of at most 8192 intermediate columns and at
+    least 2048 routed rows per expert; the rule's signature is what the lowerings call."""
+    import inspect
+
+    from moeblaze_ops.kernels import config
+
+    assert list(inspect.signature(config.activation_beside_h).parameters) == ["columns", "rows", "experts"]
+    assert config.activation_beside_h(8192, 2048 * 16, 16)
+    assert not config.activation_beside_h(8193, 2048 * 16, 16)
+    assert not config.activation_beside_h(8192, 2048 * 16 - 1, 16)
+
+
+def test_rule_dh_epilogue_and_wide_tile():
+    """The ``tl`` dH epilogue goes in slices of 64 columns (1, 2 or 4 a tile), and the
+    "dh_wide" tile runs from 12288 intermediate columns."""
+    from moeblaze_ops.kernels import config
+
+    assert [config.dh_epilogue_slices(n) for n in (16, 64, 128, 256, 512)] == [1, 1, 2, 4, 4]
+    assert config.dh_tile_kind(12287) == "dh" and config.dh_tile_kind(12288) == "dh_wide"
+
+
+@pytest.mark.parametrize("rows,bins,family", [
+    (0, 1, "one_program"), (4096, 256, "one_program"), (4097, 8, "one_hot"), (4097, 16, "sorted"),
+    (10**6, 15, "one_hot"), (10**6, 256, "sorted")])
+def test_rule_dispatch_family(rows, bins, family):
+    """Routings of up to 4096 rows go to one program; larger ones are ranked by sorted
+    chunks of 512 rows from 16 bins, by one-hot tiles below; one program never takes more
+    than it can sort (``MAX_ONE_PROGRAM_ROWS``)."""
+    from moeblaze_ops.kernels import config
+
+    assert config.dispatch_family(rows, bins) == family
+    assert config.DISPATCH_SORT_CHUNK == 512
+    assert config.DISPATCH_ONE_PROGRAM_MAX_ROWS <= config.MAX_ONE_PROGRAM_ROWS == 8192
 
 
 def test_tiles_are_pruned_by_shared_memory(monkeypatch):
     """The tile table's prune: a device with 64 KB of shared memory per block gets the first
     16-bit tile that fits, and autotuning's candidates are exactly the fitting tiles, once
     each (device traits stubbed: no GPU needed)."""
+    from moeblaze_ops.kernels import config
+
     limit = 64 * 1024
-    monkeypatch.setattr(settings, "_device_traits", lambda index: ("any", limit))
+    monkeypatch.setattr(config, "_device_traits", lambda index: ("any", limit))
     cuda = torch.device("cuda", 0)
-    settings._table_tile.cache_clear()  # picks cached for a real device (or for this stub, after)
+    config._table_tile.cache_clear()  # picks cached for a real device (or for this stub, after)
     try:
-        tile = settings.pick_tile("up", torch.bfloat16, cuda)
+        tile = config.pick_tile("up", torch.bfloat16, cuda)
     finally:
-        settings._table_tile.cache_clear()
-    table = settings.TILE_TABLE[("up", "16bit", "any")]
+        config._table_tile.cache_clear()
+    table = config.TILE_TABLE[("up", "16bit", "any")]
     assert tile == next(t for t in table if t.smem_bytes(2) <= limit)
-    candidates = settings.candidate_tiles(("up", "down", "dx"), torch.bfloat16, cuda)
+    candidates = config.candidate_tiles(("up", "down", "dx"), torch.bfloat16, cuda)
     assert len(candidates) == len(set(candidates)) > 0
     assert all(t.smem_bytes(2) <= limit for t in candidates)
-    every = {t for (kind, cls, _), tiles in settings.TILE_TABLE.items()
+    every = {t for (kind, cls, _), tiles in config.TILE_TABLE.items()
              if kind in ("up", "down", "dx") and cls == "16bit" for t in tiles}
     assert set(candidates) == {t for t in every if t.smem_bytes(2) <= limit}
 
 
 def test_dh_tile_by_layer_width(monkeypatch):
-    """dH takes the "dh_wide" tile from ``settings.dh_wide_min_columns`` intermediate columns
-    and the "dh" tile below (or always, with None); an override of the "dh" tile alone
-    applies at every width, one of "dh_wide" too above the threshold (an H200's traits
-    stubbed: no GPU needed)."""
+    """dH takes the "dh_wide" tile from ``config.DH_WIDE_MIN_COLUMNS`` intermediate columns
+    and the "dh" tile below; an override of the "dh" tile alone applies at every width, one
+    of "dh_wide" too above the threshold (an H200's traits stubbed: no GPU needed)."""
     from types import SimpleNamespace
 
+    from moeblaze_ops.kernels import config
     from moeblaze_ops.kernels import triton_experts_backward as tb
 
-    monkeypatch.setattr(settings, "_device_traits", lambda index: ("sm90", 227 * 1024))
+    monkeypatch.setattr(config, "_device_traits", lambda index: ("sm90", 227 * 1024))
     h = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda", 0))
-    narrow, wide = (settings.TILE_TABLE[(kind, "16bit", "sm90")][0] for kind in ("dh", "dh_wide"))
+    narrow, wide = (config.TILE_TABLE[(kind, "16bit", "sm90")][0] for kind in ("dh", "dh_wide"))
     assert narrow != wide
-    tuned, tuned_wide = settings.GemmTile(64, 64, 32, 4, 2), settings.GemmTile(64, 128, 32, 4, 2)
-    settings._table_tile.cache_clear()
+    tuned, tuned_wide = config.GemmTile(64, 64, 32, 4, 2), config.GemmTile(64, 128, 32, 4, 2)
+    config._table_tile.cache_clear()
     try:
-        wide_from = settings.current().dh_wide_min_columns
+        wide_from = config.DH_WIDE_MIN_COLUMNS
         assert (tb.dh_tile(h, wide_from - 1), tb.dh_tile(h, wide_from)) == (narrow, wide)
-        with settings.override(dh_wide_min_columns=None):
-            assert tb.dh_tile(h, 10**6) == narrow
         with settings.override(tiles={"dh": tuned}):
             assert (tb.dh_tile(h, wide_from - 1), tb.dh_tile(h, wide_from)) == (tuned, tuned)
         with settings.override(tiles={"dh": tuned, "dh_wide": tuned_wide}):
             assert (tb.dh_tile(h, wide_from - 1), tb.dh_tile(h, wide_from)) == (tuned, tuned_wide)
     finally:
-        settings._table_tile.cache_clear()
+        config._table_tile.cache_clear()
 
 
 def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
-    """Where ``settings.gluon`` names "dh" (the default) and the Gluon module applies (at
-    any width), ``launch_dh`` hands it the operands, the "dh" tile override (else None:
-    the kernel's own) and the row band, and the router partials are sized by its columns
-    per partial; where it does not apply or is not named, by the tl kernel's tile. The
-    Gluon module is a stand-in that records its launch (no GPU)."""
+    """Where the Gluon dH module is given (``config.runs_gluon``) and applies (at any
+    width), ``launch_dh`` hands it the operands and the "dh" tile override (else None: the
+    kernel's own), and the router partials are sized by its columns per partial; where it
+    does not apply or none is given, by the tl kernel's tile. The Gluon module is a
+    stand-in that records its launch (no GPU)."""
     from types import SimpleNamespace
 
+    from moeblaze_ops.kernels import config
     from moeblaze_ops.kernels import grouped_gemm as gg
     from moeblaze_ops.kernels import triton_experts_backward as tb
 
     launches = []
     fake = SimpleNamespace(PART_COLUMNS=64, applies=lambda *a: True,
                            launch_dh=lambda *args, **kwargs: launches.append((args, kwargs)))
-    monkeypatch.setattr(gg, "gluon_kernels", lambda kind, t, flop: fake if kind in settings.current().gluon else None)
+    given = {"module": None}
+    monkeypatch.setattr(gg, "gluon_kernels", lambda kind, t, flop: given["module"] if kind == "dh" else None)
     L, d, I, E, K = 6, 32, 320, 4, 2
     h = torch.randn(L * K, 2 * I)
     w_down = torch.randn(E, d, I)
@@ -412,25 +576,24 @@ def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
 
     tl_columns = tb.dh_tile(h, I).block_n
     assert tl_columns != 64
-    with settings.override(gluon=settings.current().gluon - {"dh"}):
-        assert part_columns() == tl_columns
-    with settings.override(dh_wide_min_columns=I):  # a wide layer: the Gluon kernels too
-        assert part_columns() == 64
-    tuned = settings.GemmTile(128, 128, 64, 4, 5)
-    assert "dh" in settings.current().gluon
-    with settings.override(row_band=3):
-        assert part_columns() == 64
-        gluon = tb.dh_gluon_module(grad_out, h, w_down, **operands)
-        assert gluon is fake
-        parts = torch.empty(L * K, gg.cdiv(I, 64))
-        args = (gluon, grad_out, h, w_down, None, torch.rand(L, K), None, None, None, h, None, parts, None)
-        for tiles in [{}, {"dh": tuned}]:
-            with settings.override(tiles=tiles):
-                tb.launch_dh(*args, act=0, transposed=False, interleaved=False, alpha=1.0, limit=7.0)
-        fake.applies = lambda *a: False
-        assert part_columns() == tl_columns
+    assert part_columns() == tl_columns
+    given["module"] = fake
+    assert part_columns() == 64
+    monkeypatch.setattr(config, "DH_WIDE_MIN_COLUMNS", I)  # a wide layer: the Gluon kernel too
+    assert part_columns() == 64
+    tuned = config.GemmTile(128, 128, 64, 4, 5)
+    gluon = tb.dh_gluon_module(grad_out, h, w_down, **operands)
+    assert gluon is fake
+    parts = torch.empty(L * K, gg.cdiv(I, 64))
+    args = (gluon, grad_out, h, w_down, None, torch.rand(L, K), None, None, None, h, None, parts, None)
+    for tiles in [{}, {"dh": tuned}]:
+        with settings.override(tiles=tiles):
+            tb.launch_dh(*args, act=0, transposed=False, interleaved=False, alpha=1.0, limit=7.0)
+    fake.applies = lambda *a: False
+    assert part_columns() == tl_columns
     assert [kwargs["tile"] for _, kwargs in launches] == [None, tuned]
-    assert all(kwargs["band"] == 3 and args[9] is parts for args, kwargs in launches)
+    assert all(args[9] is parts and set(kwargs) == {"act", "transposed", "alpha", "limit", "tile"}
+               for args, kwargs in launches)
 
 
 @pytest.mark.parametrize("rows,offsets_32", [(1024, True), (2**28 + 1, False)], ids=["small", "past_int32"])
@@ -447,7 +610,9 @@ def test_gathered_copies_use_32_bit_offsets_only_where_they_fit(rows, offsets_32
         monkeypatch.setattr(module, "launch", lambda kernel, grid, *args, **kwargs: launches.append(kwargs))
         monkeypatch.setattr(module, "host_descriptor", lambda t, block: object())
     # An H200's shared memory a block, which the dH launch sizes its ring of h from.
-    monkeypatch.setattr(settings, "shared_memory_per_block", lambda device: 232448)
+    from moeblaze_ops.kernels import config
+
+    monkeypatch.setattr(config, "shared_memory_per_block", lambda device: 232448)
     d, I, E, K = 128, 64, 4, 2
     meta = dict(device="meta", dtype=torch.bfloat16)
     grad_out = torch.empty(rows, d, **meta)  # A of both GEMMs, [L, d]: 2^35 elements in the large case
@@ -456,7 +621,7 @@ def test_gathered_copies_use_32_bit_offsets_only_where_they_fit(rows, offsets_32
     ids = torch.empty(LK, dtype=torch.int32, device="meta")
     parts = torch.empty(LK, I // gluon_dh.PART_COLUMNS, dtype=torch.float32, device="meta")
     gluon_dh.launch_dh(grad_out, h, w_down, ids, torch.empty(LK // K, K, device="meta"), ids, ids, h, None, parts,
-                       act=0, transposed=False, alpha=1.0, limit=7.0, fast_activation=True, band=1)
+                       act=0, transposed=False, alpha=1.0, limit=7.0)
     out = torch.empty(LK, 2 * I, **meta)
     gluon_row_gemm.launch_row_gemm(grad_out, ids, torch.empty(E, 2 * I, d, **meta), None, ids, out, False,
                                    warp_specialize=True)

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from kernel_cases import check_backward, check_dispatch_bitwise, check_forward, check_frozen_grads
 from conftest import make_layer, rel_err
 from moeblaze_ops import ACTIVATIONS, moe_experts, settings
-from moeblaze_ops.settings import MAX_ONE_PROGRAM_ROWS, GemmTile
+from moeblaze_ops.kernels import config
+from moeblaze_ops.kernels.config import GemmTile
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 @pytest.fixture(autouse=True)
 def triton_on_cpu():
-    with settings.override(backend="triton", triton_backward=True, poison=True):
+    with settings.override(backend="triton", poison=True):
         yield
 
 
@@ -40,16 +41,15 @@ def test_forward_kernels(activation, layout, seed):
                   layout=layout, bias=layout != "concatenated")
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["up_epilogue_activation", "activation_in_down"])
+@pytest.mark.parametrize("differentiated", [False, True], ids=["no_grad", "training"])
 @pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved")])
-def test_forward_activation_routes(activation, layout, fused, seed):
-    """The forward without gradients either way (``settings.up_epilogue_activation``): the
-    up projection returns act(h) (on the Triton backend the up GEMM then the activation
-    pass, where no Gluon kernel runs), or h with the down projection activating it;
+def test_forward_activation_routes(activation, layout, differentiated, seed):
+    """The forward's two routes: without gradients the up projection returns act(h) (on
+    the Triton backend the up GEMM then the activation pass, where no Gluon kernel runs);
+    for training it returns h, kept for backward, and the down projection activates it;
     against the reference."""
-    with settings.override(up_epilogue_activation=fused):
-        check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, activation=activation,
-                      layout=layout, bias=layout != "concatenated")
+    check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, activation=activation,
+                  layout=layout, bias=layout != "concatenated", differentiated=differentiated)
 
 
 @pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
@@ -58,7 +58,8 @@ def test_forward_activation_routes(activation, layout, fused, seed):
 def test_up_with_activation_always(activation, layout, sentinel_frac, seed):
     """``expert_up_with_activation(always=True)`` (what a compiled graph that planned for
     act(h) beside h calls; here, without a Gluon kernel, the GEMM then the activation pass):
-    h and act(h) against the float64 portable kernels', whatever the setting says."""
+    h and act(h) against the float64 portable kernels', where the rule
+    (``config.activation_beside_h``) would not make act(h)."""
     from moeblaze_ops.kernels import torch_experts, triton_experts
 
     layer = make_layer(40, 20, 12, 4, 2, seed=seed, activation=activation, layout=layout, bias=True,
@@ -71,8 +72,8 @@ def test_up_with_activation_always(activation, layout, sentinel_frac, seed):
                                                  layer["transposed"], activation, layer["interleaved"], 1.702, 7.0,
                                                  always=True)
 
-    with settings.override(activation_beside_h_max_columns=None):
-        h, a = up(triton_experts, torch.float32)
+    assert not config.activation_beside_h(12, 80, 4)
+    h, a = up(triton_experts, torch.float32)
     h_ref, a_ref = up(torch_experts, torch.float64)
     assert rel_err(h, h_ref) < 1e-5 and rel_err(a, a_ref) < 1e-5
 
@@ -98,17 +99,18 @@ def test_backward_kernels(activation, layout, seed):
                    layout=layout, bias=layout != "concatenated")
 
 
-@pytest.mark.parametrize("columns", [8, 4])
+@pytest.mark.parametrize("block_n,slices", [(128, 2), (256, 4)])
 @pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
                                                ("gelu", "concatenated")])
-def test_dh_epilogue_slices(activation, layout, columns, seed):
-    """The dH epilogue in column slices (``settings.dh_epilogue_columns``): 8 and 4 columns,
-    2 and 4 slices of the interpreter's 16-column tile (the other tests run it whole),
-    with I = 40 (two whole tiles and a partial one, slices past I); with 4 slices in place
-    over recomputed h."""
-    with settings.override(dh_epilogue_columns=columns, poison=True):
+def test_dh_epilogue_slices(activation, layout, block_n, slices, seed):
+    """The dH epilogue in column slices of ``config.DH_EPILOGUE_COLUMNS``: 2 and 4 slices
+    of a 128- and a 256-column "dh" tile (the interpreter's own 16-column tile takes one),
+    with I = 40 (a partial tile, slices past I); with 4 slices in place over recomputed h."""
+    tile = GemmTile(16, block_n, 16, 4, 1)
+    assert config.dh_epilogue_slices(tile.block_n) == slices
+    with settings.override(tiles={"dh": tile}):
         check_backward(30, 16, 40, 3, 2, dtype=torch.float32, device="cpu", seed=seed, activation=activation,
-                       layout=layout, bias=True, recompute=columns == 4)
+                       layout=layout, bias=True, recompute=slices == 4)
 
 
 @pytest.mark.parametrize(
@@ -141,16 +143,23 @@ def test_backward_kernels_skip_frozen(trainable, recompute, seed):
                        recompute=recompute)
 
 
-#: The dispatch kernel families of several chunks: one-hot tiles (chunks of 64 rows at
-#: these sizes), sorted chunks of 16 rows (many chunk edges) and of 128 (padding past the
-#: last row); none of these routings goes to one program.
-DISPATCH_FAMILIES = {"onehot": dict(dispatch_sorted_min_bins=None, dispatch_one_program_max_rows=None),
-                     "sorted16": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=16,
-                                      dispatch_one_program_max_rows=None),
-                     "sorted128": dict(dispatch_sorted_min_bins=1, dispatch_sort_chunk=128,
-                                       dispatch_one_program_max_rows=None)}
-#: The whole routing as one sorted chunk in one program.
-ONE_PROGRAM = {"one_program": dict(dispatch_one_program_max_rows=MAX_ONE_PROGRAM_ROWS)}
+#: The dispatch kernel families of several chunks, as the constants of
+#: ``config.dispatch_family`` that put these small routings in them: one-hot tiles (chunks
+#: of 64 rows at these sizes), sorted chunks of 16 rows (many chunk edges) and of 128
+#: (padding past the last row); none of these routings goes to one program.
+DISPATCH_FAMILIES = {"onehot": dict(DISPATCH_SORTED_MIN_BINS=2**31, DISPATCH_ONE_PROGRAM_MAX_ROWS=-1),
+                     "sorted16": dict(DISPATCH_SORTED_MIN_BINS=1, DISPATCH_SORT_CHUNK=16,
+                                      DISPATCH_ONE_PROGRAM_MAX_ROWS=-1),
+                     "sorted128": dict(DISPATCH_SORTED_MIN_BINS=1, DISPATCH_SORT_CHUNK=128,
+                                       DISPATCH_ONE_PROGRAM_MAX_ROWS=-1)}
+#: The whole routing as one sorted chunk in one program (the rule's default at these sizes).
+ONE_PROGRAM = {"one_program": {}}
+
+
+def _use_dispatch_family(monkeypatch, constants):
+    """Puts the dispatch rule's ``constants`` (a ``DISPATCH_FAMILIES`` entry) in force for the test."""
+    for name, value in constants.items():
+        monkeypatch.setattr(config, name, value)
 
 
 def _check_id_flags(ids, E):
@@ -166,7 +175,7 @@ def _check_id_flags(ids, E):
 @pytest.mark.parametrize("family", {**DISPATCH_FAMILIES, **ONE_PROGRAM})
 @pytest.mark.parametrize("K", [1, 2, 3, 8])
 @pytest.mark.parametrize("defect", ["none", "negative", "repeat", "repeated_sentinel", "both"])
-def test_invalid_id_flags(K, defect, family, seed):
+def test_invalid_id_flags(K, defect, family, seed, monkeypatch):
     """The CUDA path's id check (folded into the dispatch kernels of either family) against
     a plain Python reading of the ids."""
     from conftest import make_topk_ids
@@ -181,19 +190,19 @@ def test_invalid_id_flags(K, defect, family, seed):
         ids[(row + 1) % L, K - 1] = ids[(row + 1) % L, 0].clamp(min=0)
     if defect == "repeated_sentinel" and K > 1:
         ids[row, :2] = E + 1  # sentinels may repeat
-    with settings.override(**{**DISPATCH_FAMILIES, **ONE_PROGRAM}[family]):
-        _check_id_flags(ids, E)
-        if defect == "repeated_sentinel":  # valid ids: the checked dispatch's arrays are the portable one's
-            from moeblaze_ops.kernels import torch_dispatch, triton_dispatch
+    _use_dispatch_family(monkeypatch, {**DISPATCH_FAMILIES, **ONE_PROGRAM}[family])
+    _check_id_flags(ids, E)
+    if defect == "repeated_sentinel":  # valid ids: the checked dispatch's arrays are the portable one's
+        from moeblaze_ops.kernels import torch_dispatch, triton_dispatch
 
-            for got, want in zip(triton_dispatch.dispatch_checked(ids, E), torch_dispatch.dispatch(ids, E)):
-                assert torch.equal(got, want)
+        for got, want in zip(triton_dispatch.dispatch_checked(ids, E), torch_dispatch.dispatch(ids, E)):
+            assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("family", DISPATCH_FAMILIES)
 @pytest.mark.parametrize("K,dtype", [(3, torch.int64), (5, torch.int32)])
 @pytest.mark.parametrize("defect", ["negative", "repeat"])
-def test_invalid_id_flags_straddling_token(K, dtype, defect, family, seed):
+def test_invalid_id_flags_straddling_token(K, dtype, defect, family, seed, monkeypatch):
     """A defect in the token whose K rows cross the first chunk edge, its bad id past the
     edge: the chunk of the token's first row reads on into the next chunk and flags it, and
     dispatch_checked fails with the op's message."""
@@ -205,26 +214,42 @@ def test_invalid_id_flags_straddling_token(K, dtype, defect, family, seed):
 
     E, L = 9, 70
     ids = make_topk_ids(L, K, E, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-    edge = DISPATCH_FAMILIES[family].get("dispatch_sort_chunk") or _chunk_size(L * K)
+    edge = DISPATCH_FAMILIES[family].get("DISPATCH_SORT_CHUNK") or _chunk_size(L * K)
     token = edge // K
     assert token * K < edge < (token + 1) * K < L * K
     ids[token, K - 1] = -1 if defect == "negative" else ids[token, 0]
     negative, repeated = id_value_messages("dispatch")
-    with settings.override(**DISPATCH_FAMILIES[family]):
-        _check_id_flags(ids, E)
-        with pytest.raises(RuntimeError, match=re.escape(negative if defect == "negative" else repeated)):
-            dispatch_checked(ids, E)
+    _use_dispatch_family(monkeypatch, DISPATCH_FAMILIES[family])
+    _check_id_flags(ids, E)
+    with pytest.raises(RuntimeError, match=re.escape(negative if defect == "negative" else repeated)):
+        dispatch_checked(ids, E)
 
 
-@pytest.mark.parametrize("on", [True, False])
+@pytest.mark.parametrize("weights", ["tma", "pointer"])
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
-def test_kernels_with_weight_tma(layout, on, seed):
-    """Weight tiles through 3-D TMA descriptors in every GEMM that has the option (up, dH,
-    dX), or in none (``settings.weight_tma``): forward and backward against the reference,
-    with tiles running past each expert's weight edges."""
-    with settings.override(weight_tma={"up", "dh", "dx"} if on else set()):
-        check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
-        check_backward(45, 20, 12, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
+def test_kernels_with_weight_tma(layout, weights, seed, monkeypatch):
+    """Weight tiles through 3-D TMA descriptors in every GEMM that reads them so
+    (``config.WEIGHT_TMA_KINDS``: up, dH, dX; these GEMMs count as large with
+    ``SMALL_GEMM_FLOP`` 0), or by pointer (small GEMMs, the rule's default at these sizes):
+    forward and backward against the reference, with tiles running past each expert's
+    weight edges."""
+    from moeblaze_ops.kernels import grouped_gemm
+
+    if weights == "tma":
+        monkeypatch.setattr(config, "SMALL_GEMM_FLOP", 0)
+    read = []  # (kind, through TMA) of every weight operand made
+    operand = grouped_gemm.weight_operand
+
+    def recording(w, stride_reduction, tile, kind, flop):
+        made = operand(w, stride_reduction, tile, kind, flop)
+        read.append((kind, made[1]))
+        return made
+
+    monkeypatch.setattr(grouped_gemm, "weight_operand", recording)
+    check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
+    check_backward(45, 20, 12, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
+    assert {kind for kind, _ in read} == {"up", "down", "dh", "dx"}
+    assert all(tma == (weights == "tma" and kind in config.WEIGHT_TMA_KINDS) for kind, tma in read), read
 
 
 @pytest.mark.parametrize("mode,most", [({"overwrite_h": False}, 2), ({}, 1), ({"recompute": True}, 1)])
@@ -285,16 +310,22 @@ def test_up_weight_gradient_and_dx_scratch_never_coexist(layout, seed, monkeypat
 
 
 @pytest.mark.parametrize("layout", ["concatenated", "transposed_interleaved"])
-def test_column_slabs(layout, seed):
+def test_column_slabs(layout, seed, monkeypatch):
     """The [L*K, d] scratch made in column slabs (``settings.column_slab``; d = 20 in
-    slabs of 8, 8, 4): forward and every gradient against the reference."""
-    from moeblaze_ops.kernels.triton_combine import column_slabs
+    slabs of 8, 8, 4: 200 routed rows over 2 experts leave the weight gradients' bytes no
+    room to widen them): forward and every gradient against the reference, and the slabs
+    the kernels made are those."""
+    from moeblaze_ops.kernels import triton_combine
 
-    with settings.override(column_slab=8, column_slab_widen=False):
-        assert column_slabs(20) == [(0, 8), (8, 16), (16, 20)]
-        check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
-        check_backward(45, 20, 12, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True,
+    made = []
+    real = triton_combine.column_slabs
+    monkeypatch.setattr(triton_combine, "column_slabs", lambda d, widest=0: made.append(real(d, widest)) or made[-1])
+    with settings.override(column_slab=8):
+        assert real(20) == [(0, 8), (8, 16), (16, 20)]
+        check_forward(100, 20, 12, 2, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
+        check_backward(100, 20, 12, 2, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True,
                        routing="skewed", sentinel_frac=0.2)
+    assert made and all(slabs == [(0, 8), (8, 16), (16, 20)] for slabs in made), made
 
 
 def test_widest_slab_bounds():
@@ -302,7 +333,8 @@ def test_widest_slab_bounds():
     scratch and act(h) within both weight gradients (the up weights as big as the down
     ones, twice as big for a gated activation), the dX scratch within the up weights;
     ``column_slabs`` takes the fewest slabs of whole multiples of ``column_slab`` up to it,
-    each as narrow as their count allows, and only where ``column_slab_widen``."""
+    each as narrow as their count allows; none is wider than ``column_slab`` where nothing
+    fits (``widest`` 0), and None makes one slab of every column."""
     from moeblaze_ops.kernels.triton_combine import column_slabs, widest_slab
 
     # down: 100 rows of act(h) 6 wide, down weights of 1000 elements: (2000 - 600) / 100,
@@ -314,14 +346,13 @@ def test_widest_slab_bounds():
     assert widest_slab("dx", 100, 12, 1000) == 10
     assert widest_slab("dx", 100, 12, 1000, gated=True) == 10  # dX's bound has no gate factor
     assert widest_slab("dx", 0, 12, 1000) == 0
-    with settings.override(column_slab=4, column_slab_widen=True):
+    with settings.override(column_slab=4):
         assert column_slabs(20, 14) == [(0, 12), (12, 20)]
         assert column_slabs(16, 12) == [(0, 8), (8, 16)]  # two slabs either way: 8 wide, not 12 and 4
         assert column_slabs(20, 3) == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20)]
+        assert column_slabs(20, 0) == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20)]
         assert column_slabs(20, 40) == [(0, 20)]
-    with settings.override(column_slab=4, column_slab_widen=False):
-        assert column_slabs(20, 14) == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20)]
-    with settings.override(column_slab=None, column_slab_widen=True):
+    with settings.override(column_slab=None):
         assert column_slabs(20, 3) == [(0, 20)]
 
 
@@ -335,7 +366,7 @@ def test_column_slabs_cover(d, slab, widest):
     from moeblaze_ops.kernels.grouped_gemm import cdiv
     from moeblaze_ops.kernels.triton_combine import column_slabs
 
-    with settings.override(column_slab=slab, column_slab_widen=True):
+    with settings.override(column_slab=slab):
         slabs = column_slabs(d, widest)
     most = max(slab, widest // slab * slab)
     widths = [c1 - c0 for c0, c1 in slabs]
@@ -361,14 +392,14 @@ def test_widened_slabs(layout, seed, monkeypatch):
     monkeypatch.setattr(triton_combine, "column_slabs", recording)
     # 24 tokens, K = 2 (48 rows), d = 40, I = 12, E = 4 (SwiGLU): down weights 1920
     # elements, so (3 * 1920 - 48 * 12) / 48 = 108 columns fit; the dX scratch, 2 * 1920 / 48 = 80.
-    with settings.override(column_slab=8, column_slab_widen=True):
+    with settings.override(column_slab=8):
         check_forward(24, 40, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True)
         assert made and all(slabs == [(0, 40)] for slabs in made), made
     made.clear()
     # 45 tokens, K = 2 (90 rows), d = 40, I = 8, E = 3 (SwiGLU): down weights 960
     # elements, up weights 1920, so (2880 - 720) / 90 = 24 columns fit the forward's scratch
     # (two slabs, of 24 and 16) and 1920 / 90 = 21 the dX scratch (three, of 16, 16 and 8).
-    with settings.override(column_slab=8, column_slab_widen=True):
+    with settings.override(column_slab=8):
         check_backward(45, 40, 8, 3, 2, dtype=torch.float32, device="cpu", seed=seed, layout=layout, bias=True,
                        routing="skewed", sentinel_frac=0.2)
     assert [(0, 24), (24, 40)] in made and [(0, 16), (16, 32), (32, 40)] in made, made
@@ -380,12 +411,12 @@ def test_widened_slabs(layout, seed, monkeypatch):
     [(33, 2, 8, "uniform", 0.0), (1, 1, 1, "uniform", 0.0), (200, 8, 64, "skewed", 0.1), (50, 3, 6, "first", 0.4),
      (40, 2, 6, "no_last", 0.0), (300, 4, 16, "uniform", 0.0)],
 )
-def test_dispatch_sorted_kernels_bitwise(L, K, E, routing, sentinel_frac, chunk, seed):
+def test_dispatch_sorted_kernels_bitwise(L, K, E, routing, sentinel_frac, chunk, seed, monkeypatch):
     """The sorted-chunk dispatch kernels (chunks of 16 rows: many chunks, runs across chunk
     edges; of 128: padding past the last row), their scatter reading the ranks the
     histogram stored: the same three arrays as the portable dispatch, bit for bit."""
-    with settings.override(dispatch_sorted_min_bins=1, dispatch_sort_chunk=chunk, dispatch_one_program_max_rows=None):
-        check_dispatch_bitwise(L, K, E, device="cpu", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
+    _use_dispatch_family(monkeypatch, DISPATCH_FAMILIES[f"sorted{chunk}"])
+    check_dispatch_bitwise(L, K, E, device="cpu", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
 
 
 @pytest.mark.parametrize(
@@ -396,14 +427,14 @@ def test_dispatch_sorted_kernels_bitwise(L, K, E, routing, sentinel_frac, chunk,
 def test_dispatch_one_program_bitwise(L, K, E, routing, sentinel_frac, seed):
     """A routing dispatched by one program (one launch: its rows one sorted chunk, counted
     by a histogram), up to a full chunk of 2048 rows and none at all: the same three arrays as
-    the portable dispatch, bit for bit. The sizes are below the setting's bound, so the
+    the portable dispatch, bit for bit. The sizes are within the rule's bound, so the
     one-program kernel is what runs; the test fails if the multi-chunk kernels run instead."""
-    from moeblaze_ops.kernels import triton_dispatch
+    from moeblaze_ops.kernels import grouped_gemm, triton_dispatch
 
+    assert config.dispatch_family(L * K, grouped_gemm.next_power_of_2(E)) == "one_program"
     ran = []
     kernel = triton_dispatch._one_program_dispatch
-    with settings.override(dispatch_one_program_max_rows=L * K), \
-            _recording_launches(triton_dispatch, ran):
+    with _recording_launches(triton_dispatch, ran):
         check_dispatch_bitwise(L, K, E, device="cpu", routing=routing, sentinel_frac=sentinel_frac, seed=seed)
     assert ran == [kernel]
 
@@ -448,26 +479,25 @@ def test_training_steps_keep_no_tensor_alive(seed):
     assert not alive, [tuple(t.shape) for t in alive]
 
 
-@pytest.mark.parametrize("band", [2, 3])
-def test_row_tiles_in_bands(band, seed):
-    """The row GEMMs' tiles (up, down, dX, dH) numbered in bands of m-tiles
-    (``settings.row_band``; bands span experts, the sentinel group and a short last band;
-    d and 2I three n-tiles wide): forward and every gradient against the reference, every
-    buffer poisoned first, so a tile the order skipped stays NaN."""
-    with settings.override(row_band=band):
-        check_forward(45, 40, 24, 3, 2, dtype=torch.float32, device="cpu", seed=seed, bias=True,
-                      routing="skewed", sentinel_frac=0.2)
-        check_backward(45, 40, 24, 3, 2, dtype=torch.float32, device="cpu", seed=seed, bias=True,
-                       routing="skewed", sentinel_frac=0.2)
+def test_row_tiles_in_bands(seed):
+    """The row GEMMs' tiles (up, down, dX, dH) numbered in bands of ``config.ROW_BAND``
+    m-tiles (bands span experts and the sentinel group; 90 routed rows make 6 to 9 m-tiles
+    of 16, a short last band; d and 2I three n-tiles wide): forward and every gradient
+    against the reference, every buffer poisoned first, so a tile the order skipped stays
+    NaN."""
+    assert config.ROW_BAND > 1
+    check_forward(45, 40, 24, 3, 2, dtype=torch.float32, device="cpu", seed=seed, bias=True,
+                  routing="skewed", sentinel_frac=0.2)
+    check_backward(45, 40, 24, 3, 2, dtype=torch.float32, device="cpu", seed=seed, bias=True,
+                   routing="skewed", sentinel_frac=0.2)
 
 
 @pytest.mark.parametrize("kind", ["wgrad_down", "wgrad_up"])
-@pytest.mark.parametrize("rows_per_expert", [256, 2047, 2048, 4096])
-def test_weight_gradient_orientation_by_rows_per_expert(kind, rows_per_expert, monkeypatch):
-    """``settings.wgrad_rows_tma`` picks the Gluon weight gradient's orientation from the
-    average rows per expert (host shapes, no sync): with the defaults both kinds read their
-    rows by TMA at every size; mapped to 2048, a kind from 2048 rows per expert on; a kind
-    it does not name never does."""
+def test_weight_gradient_gluon_launch_by_kind(kind, monkeypatch):
+    """Where the Gluon weight gradient applies, ``launch_wgrad`` hands it the kind's tile
+    override (None: the kernel's own) and the kind's rule for its MMA partitions
+    (``config.wgrad_split_mma``: split for "wgrad_up" only). The Gluon module is a
+    stand-in that records the launch (no GPU)."""
     from moeblaze_ops.kernels import grouped_gemm, triton_experts_backward
 
     calls = []
@@ -478,57 +508,54 @@ def test_weight_gradient_orientation_by_rows_per_expert(kind, rows_per_expert, m
             return True
 
         @staticmethod
-        def launch_wgrad(*args, rows_tma, **kwargs):
-            calls.append(rows_tma)
+        def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile, split_mma):
+            calls.append((tile, split_mma))
 
     monkeypatch.setattr(grouped_gemm, "gluon_kernels", lambda kind, t, flop: FakeGluon)
-    E, P, Q = 4, 16, 16
+    E, P, Q, rows_per_expert = 4, 16, 16, 32
     rows = torch.empty(E * rows_per_expert, P)
-    gathered = torch.empty(8, Q)
     ids = torch.zeros(E * rows_per_expert, dtype=torch.int32)
     offsets = torch.arange(E + 1, dtype=torch.int32) * rows_per_expert
-    grad_w = torch.empty(E, P, Q)
-    triton_experts_backward.launch_wgrad(rows, gathered, ids, offsets, grad_w, kind=kind)
-    with settings.override(wgrad_rows_tma={"wgrad_down": 2048, "wgrad_up": 0}):
-        triton_experts_backward.launch_wgrad(rows, gathered, ids, offsets, grad_w, kind=kind)
-    with settings.override(wgrad_rows_tma={k: 0 for k in ("wgrad_down", "wgrad_up") if k != kind}):
-        triton_experts_backward.launch_wgrad(rows, gathered, ids, offsets, grad_w, kind=kind)
-    assert calls == [True, kind == "wgrad_up" or rows_per_expert >= 2048, False]
+    tuned = GemmTile(256, 64, 64, 4, 3)
+    triton_experts_backward.launch_wgrad(rows, torch.empty(8, Q), ids, offsets, torch.empty(E, P, Q), kind=kind)
+    with settings.override(tiles={kind: tuned}):
+        triton_experts_backward.launch_wgrad(rows, torch.empty(8, Q), ids, offsets, torch.empty(E, P, Q), kind=kind)
+    assert calls == [(None, kind == "wgrad_up"), (tuned, kind == "wgrad_up")]
 
 
 @pytest.mark.parametrize("kind", ["up", "wgrad_up"])
-def test_small_gemms_run_tl(kind):
+def test_small_gemms_run_tl(kind, monkeypatch):
     """``grouped_gemm.gluon_kernels`` gives a GEMM of fewer operations than
-    ``settings.small_gemm_flop`` no Gluon kernel, where ``settings.gluon`` names its kind;
-    from that count on, its module. Only the device matters here, so a CUDA-looking stand-in
-    takes the tensor's place."""
+    ``config.SMALL_GEMM_FLOP`` no Gluon kernel; from that count on, its kind's module; a
+    kind without one (the ``tl`` kernel's wide dH tile) never has one. Only the device
+    matters here, so a CUDA-looking stand-in takes the tensor's place."""
     pytest.importorskip("triton.experimental.gluon")
-    from moeblaze_ops.kernels import grouped_gemm
+    from moeblaze_ops.kernels import gluon_row_gemm, gluon_wgrad, grouped_gemm
 
     class OnCuda:
         is_cuda = True
 
-    with settings.override(gluon={kind}, small_gemm_flop=1000):
-        assert grouped_gemm.gluon_kernels(kind, OnCuda(), 999) is None
-        assert grouped_gemm.gluon_kernels(kind, OnCuda(), 1000) is not None
-    with settings.override(gluon=(), small_gemm_flop=0):
-        assert grouped_gemm.gluon_kernels(kind, OnCuda(), 10**15) is None
+    monkeypatch.setattr(config, "SMALL_GEMM_FLOP", 1000)
+    assert grouped_gemm.gluon_kernels(kind, OnCuda(), 999) is None
+    assert grouped_gemm.gluon_kernels(kind, OnCuda(), 1000) is (gluon_row_gemm if kind == "up" else gluon_wgrad)
+    assert grouped_gemm.gluon_kernels("dh_wide", OnCuda(), 10**15) is None
 
 
 @pytest.mark.parametrize("flop", [999, 1000])
-def test_small_gemms_read_weights_by_pointer(flop):
+def test_small_gemms_read_weights_by_pointer(flop, monkeypatch):
     """``grouped_gemm.weight_operand`` gives a GEMM of fewer operations than
-    ``settings.small_gemm_flop`` the weight itself, not a TMA descriptor, where
-    ``settings.weight_tma`` names its kind; from that count on, a descriptor of the weight."""
+    ``config.SMALL_GEMM_FLOP`` the weight itself, not a TMA descriptor; from that count on,
+    a descriptor of the weight where its kind reads weights by TMA
+    (``config.WEIGHT_TMA_KINDS``), and the weight itself for the down projection."""
     from moeblaze_ops.kernels import grouped_gemm
 
     w = torch.randn(4, 64, 32, dtype=torch.bfloat16)
     tile = GemmTile(16, 16, 16, 4, 1)
-    with settings.override(weight_tma={"up"}, small_gemm_flop=1000):
-        src, tma, kmajor = grouped_gemm.weight_operand(w, w.stride(2), tile, "up", flop)
-        assert tma == (flop >= 1000) and kmajor
-        assert (src is w) != tma and (not tma or src.base is w)
-        assert grouped_gemm.weight_operand(w, w.stride(2), tile, "dh", 10**15)[1] is False
+    monkeypatch.setattr(config, "SMALL_GEMM_FLOP", 1000)
+    src, tma, kmajor = grouped_gemm.weight_operand(w, w.stride(2), tile, "up", flop)
+    assert tma == (flop >= 1000) and kmajor
+    assert (src is w) != tma and (not tma or src.base is w)
+    assert grouped_gemm.weight_operand(w, w.stride(2), tile, "down", 10**15)[1] is False
 
 
 def test_weight_gradient_counts_its_operations(monkeypatch):

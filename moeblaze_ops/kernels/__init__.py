@@ -11,9 +11,12 @@ Two backends implement every op:
   ``import moeblaze_ops`` and the CPU path run without Triton installed (it is a
   dependency only on Linux x86_64 and aarch64, where it publishes wheels). Choosing
   this backend without it raises ``TritonUnavailableError`` (an ``ImportError``) naming
-  the fixes.
+  the fixes; choosing it for CPU tensors outside Triton's interpreter raises
+  ``TritonDeviceError``, naming them too.
 
-``forward_backend(t)`` and ``backward_backend(t)`` say which one runs for tensors like ``t``.
+``forward_backend(t)`` and ``backward_backend(t)`` say which one runs for tensors like ``t``
+(the same one: the backward runs where the forward ran). Which kernel, tile and variant a
+backend runs is ``kernels.config``'s rules.
 """
 
 from __future__ import annotations
@@ -36,12 +39,12 @@ class Backend:
     name: str
     dispatch: Callable
     expert_up: Callable
-    #: act(h) of ``expert_up``'s rows, h never kept where the kernels allow
-    #: (``settings.up_epilogue_activation``): ``expert_layer``'s up projection.
+    #: act(h) of ``expert_up``'s rows, h never kept where the kernels allow (the up
+    #: GEMM's epilogue activates): ``expert_layer``'s up projection.
     expert_up_activated: Callable
-    #: ``(h, act(h) or None)``: ``expert_up``'s h and, where ``settings.activation_beside_h``
+    #: ``(h, act(h) or None)``: ``expert_up``'s h and, where ``config.activation_beside_h``
     #: makes it, act(h) beside it (the activation's arguments follow ``transposed``); with
-    #: ``always=True`` act(h) whatever the setting says.
+    #: ``always=True`` act(h) whatever the rule says.
     expert_up_with_activation: Callable
     expert_down: Callable
     #: ``expert_down`` of rows ``expert_up_activated`` activated (no activation arguments).
@@ -74,6 +77,11 @@ TORCH = Backend(
 
 class TritonUnavailableError(ImportError):
     """The Triton backend was chosen but Triton cannot be imported."""
+
+
+class TritonDeviceError(RuntimeError):
+    """The Triton backend was chosen for tensors no Triton kernel can run on here: CPU
+    tensors outside Triton's interpreter."""
 
 
 def _import_triton() -> None:
@@ -118,6 +126,34 @@ def triton_backend() -> Backend:
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _interpreting() -> bool:
+    """Whether Triton runs its kernels in its interpreter (``TRITON_INTERPRET=1``), which
+    takes CPU tensors. Asked once: the kernels were made for one or the other when their
+    modules loaded."""
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
+def _check_triton_device(t: torch.Tensor) -> None:
+    """Raises ``TritonDeviceError`` where the Triton backend cannot run on ``t``'s device."""
+    if t.device.type != "cuda" and not _interpreting():
+        raise TritonDeviceError(
+            f"moeblaze_ops: settings.backend is 'triton', but the tensors are on {t.device.type}, and Triton runs "
+            "kernels on CPU tensors only in its interpreter. Set TRITON_INTERPRET=1 in the environment before the "
+            "process starts (slow: for tests), or run the portable PyTorch kernels: "
+            "moeblaze_ops.settings.override(backend=\"torch\"), or backend \"auto\" (the default), which runs "
+            "them for CPU tensors and Triton for CUDA ones.")
+
+
+def _triton_for(t: torch.Tensor) -> Backend:
+    """The Triton backend, checked for tensors like ``t``."""
+    backend = triton_backend()
+    _check_triton_device(t)
+    return backend
+
+
 def _uses_triton(t: torch.Tensor) -> bool:
     if t.dtype == torch.float64:
         return False  # Triton's dot has no float64 path; float64 is for gradcheck on CPU
@@ -127,10 +163,9 @@ def _uses_triton(t: torch.Tensor) -> bool:
 
 def forward_backend(t: torch.Tensor) -> Backend:
     """The backend of the forward ops (dispatch, expert_up, expert_down) for tensors like ``t``."""
-    return triton_backend() if _uses_triton(t) else TORCH
+    return _triton_for(t) if _uses_triton(t) else TORCH
 
 
 def backward_backend(t: torch.Tensor) -> Backend:
-    """The backend of the backward ops for tensors like ``t``: the forward's, unless
-    ``settings.triton_backward`` is off."""
-    return triton_backend() if _uses_triton(t) and settings.current().triton_backward else TORCH
+    """The backend of the backward ops for tensors like ``t``: the forward's."""
+    return forward_backend(t)

@@ -12,7 +12,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .. import settings
+from . import config
 
 # Builtins renamed after triton 3.6: the masked cp.async (``async_copy_global_to_shared``,
 # then ``async_load``), the CTA barrier (``thread_barrier``, then ``barrier``), the TMA
@@ -174,7 +174,7 @@ def store_pieces(tile, element_size: int, device: torch.device) -> int:
     a tile's only wait is for the copy of the tile before, started a mainloop earlier;
     else 2, and the second half waits for the copy engine to read the first."""
     whole = tile.block_m * tile.block_n * element_size
-    budget = settings.shared_memory_per_block(device)
+    budget = config.shared_memory_per_block(device)
     return 1 if tile.smem_bytes(element_size) + whole + SPARE_SHARED_BYTES <= budget else 2
 
 

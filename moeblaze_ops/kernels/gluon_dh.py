@@ -37,11 +37,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .. import settings
 from ..layouts import linear_dims
-from ..settings import GemmTile
+from . import config
 from . import grouped_gemm as gg
 from . import triton_activations as acts
+from .config import GemmTile
 from .gluon_common import (SPARE_SHARED_BYTES, cta_barrier, host_descriptor, on_hopper, reinterpret_shared,
                            row_offsets_fit_32, slot_barriers, tma_load, wgmma_acc_layout)
 from .gluon_row_gemm import PRODUCER_GATHER, _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
@@ -120,8 +120,8 @@ def _h_rows_layout(box_layout):
 def _dh_tile_epilogue(acc, h_desc, h_ring, h_ready, tiles_done, stage, weights, grp, row0, row_end, n0, eti_ptr,
                       tw_ptr, tim_ptr, dh_ptr, wact_ptr, part_ptr, E, I, alpha, limit, n_parts, stride_dhm,
                       stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr,
-                      WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr):
+                      WRITE_WACT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr):
     """The epilogue of one [BLOCK_M, BLOCK_N] tile ``acc`` (dL/da / w) at rows ``row0 ..``
     of group ``grp`` and activation columns ``n0 ..``, by the ``WARPS`` warps that hold it:
     ``dh_outputs`` over parts of ``PART_COLUMNS`` columns, each staged in ``stage``
@@ -174,7 +174,7 @@ def _dh_tile_epilogue(acc, h_desc, h_ring, h_ready, tiles_done, stage, weights, 
         w = weights.slice((j % CHUNKS) * CHUNK, CHUNK).load(row_layout)
         cols = cols0 + gl.arange(0, PART_COLUMNS, layout=gl.SliceLayout(0, layout))
         partial = dh_outputs(g, w[:, None], hg, hu, rows, rows < row_end, cols, cols < I, cols0, I, dh_ptr, wact_ptr,
-                             stride_dhm, stride_wam, alpha, limit, ACT, False, WRITE_WACT, FAST_ACT, PART_COLUMNS)
+                             stride_dhm, stride_wam, alpha, limit, ACT, False, WRITE_WACT, True, PART_COLUMNS)
         gl.store(part_ptr + rows.to(gl.int64) * n_parts + cols0 // PART_COLUMNS, partial,
                  mask=(rows < row_end) & (cols0 < I))
         if j + SLOTS < TOTAL:
@@ -186,7 +186,7 @@ def _dh_tile_epilogue(acc, h_desc, h_ring, h_ready, tiles_done, stage, weights, 
 def _dh_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_desc, h_ring, h_ready, stage, weights, eti_ptr, tw_ptr,
                  tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts, stride_dhm,
                  stride_wam, stride_tw0, stride_tw1, K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr,
-                 FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr,
+                 W_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, PART_COLUMNS: gl.constexpr,
                  CHUNK: gl.constexpr, STAGE_IN_RING: gl.constexpr, num_warps: gl.constexpr):
     """The MMA warps: each of the program's tiles multiplied on the ring by both
@@ -215,8 +215,8 @@ def _dh_consumer(a_ring, b_ring, a_ready, b_ready, empty, h_desc, h_ring, h_read
             tile_stage = stage
         _dh_tile_epilogue(acc, h_desc, h_ring, h_ready, tiles_done, tile_stage, weights, grp, row0, row_end, n0,
                           eti_ptr, tw_ptr, tim_ptr, dh_ptr, wact_ptr, part_ptr, E, I, alpha, limit, n_parts,
-                          stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT, BLOCK_M,
-                          BLOCK_N, PART_COLUMNS, CHUNK, num_warps)
+                          stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, BLOCK_M, BLOCK_N,
+                          PART_COLUMNS, CHUNK, num_warps)
         tiles_done += 1
         if STAGE_IN_RING:
             # The stage was written and read through the generic proxy; TMA refills it
@@ -231,7 +231,7 @@ def _dh_kernel(
     go_ptr, w_desc, h_desc, eti_ptr, tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr,
     LK, E, D, I, alpha, limit, n_parts,
     stride_gm, stride_dhm, stride_wam, stride_tw0, stride_tw1,
-    K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, FAST_ACT: gl.constexpr, W_KMAJOR: gl.constexpr,
+    K: gl.constexpr, ACT: gl.constexpr, WRITE_WACT: gl.constexpr, W_KMAJOR: gl.constexpr,
     GROUPS: gl.constexpr, BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, PART_COLUMNS: gl.constexpr, CHUNK: gl.constexpr, H_SLOTS: gl.constexpr,
     STAGE_IN_RING: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -259,7 +259,7 @@ def _dh_kernel(
     gl.warp_specialize([
         (_dh_consumer, (a_ring, b_ring, a_ready, b_ready, empty, h_desc, h_ring, h_ready, stage, weights, eti_ptr,
                         tw_ptr, tim_ptr, offsets_ptr, dh_ptr, wact_ptr, part_ptr, LK, E, D, I, alpha, limit, n_parts,
-                        stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT, FAST_ACT,
+                        stride_dhm, stride_wam, stride_tw0, stride_tw1, K, ACT, WRITE_WACT,
                         W_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PART_COLUMNS, CHUNK, STAGE_IN_RING,
                         num_warps)),
         (_ws_producer, (go_ptr, w_desc, eti_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, I, D,
@@ -304,19 +304,20 @@ def applies(grad_out: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor, trans
 
 
 def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact, parts, *, act, transposed, alpha,
-              limit, fast_activation: bool, band: int, tile: Optional[GemmTile] = None, slots: Optional[int] = None):
+              limit, tile: Optional[GemmTile] = None, slots: Optional[int] = None):
     """``triton_experts_backward.launch_dh`` without a bias, on ``_dh_kernel``: dH into
     ``grad_h`` (which may be ``h``), ``wact`` = w * act(h) unless None, the router
-    partials into ``parts`` ([L*K, cdiv(I, PART_COLUMNS)]). ``tile``: the program's (M,
-    N, K block, warps, stages), ``TILE`` by default; ``slots``: the chunks of h in flight
-    (``h_slots`` by default)."""
+    partials into ``parts`` ([L*K, cdiv(I, PART_COLUMNS)]), the sigmoid the approximate
+    one (16-bit tensors: ``grouped_gemm.fast_sigmoid``), the tiles in bands of
+    ``config.ROW_BAND`` m-tiles. ``tile``: the program's (M, N, K block, warps, stages),
+    ``TILE`` by default; ``slots``: the chunks of h in flight (``h_slots`` by default)."""
     tile = tile or TILE
     parts_of_tile = tile.block_n // PART_COLUMNS
     if (tile.num_warps not in (4, 8) or tile.block_m != 16 * tile.num_warps or tile.block_m % CHUNK
             or tile.block_n % PART_COLUMNS or parts_of_tile not in (1, 2, 4) or tile.num_stages < 2):
         raise ValueError(f"moeblaze gluon dH: the tile is 4 or 8 warps over 16 rows each, 1, 2 or 4 parts of "
                          f"{PART_COLUMNS} columns, at least 2 stages, got {tile}")
-    slots = h_slots(tile, settings.shared_memory_per_block(h.device)) if slots is None else slots
+    slots = h_slots(tile, config.shared_memory_per_block(h.device)) if slots is None else slots
     if slots < 1:
         raise ValueError(f"moeblaze gluon dH: no room for a chunk of h in shared memory beside the ring of {tile}")
     LK = h.shape[0]
@@ -336,8 +337,8 @@ def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact
         LK, E, d, I, float(alpha), float(limit), parts.shape[1],
         grad_out.stride(0), grad_h.stride(0), wact.stride(0) if wact is not None else 0,
         topk_weights.stride(0), topk_weights.stride(1),
-        K=topk_weights.shape[1], ACT=act, WRITE_WACT=wact is not None, FAST_ACT=fast_activation, W_KMAJOR=kmajor,
-        GROUPS=gg.next_power_of_2(E + 1), BAND=band, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        K=topk_weights.shape[1], ACT=act, WRITE_WACT=wact is not None, W_KMAJOR=kmajor,
+        GROUPS=gg.next_power_of_2(E + 1), BAND=config.ROW_BAND, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, PART_COLUMNS=PART_COLUMNS, CHUNK=CHUNK, H_SLOTS=slots,
         STAGE_IN_RING=stage_in_ring(tile), PRODUCER_WARPS=warps, PRODUCER_REGS=regs,
         A_OFFSETS_32=row_offsets_fit_32(grad_out), num_warps=tile.num_warps,

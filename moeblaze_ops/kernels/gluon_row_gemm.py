@@ -12,16 +12,16 @@ shared-memory slots, while the tensor cores run the previous steps' asynchronous
 ``warpgroup_mma``. The copies run ahead across tile boundaries: the next tile's first steps
 land while this tile's epilogue stores.
 
-Where ``settings.gluon_warp_specialize`` names the kind (from a number of rows per expert),
-``_row_gemm_ws_kernel`` runs instead: copy warps fill the ring (A by TMA from a 2-D
-descriptor at the tile's first row where its rows are in expert order, by a warpgroup's
-cp.async where they are gathered; B by TMA) and the MMA warpgroups only wait, multiply
-and store.
+From ``config.WARP_SPECIALIZE_MIN_ROWS`` routed rows per expert
+(``config.row_gemm_warp_specialized``), ``_row_gemm_ws_kernel`` runs instead: copy warps
+fill the ring (A by TMA from a 2-D descriptor at the tile's first row where its rows are
+in expert order, by a warpgroup's cp.async where they are gathered; B by TMA) and the MMA
+warpgroups only wait, multiply and store.
 
 Either kernel stores a tile whose rows are all inside its expert through shared memory by
-TMA (``settings.row_tma_store``): the copy runs on while the warps start the next tile,
-where stores from registers would hold them up. A tile that ends past its expert's rows
-is stored from registers, masked: a TMA copy cannot stop at an expert's last row.
+TMA: the copy runs on while the warps start the next tile, where stores from registers
+would hold them up. A tile that ends past its expert's rows is stored from registers,
+masked: a TMA copy cannot stop at an expert's last row.
 
 With a ``GatedEpilogue`` (the up projection without h) each tile pairs gate columns with
 the same up columns, and the epilogue writes act(h) in place of h: the output is then
@@ -44,14 +44,14 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .. import settings
 from ..layouts import linear_dims, linear_strides
-from ..settings import GemmTile
+from . import config
 from . import grouped_gemm as gg
 from . import triton_activations as acts
 from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
-                           on_hopper, output_buffer, partition_output, reinterpret_shared, row_offsets_fit_32,
-                           slot_barriers, store_by_tma, store_tile_by_tma, tma_load, tma_slot_shape, wgmma_acc_layout)
+                           on_hopper, output_buffer, reinterpret_shared, row_offsets_fit_32, slot_barriers,
+                           store_by_tma, store_tile_by_tma, tma_load, tma_slot_shape, wgmma_acc_layout)
+from .config import GemmTile
 from .launch import launch
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 of K per
@@ -74,8 +74,6 @@ class GatedEpilogue(NamedTuple):
     activation: int
     alpha: float
     limit: float
-    #: The approximate sigmoid (``grouped_gemm.fast_sigmoid``).
-    fast: bool
 
 
 @gluon.constexpr_function
@@ -209,25 +207,22 @@ def _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om):
 
 
 @gluon.jit
-def _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, TMA_STORE: gl.constexpr):
-    """Stores the accumulator tile's rows inside the expert: with ``TMA_STORE`` a tile whose
-    rows all are, by TMA through ``out_buf`` a column half at a time (the copies run on
-    while the warps go on to the next tile; ``out_desc`` is the output as [1, LK, N]);
-    every other tile from registers (``_store_rows``), since a TMA copy would also write
-    the rows of the next expert's first tile."""
-    if TMA_STORE:
-        if row0 + acc.shape[0] <= row_end:
-            store_tile_by_tma(out_desc, out_buf, acc, 0, row0, n0, False, 2)
-        else:
-            _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om)
+def _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om):
+    """Stores the accumulator tile's rows inside the expert: a tile whose rows all are, by
+    TMA through ``out_buf`` a column half at a time (the copies run on while the warps go on
+    to the next tile; ``out_desc`` is the output as [1, LK, N]); every other tile from
+    registers (``_store_rows``), since a TMA copy would also write the rows of the next
+    expert's first tile."""
+    if row0 + acc.shape[0] <= row_end:
+        store_tile_by_tma(out_desc, out_buf, acc, 0, row0, n0, False, 2)
     else:
         _store_rows(out_ptr, acc, row0, row_end, n0, N, stride_om)
 
 
 @gluon.jit
 def _store_activated_tile(out_ptr, out_desc, out_buf, h_ptr, h_desc, h_buf, acc, row0, row_end, n0, N, stride_om,
-                          stride_hm, alpha, limit, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                          FAST_ACT: gl.constexpr, STORE_H: gl.constexpr, H_BUF_APART: gl.constexpr, by_tma=True):
+                          stride_hm, alpha, limit, GATED: gl.constexpr, ACT: gl.constexpr, STORE_H: gl.constexpr,
+                          H_BUF_APART: gl.constexpr, by_tma=True):
     """The epilogue of a paired tile (``_copy_weight_tile``'s ``PAIRED``): the accumulator's
     first column half is gate columns ``n0 / 2 ..`` of h, its second the same up columns
     (``N / 2 + n0 / 2 ..``); it writes ``act(gate, up)`` at columns ``n0 / 2 ..`` of the
@@ -237,41 +232,37 @@ def _store_activated_tile(out_ptr, out_desc, out_buf, h_ptr, h_desc, h_buf, acc,
     ``_store_tile``'s: by TMA through ``out_buf`` (one half tile at a time) where every row
     is inside the expert (and ``by_tma``), else from registers. ``H_BUF_APART``: h's up
     half goes through ``h_buf``, a buffer of its own, so that no store waits for the copy
-    just started.
+    just started. The sigmoid is the approximate one (16-bit outputs:
+    ``grouped_gemm.fast_sigmoid``).
     ``GATED`` is ``triton_activations.gated``, passed in: a ``tl`` function a kernel names
     is one the JIT resolves on every compile, and under ``TRITON_INTERPRET=1`` Gluon cannot
     compile it."""
     gate, up = column_halves(acc)
     PENDING: gl.constexpr = 1 if H_BUF_APART else 0
     if STORE_H:  # before act(h) is made: its registers then need not live beside h's stores
-        _store_half(h_ptr, h_desc, out_buf, gate, row0, row_end, n0 // 2, N, stride_hm, TMA_STORE, 0, by_tma)
-        _store_half(h_ptr, h_desc, h_buf, up, row0, row_end, N // 2 + n0 // 2, N, stride_hm, TMA_STORE, PENDING,
-                    by_tma)
+        _store_half(h_ptr, h_desc, out_buf, gate, row0, row_end, n0 // 2, N, stride_hm, 0, by_tma)
+        _store_half(h_ptr, h_desc, h_buf, up, row0, row_end, N // 2 + n0 // 2, N, stride_hm, PENDING, by_tma)
     # In the output's 16 bits at once: half the registers beside the accumulator's.
-    a = GATED(gate, up, ACT, alpha, limit, FAST_ACT).to(out_ptr.dtype.element_ty)
-    _store_half(out_ptr, out_desc, out_buf, a, row0, row_end, n0 // 2, N // 2, stride_om, TMA_STORE, PENDING, by_tma)
+    a = GATED(gate, up, ACT, alpha, limit, True).to(out_ptr.dtype.element_ty)
+    _store_half(out_ptr, out_desc, out_buf, a, row0, row_end, n0 // 2, N // 2, stride_om, PENDING, by_tma)
 
 
 @gluon.jit
-def _store_half(out_ptr, out_desc, out_buf, piece, row0, row_end, c0, N, stride_om, TMA_STORE: gl.constexpr,
-                PENDING: gl.constexpr = 0, by_tma=True):
+def _store_half(out_ptr, out_desc, out_buf, piece, row0, row_end, c0, N, stride_om, PENDING: gl.constexpr = 0,
+                by_tma=True):
     """Stores ``piece`` (a column half of a tile) at rows ``row0 ..`` and columns ``c0 ..``
     of an output of N columns, as ``_store_tile`` stores a tile: by TMA through ``out_buf``
     (``store_by_tma``'s ``PENDING``) where every row is inside the expert and ``by_tma``,
     else from registers."""
-    if TMA_STORE:
-        if by_tma and row0 + piece.shape[0] <= row_end:
-            store_by_tma(out_desc, out_buf, piece, 0, row0, c0, False, PENDING)
-        else:
-            _store_rows(out_ptr, piece, row0, row_end, c0, N, stride_om)
+    if by_tma and row0 + piece.shape[0] <= row_end:
+        store_by_tma(out_desc, out_buf, piece, 0, row0, c0, False, PENDING)
     else:
         _store_rows(out_ptr, piece, row0, row_end, c0, N, stride_om)
 
 
 @gluon.jit
 def _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end, n0, N, stride_om, stride_hm, alpha,
-                  limit, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr,
-                  STORE_H: gl.constexpr, h_buf=None, by_tma=True):
+                  limit, GATED: gl.constexpr, ACT: gl.constexpr, STORE_H: gl.constexpr, h_buf=None, by_tma=True):
     """A tile's epilogue: ``_store_activated_tile`` where the kernel applies activation
     ``ACT`` (a gated ``ActivationCode``, computed by ``GATED``) to paired tiles, h beside
     act(h) where ``STORE_H`` (h's up half through ``h_buf`` where given, no
@@ -283,9 +274,9 @@ def _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end,
         else:
             spare = out_buf
         _store_activated_tile(out_ptr, out_desc, out_buf, h_ptr, h_desc, spare, acc, row0, row_end, n0, N, stride_om,
-                              stride_hm, alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H, H_BUF_APART, by_tma)
+                              stride_hm, alpha, limit, GATED, ACT, STORE_H, H_BUF_APART, by_tma)
     else:
-        _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om, TMA_STORE)
+        _store_tile(out_ptr, out_desc, out_buf, acc, row0, row_end, n0, N, stride_om)
 
 
 @gluon.jit
@@ -322,8 +313,8 @@ def _row_gemm_kernel(
     stride_am, stride_bias, stride_om, stride_hm, alpha, limit,
     GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-    FAST_ACT: gl.constexpr, STORE_H: gl.constexpr, num_warps: gl.constexpr,
+    NUM_STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, STORE_H: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     # ACT >= 0: the tiles are paired (gate and up columns, ``_copy_weight_tile``) and the
     # epilogue writes act(h), [LK, N / 2], in place of h, or beside it (to ``h_ptr``, by
@@ -334,7 +325,7 @@ def _row_gemm_kernel(
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, num_warps)
     a_ring, b_ring, bars = copy_tma_ring(dtype, b_desc, NUM_STAGES, BLOCK_M, BLOCK_K, 2 if ACT >= 0 else 1)
-    out_buf = output_buffer(out_desc, dtype, TMA_STORE)
+    out_buf = output_buffer(out_desc, dtype, True)
 
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
                                                   num_warps)
@@ -381,10 +372,9 @@ def _row_gemm_kernel(
             if HAS_BIAS:
                 acc = _add_bias(acc, bias)
         _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end, n0, N, stride_om, stride_hm,
-                      alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H)
+                      alpha, limit, GATED, ACT, STORE_H)
     cp.wait_group(0)
-    if TMA_STORE:
-        tma.store_wait(0)  # the last copy has read its buffer before the program's shared memory goes
+    tma.store_wait(0)  # the last copy has read its buffer before the program's shared memory goes
 
 
 # --------------------------------------------------------------------------- warp-specialised
@@ -493,15 +483,14 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
                  h_desc, LK, E, N, K, stride_bias, stride_om, stride_hm, alpha, limit, GATHER_A: gl.constexpr,
                  HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr, BAND: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr,
-                 TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, FAST_ACT: gl.constexpr,
-                 STORE_H: gl.constexpr):
+                 GATED: gl.constexpr, ACT: gl.constexpr, STORE_H: gl.constexpr):
     """MMA warps: each tile's steps (``ws_tile_steps``), then the bias and the store of the
     tile's rows inside the expert (``_store_output``). Where it writes h beside act(h) by
     TMA, h's up half goes through the B slot of the tile's last step (as big as
     ``out_buf`` where BLOCK_K is half BLOCK_M), held back from the copies until that store
     has read it: three stores then never wait for the copy just started."""
     NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
-    HOLD: gl.constexpr = STORE_H and TMA_STORE and 2 * BLOCK_K == BLOCK_M
+    HOLD: gl.constexpr = STORE_H and 2 * BLOCK_K == BLOCK_M
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, WARPS)
     tile_end, n_tiles, k_steps, total = _schedule(offsets_ptr, E, LK, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS,
                                                   WARPS)
@@ -521,15 +510,14 @@ def _ws_consumer(a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr,
             h_buf = reinterpret_shared(b_ring.index(held), out_buf.dtype, out_buf.shape, out_buf.layout)
             # A sentinel tile has no step, so no slot held: it stores from registers.
             _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end, n0, N, stride_om,
-                          stride_hm, alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H, h_buf, grp < E)
+                          stride_hm, alpha, limit, GATED, ACT, STORE_H, h_buf, grp < E)
             tma.store_wait(1)  # h's up half is read (act(h)'s copy may run on) ...
             cta_barrier()  # ... before the slot goes back to the copies
             mbarrier.arrive(empty.index(held), pred=(grp < E) & (k_steps > 0))
         else:
             _store_output(out_ptr, out_desc, out_buf, h_ptr, h_desc, acc, row0, row_end, n0, N, stride_om, stride_hm,
-                          alpha, limit, TMA_STORE, GATED, ACT, FAST_ACT, STORE_H)
-    if TMA_STORE:
-        tma.store_wait(0)
+                          alpha, limit, GATED, ACT, STORE_H)
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -540,8 +528,8 @@ def _row_gemm_ws_kernel(
     GATHER_A: gl.constexpr, HAS_BIAS: gl.constexpr, B_KMAJOR: gl.constexpr, GROUPS: gl.constexpr,
     BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    A_OFFSETS_32: gl.constexpr, TMA_STORE: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-    FAST_ACT: gl.constexpr, STORE_H: gl.constexpr, num_warps: gl.constexpr,
+    A_OFFSETS_32: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, STORE_H: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """``_row_gemm_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the A and B
     tiles into the ring (``a_src`` a TMA descriptor of A, or A's pointer when its rows are
@@ -557,22 +545,20 @@ def _row_gemm_ws_kernel(
     a_ready = slot_barriers(NUM_STAGES, PRODUCER_WARPS * 32 if GATHER_A else 1)
     b_ready = slot_barriers(NUM_STAGES, 1)
     empty = slot_barriers(NUM_STAGES, 1)
-    out_desc, out_buf = partition_output(out_desc, dtype, TMA_STORE, b_desc, b_ring)
+    out_buf = output_buffer(out_desc, dtype, True)
     # h's pointer and descriptor where the epilogue writes h beside act(h), else stand-ins
     # it never writes through: a partition's arguments cannot be None.
     if STORE_H:
         h_out = h_ptr
-    else:
-        h_out = out_ptr
-    if STORE_H and TMA_STORE:
         h_out_desc = h_desc
     else:
+        h_out = out_ptr
         h_out_desc = out_desc
     gl.warp_specialize([
         (_ws_consumer, (a_ring, b_ring, a_ready, b_ready, empty, bias_ptr, offsets_ptr, out_ptr, out_desc, out_buf,
                         h_out, h_out_desc, LK, E, N, K, stride_bias, stride_om, stride_hm, alpha, limit, GATHER_A,
-                        HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, TMA_STORE, GATED, ACT,
-                        FAST_ACT, STORE_H)),
+                        HAS_BIAS, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, GATED, ACT,
+                        STORE_H)),
         (_ws_producer, (a_src, b_desc, a_row_ids_ptr, offsets_ptr, a_ring, b_ring, a_ready, b_ready, empty, LK, E, N,
                         K, stride_am, GATHER_A, B_KMAJOR, GROUPS, BAND, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS,
                         True, True, A_OFFSETS_32, ACT >= 0)),
@@ -623,18 +609,17 @@ def applies_gated_epilogue(a: torch.Tensor, b: torch.Tensor, bias, out: torch.Te
 
 
 def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmTile = TILE,
-                    warp_specialize: bool = True, band: Optional[int] = None, tma_store: bool = True,
-                    epilogue: Optional[GatedEpilogue] = None, h: Optional[torch.Tensor] = None):
+                    warp_specialize: bool = True, epilogue: Optional[GatedEpilogue] = None,
+                    h: Optional[torch.Tensor] = None):
     """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) over every routed row, B an expert
     weight stack in ``transposed`` layout (``layouts``), as
     ``triton_experts.launch_gathered_gemm``; ``tile`` is (M, N, K block, warps, stages)
-    with M = 16 * warps; ``warp_specialize`` picks ``_row_gemm_ws_kernel``; ``band`` is the
-    tile order's band of m-tiles (``grouped_gemm.banded``), ``settings.row_band`` by
-    default; ``tma_store``: tiles whose rows are all inside their expert are stored by TMA
-    (``_store_tile``). With an ``epilogue`` (where ``applies_gated_epilogue``) out is
-    act(A @ B_e), half the GEMM's columns, and ``h``, where given, receives A @ B_e
-    itself (all N columns) from the same epilogue."""
-    band = settings.current().row_band if band is None else band
+    with M = 16 * warps; ``warp_specialize`` picks ``_row_gemm_ws_kernel``
+    (``config.row_gemm_warp_specialized``). The tiles go in bands of ``config.ROW_BAND``
+    m-tiles (``grouped_gemm.banded``); those whose rows are all inside their expert are
+    stored by TMA (``_store_tile``). With an ``epilogue`` (where
+    ``applies_gated_epilogue``) out is act(A @ B_e), half the GEMM's columns, and ``h``,
+    where given, receives A @ B_e itself (all N columns) from the same epilogue."""
     if h is not None and epilogue is None:
         raise ValueError("moeblaze gluon row GEMM: h beside the output needs a gated epilogue")
     if tile.block_m != 16 * tile.num_warps or tile.num_stages < 3:
@@ -653,14 +638,13 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
     grid = (gg.num_programs(a.device, max_tiles),)
     # Tiles are stored a column half at a time (a paired tile's act(h) is one half).
     out_box = [1, tile.block_m, tile.block_n // 2]
-    out_desc = host_descriptor(out.unsqueeze(0), out_box) if tma_store else None
-    h_desc = host_descriptor(h.unsqueeze(0), out_box) if tma_store and h is not None else None
+    out_desc = host_descriptor(out.unsqueeze(0), out_box)
+    h_desc = host_descriptor(h.unsqueeze(0), out_box) if h is not None else None
     act_scalars = (float(epilogue.alpha), float(epilogue.limit)) if epilogue is not None else (0.0, 0.0)
-    common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=gg.next_power_of_2(E + 1), BAND=band,
-                  BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
-                  TMA_STORE=tma_store, GATED=acts.gated if epilogue is not None else None,
-                  ACT=int(epilogue.activation) if epilogue is not None else -1,
-                  FAST_ACT=bool(epilogue.fast) if epilogue is not None else False, STORE_H=h is not None)
+    common = dict(HAS_BIAS=bias is not None, B_KMAJOR=kmajor, GROUPS=gg.next_power_of_2(E + 1),
+                  BAND=config.ROW_BAND, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                  NUM_STAGES=tile.num_stages, GATED=acts.gated if epilogue is not None else None,
+                  ACT=int(epilogue.activation) if epilogue is not None else -1, STORE_H=h is not None)
     strides = (a.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0),
                h.stride(0) if h is not None else 0)
     if warp_specialize:

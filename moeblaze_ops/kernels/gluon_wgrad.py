@@ -4,22 +4,19 @@
 ``triton_experts_backward._wgrad_kernel``, the portable path): A row-ordered ([L*K, P]: dH,
 or w * act(h)), B gathered token rows ([*, Q]: x, or the output gradient), one [P, Q]
 block per expert. The reduction runs over the expert's own rows, so both operands are
-loaded along it: each [BLOCK_R, .] tile by cp.async (16 bytes per thread, rows past the
-expert's end zero-filled, B's rows gathered through ``row_ids``) into a ring of
-``NUM_STAGES`` shared-memory slots, while the tensor cores run the previous steps'
-asynchronous ``warpgroup_mma``. A^T is the MMA's left operand as a transposed view of the
-[BLOCK_R, BLOCK_P] tile: no register transpose. ``_wgrad_ws_kernel`` is the same product
-warp-specialised: a copy warpgroup fills the ring, the MMA warpgroups only wait, multiply
-and store. ``_wgrad_rows_tma_kernel`` is the same product with the roles turned: the
-gathered rows are the MMA's left operand (the 128-wide side, by cp.async) and the
-row-ordered operand its right one (the 256-wide side), read by TMA in every step that
-lies inside the expert, so two thirds of the bytes travel by the copy engine and the
-threads copy a third; the expert's last, partial step stays a masked cp.async, since
-the next expert's rows may hold anything and 0 * inf would reach this expert's sum.
-``_wgrad_rows_tma_ws_kernel`` is that kernel warp-specialised: a copy warpgroup gathers
-the rows and starts the row-ordered tiles' TMA, the MMA warpgroups run the row GEMM's step
-loop (``gluon_row_gemm.ws_tile_steps``) and store each tile by TMA beside the next tile's
-MMAs.
+loaded along it into a ring of ``NUM_STAGES`` shared-memory slots, while the tensor cores
+run the previous steps' asynchronous ``warpgroup_mma``.
+
+``_wgrad_rows_tma_ws_kernel`` is warp-specialised: a copy warpgroup fills the ring and
+the MMA warpgroups only wait, multiply and store. The gathered rows are the MMA's left
+operand (the 128-wide side, gathered by 16-byte cp.async copies through ``row_ids``) and
+the row-ordered operand its right one (the 256-wide side), read by TMA in every step that
+lies inside the expert, so two thirds of the bytes travel by the copy engine; the
+expert's last, partial step stays a masked cp.async, since the next expert's rows may
+hold anything and 0 * inf would reach this expert's sum. The MMA warps run the row
+GEMM's step loop (``gluon_row_gemm.ws_tile_steps``) and store each tile by TMA beside the
+next tile's MMAs. This is the variant that won every measured shape (see
+docs/performance.md).
 
 Applies to 16-bit CUDA tensors on capability 9 whose column counts and row strides are
 multiples of 16 elements (the 16-byte copies must not straddle a mask edge); everything
@@ -34,33 +31,26 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from .. import settings
-from ..settings import GemmTile
 from . import grouped_gemm as gg
-from .gluon_common import (async_load, banded, copy_layout, copy_tma_ring, cta_barrier, host_descriptor, on_hopper,
-                           output_buffer, partition_output, row_offsets_fit_32, slot_barriers, store_pieces,
-                           store_tile_by_tma, tma_load, wgmma_acc_layout)
+from .config import GemmTile
+from .gluon_common import (async_load, copy_layout, host_descriptor, on_hopper, partition_output,
+                           row_offsets_fit_32, slot_barriers, store_pieces, store_tile_by_tma, tma_load,
+                           wgmma_acc_layout)
 from .gluon_row_gemm import ws_tile_steps
 from .launch import launch
 
-#: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 rows of the
-#: reduction per step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
-TILE = GemmTile(128, 256, 64, 8, 4)
-#: The tile of ``_wgrad_rows_tma_kernel``: 256 P (the row-ordered operand's features, by
-#: TMA) x 128 Q (the gathered rows' features, 16 rows per warp) per program.
-ROWS_TMA_TILE = GemmTile(256, 128, 64, 8, 4)
-#: The register file of one SM (sm_90): a tile with several programs per SM caps each
-#: thread's registers to share it.
-REGISTERS_PER_SM = 65536
-#: (warps, registers per thread) of the warp-specialised kernel's copy warpgroup (its
-#: threads each copy 16-byte pieces of both operands and hold their row offsets).
+#: The tile: 256 P (the row-ordered operand's features, by TMA) x 128 Q (the gathered
+#: rows' features: 16 rows per MMA warp) per program, 64 rows of the reduction per step,
+#: 4 slots of 48 KB.
+TILE = GemmTile(256, 128, 64, 8, 4)
+#: (warps, registers per thread) of the copy warpgroup (its threads each copy 16-byte
+#: pieces of the gathered rows and hold their row offsets).
 PRODUCER = (4, 88)
-#: Registers a thread of the second MMA partition where ``_wgrad_rows_tma_ws_kernel``
-#: runs two (a [64, 256] accumulator and its TMA-store epilogue); the first takes what the
-#: other partitions leave.
+#: Registers a thread of the second MMA partition where the MMA warpgroups run as two
+#: (a [64, 256] accumulator and its TMA-store epilogue); the first takes what the other
+#: partitions leave.
 MMA_GROUP_REGS = 208
 
 
@@ -112,27 +102,17 @@ def _copy_gathered(slot, g_src, g_offs, g_cols, r0, hi, BLOCK_R: gl.constexpr):
 
 
 @gluon.jit
-def _issue_step(rows_ptr, gathered_ptr, g_offs, a_slot, b_slot, r0, hi, p0, q0, P, Q, stride_rm,
-                BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
-    """Starts the copies of reduction step [r0, r0 + BLOCK_R) into one ring slot: A
-    [BLOCK_R, BLOCK_P] and B [BLOCK_R, BLOCK_Q], B's rows at offsets ``g_offs``
-    (``_gathered_offsets``)."""
-    _copy_rows(a_slot, rows_ptr, r0, hi, p0, P, stride_rm, BLOCK_P, BLOCK_R, num_warps)
-    g_src, g_cols = _gathered_columns(gathered_ptr, q0, Q, BLOCK_Q, BLOCK_R, num_warps)
-    _copy_gathered(b_slot, g_src, g_offs, g_cols, r0, hi, BLOCK_R)
-
-
-@gluon.jit
-def _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BAND: gl.constexpr):
+def _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr):
     """(expert, first P, first Q, the expert's rows [lo, hi)) of output tile ``tile``: each
-    expert's [P, Q] tiles numbered in bands of ``BAND`` P-tiles (``banded``), so the
-    programs in flight at once share their A and B columns over the expert's rows in L2;
-    ``BAND`` = 1 numbers Q fastest along each P-tile."""
+    expert's [P, Q] tiles with Q fastest along each P-tile, so the programs in flight at
+    once share the row-ordered operand's columns over the expert's rows in L2 (bands of
+    several P-tiles measured no faster; see docs/performance.md)."""
     p_tiles = gl.cdiv(P, BLOCK_P)
     q_tiles = gl.cdiv(Q, BLOCK_Q)
     e = tile // (p_tiles * q_tiles)
-    p, q = banded(tile % (p_tiles * q_tiles), p_tiles, q_tiles, BAND)
-    return e, p * BLOCK_P, q * BLOCK_Q, gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
+    within = tile % (p_tiles * q_tiles)
+    return (e, (within // q_tiles) * BLOCK_P, (within % q_tiles) * BLOCK_Q, gl.load(offsets_ptr + e),
+            gl.load(offsets_ptr + e + 1))
 
 
 @gluon.jit
@@ -167,72 +147,6 @@ def _drain(TMA_STORE: gl.constexpr):
 
 
 @gluon.jit
-def _wgrad_kernel(
-    rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr, out_desc,
-    E, P, Q,
-    stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
-    BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    # Ring of NUM_STAGES slots: step i in the MMA, step i - 1 possibly still in it (one
-    # asynchronous wgmma stays in flight), steps i + 1 .. i + AHEAD landing.
-    AHEAD: gl.constexpr = NUM_STAGES - 2
-    dtype: gl.constexpr = rows_ptr.dtype.element_ty
-    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_Q, num_warps)
-    a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_P],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_P], dtype))
-    b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
-    out_buf = output_buffer(out_desc, dtype, TMA_STORE)
-    total = E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q)
-    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
-        # The previous tile's MMAs (every warpgroup's) are done before its slots are refilled.
-        cta_barrier()
-        steps = gl.cdiv(hi - lo, BLOCK_R)
-        # One commit group per step, empty past the last, so that "all but AHEAD - 1 groups
-        # landed" always means "step i landed".
-        for i in gl.static_range(AHEAD):
-            if i < steps:
-                r0 = lo + i * BLOCK_R
-                _issue_step(rows_ptr, gathered_ptr,
-                            _gathered_offsets(row_ids_ptr, r0, hi, stride_gm, False, BLOCK_Q, BLOCK_R, num_warps),
-                            a_ring.index(i), b_ring.index(i), r0, hi, p0, q0, P, Q, stride_rm, BLOCK_P, BLOCK_Q,
-                            BLOCK_R, num_warps)
-            cp.commit_group()
-        # The gathered rows are loaded one step before their copies start, so the load's
-        # latency hides behind an MMA instead of stalling the copies.
-        offs = _gathered_offsets(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, stride_gm, False, BLOCK_Q, BLOCK_R,
-                                 num_warps)
-        acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
-        for i in range(steps):
-            cp.wait_group(AHEAD - 1)  # this thread's copies of step i have landed
-            # Every thread's copies of step i have landed, and every warpgroup's MMA of step
-            # i - 2 is done (each waited for it in the step before): its slot is free.
-            cta_barrier()
-            fence_async_shared()  # cp.async writes (generic proxy) before wgmma reads (async proxy)
-            slot = i % NUM_STAGES
-            acc = warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            nxt = i + AHEAD
-            if nxt < steps:
-                ns = nxt % NUM_STAGES
-                _issue_step(rows_ptr, gathered_ptr, offs, a_ring.index(ns), b_ring.index(ns), lo + nxt * BLOCK_R,
-                            hi, p0, q0, P, Q, stride_rm, BLOCK_P, BLOCK_Q, BLOCK_R, num_warps)
-            cp.commit_group()
-            offs = _gathered_offsets(row_ids_ptr, lo + (nxt + 1) * BLOCK_R, hi, stride_gm, False, BLOCK_Q, BLOCK_R,
-                                     num_warps)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _store_tile(out_ptr, out_desc, out_buf, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq, TMA_STORE,
-                    OUT_TRANSPOSED, STORE_PIECES)
-    _drain(TMA_STORE)
-
-
-# --------------------------------------------------------------------------- row-ordered operand by TMA
-
-
-@gluon.jit
 def _issue_rows_tma_step(rows_desc, rows_ptr, g_src, g_offs, g_cols, g_slot, r_slot, bar, r0, hi, p0, P, stride_rm,
                          BLOCK_P: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
     """Starts the copies of reduction step [r0, r0 + BLOCK_R) into one ring slot: the
@@ -253,159 +167,9 @@ def _issue_rows_tma_step(rows_desc, rows_ptr, g_src, g_offs, g_cols, g_slot, r_s
 
 
 @gluon.jit
-def _wgrad_rows_tma_kernel(
-    rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr, out_desc,
-    E, P, Q,
-    stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
-    BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr,
-    G_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
-):
-    # G_OFFSETS_32: the gathered operand's element offsets fit in 32 bits.
-    # The ring as in _wgrad_kernel (step i in the MMA, i - 1 possibly still in it, i + 1 ..
-    # i + AHEAD landing); each slot also has an mbarrier for its TMA bytes. ``step`` counts
-    # this program's steps over all its tiles: a slot's phase is how often it was filled.
-    AHEAD: gl.constexpr = NUM_STAGES - 2
-    dtype: gl.constexpr = rows_ptr.dtype.element_ty
-    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, num_warps)
-    g_ring, r_ring, bars = copy_tma_ring(dtype, rows_desc, NUM_STAGES, BLOCK_R, BLOCK_Q)
-    out_buf = output_buffer(out_desc, dtype, TMA_STORE)
-    total = E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q)
-    step = 0
-    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
-        cta_barrier()  # the previous tile's MMAs (every warpgroup's) are done before its slots are refilled
-        steps = gl.cdiv(hi - lo, BLOCK_R)
-        g_src, g_cols = _gathered_columns(gathered_ptr, q0, Q, BLOCK_Q, BLOCK_R, num_warps)
-        for i in gl.static_range(AHEAD):
-            if i < steps:
-                r0 = lo + i * BLOCK_R
-                slot = (step + i) % NUM_STAGES
-                _issue_rows_tma_step(rows_desc, rows_ptr, g_src,
-                                     _gathered_offsets(row_ids_ptr, r0, hi, stride_gm, G_OFFSETS_32, BLOCK_Q, BLOCK_R,
-                                                       num_warps),
-                                     g_cols, g_ring.index(slot), r_ring.index(slot), bars.index(slot), r0, hi, p0, P,
-                                     stride_rm, BLOCK_P, BLOCK_R, num_warps)
-            cp.commit_group()
-        offs = _gathered_offsets(row_ids_ptr, lo + AHEAD * BLOCK_R, hi, stride_gm, G_OFFSETS_32, BLOCK_Q, BLOCK_R,
-                                 num_warps)
-        acc = gl.zeros([BLOCK_Q, BLOCK_P], gl.float32, acc_layout)
-        for i in range(steps):
-            slot = step % NUM_STAGES
-            cp.wait_group(AHEAD - 1)  # this thread's cp.async copies of step i have landed
-            mbarrier.wait(bars.index(slot), (step // NUM_STAGES) & 1)  # ... and the TMA bytes
-            cta_barrier()  # every thread's copies landed; every warpgroup's MMA of step i - 2 is done
-            fence_async_shared()
-            acc = warpgroup_mma(g_ring.index(slot).permute((1, 0)), r_ring.index(slot), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            nxt = i + AHEAD
-            if nxt < steps:
-                ns = (step + AHEAD) % NUM_STAGES
-                _issue_rows_tma_step(rows_desc, rows_ptr, g_src, offs, g_cols, g_ring.index(ns), r_ring.index(ns),
-                                     bars.index(ns), lo + nxt * BLOCK_R, hi, p0, P, stride_rm, BLOCK_P, BLOCK_R,
-                                     num_warps)
-            cp.commit_group()
-            offs = _gathered_offsets(row_ids_ptr, lo + (nxt + 1) * BLOCK_R, hi, stride_gm, G_OFFSETS_32, BLOCK_Q,
-                                     BLOCK_R, num_warps)
-            step += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        # acc is this tile's [Q, P] block: stored through out's strides in that order.
-        _store_tile(out_ptr, out_desc, out_buf, acc, e, q0, p0, Q, P, stride_oe, stride_oq, stride_op, TMA_STORE,
-                    OUT_TRANSPOSED, STORE_PIECES)
-    _drain(TMA_STORE)
-
-
-# --------------------------------------------------------------------------- warp-specialised
-
-
-@gluon.jit
-def _wgrad_ws_producer(rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, a_ring, b_ring, ready, empty, E, P, Q,
-                       stride_rm, stride_gm, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr,
-                       BAND: gl.constexpr, WARPS: gl.constexpr):
-    """The copy warpgroup: for every reduction step of this program's tiles, wait until
-    the MMA has released the step's ring slot, copy A and the gathered B rows into it by
-    cp.async (rows past the expert's end zero-filled), and arrive on the slot's ``ready``
-    once this thread's copies have landed."""
-    NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
-    step = 0
-    for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
-        _, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
-        for r0 in range(lo, hi, BLOCK_R):
-            slot = step % NUM_STAGES
-            # A fresh barrier has completed no phase: the first pass over the ring waits for nothing.
-            mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
-            _issue_step(rows_ptr, gathered_ptr,
-                        _gathered_offsets(row_ids_ptr, r0, hi, stride_gm, False, BLOCK_Q, BLOCK_R, WARPS),
-                        a_ring.index(slot), b_ring.index(slot), r0, hi, p0, q0, P, Q, stride_rm, BLOCK_P, BLOCK_Q,
-                        BLOCK_R, WARPS)
-            cp.mbarrier_arrive(ready.index(slot), increment_count=False)
-            step += 1
-
-
-@gluon.jit
-def _wgrad_ws_consumer(a_ring, b_ring, ready, empty, offsets_ptr, out_ptr, E, P, Q, stride_oe, stride_op, stride_oq,
-                       BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, BAND: gl.constexpr,
-                       num_warps: gl.constexpr):
-    """The MMA warpgroups: for every reduction step, wait for its copies, run the
-    asynchronous wgmma on A^T (a transposed view of the slot) and B, and release the slot
-    of the step before once its wgmma is done; then store the expert's [P, Q] tile."""
-    NUM_STAGES: gl.constexpr = a_ring.type.shape[0]
-    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_Q, num_warps)
-    step = 0
-    for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
-        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
-        acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
-        for r0 in range(lo, hi, BLOCK_R):
-            slot = step % NUM_STAGES
-            mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
-            # cp.async wrote the slot through the generic proxy; wgmma reads through the async one.
-            fence_async_shared()
-            acc = warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            cta_barrier()  # both warpgroups' wgmma of the step before are done: release its slot
-            mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=r0 > lo)
-            step += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        cta_barrier()
-        mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=hi > lo)
-        _store_expert_tile(out_ptr, acc, e, p0, q0, P, Q, stride_oe, stride_op, stride_oq)
-
-
-@gluon.jit
-def _wgrad_ws_kernel(
-    rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr,
-    E, P, Q,
-    stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
-    BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    BAND: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-):
-    """``_wgrad_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy both operands by
-    cp.async into the ring, the ``num_warps`` others run the wgmma and store. Each ring
-    slot has two mbarriers: ``ready`` (every copy thread's copies landed) and ``empty``
-    (the MMA is done with it)."""
-    dtype: gl.constexpr = rows_ptr.dtype.element_ty
-    a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_P],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_P], dtype))
-    b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
-    ready = slot_barriers(NUM_STAGES, PRODUCER_WARPS * 32)
-    empty = slot_barriers(NUM_STAGES, 1)
-    gl.warp_specialize([
-        (_wgrad_ws_consumer, (a_ring, b_ring, ready, empty, offsets_ptr, out_ptr, E, P, Q, stride_oe, stride_op,
-                              stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, BAND, num_warps)),
-        (_wgrad_ws_producer, (rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, a_ring, b_ring, ready, empty, E, P,
-                              Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q, BLOCK_R, BAND, PRODUCER_WARPS)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
-
-
-# --------------------------------------------------------------------------- warp-specialised, rows by TMA
-
-
-@gluon.jit
 def _wgrad_rows_tma_ws_producer(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring, r_ring, ready,
                                 empty, E, P, Q, stride_rm, stride_gm, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
-                                BLOCK_R: gl.constexpr, BAND: gl.constexpr, WARPS: gl.constexpr,
-                                G_OFFSETS_32: gl.constexpr):
+                                BLOCK_R: gl.constexpr, WARPS: gl.constexpr, G_OFFSETS_32: gl.constexpr):
     """The copy warpgroup of ``_wgrad_rows_tma_ws_kernel``: for every reduction step of this
     program's tiles, wait until the MMA has released the step's ring slot, then start its
     copies (``_issue_rows_tma_step``), each thread arriving on the slot's ``ready`` once its
@@ -414,7 +178,7 @@ def _wgrad_rows_tma_ws_producer(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, 
     NUM_STAGES: gl.constexpr = g_ring.type.shape[0]
     step = 0
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
-        _, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+        _, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q)
         g_src, g_cols = _gathered_columns(gathered_ptr, q0, Q, BLOCK_Q, BLOCK_R, WARPS)
         offs = _gathered_offsets(row_ids_ptr, lo, hi, stride_gm, G_OFFSETS_32, BLOCK_Q, BLOCK_R, WARPS)
         for r0 in range(lo, hi, BLOCK_R):
@@ -433,7 +197,7 @@ def _wgrad_rows_tma_ws_producer(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, 
 @gluon.jit
 def _wgrad_rows_tma_ws_consumer(g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P, Q,
                                 stride_oe, stride_op, stride_oq, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
-                                BLOCK_R: gl.constexpr, BAND: gl.constexpr, TMA_STORE: gl.constexpr,
+                                BLOCK_R: gl.constexpr, TMA_STORE: gl.constexpr,
                                 OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr, WARPS: gl.constexpr,
                                 GROUP: gl.constexpr = 0, GROUPS: gl.constexpr = 1):
     """MMA warps of ``_wgrad_rows_tma_ws_kernel``: each tile's steps
@@ -446,7 +210,7 @@ def _wgrad_rows_tma_ws_consumer(g_ring, r_ring, ready, empty, offsets_ptr, out_p
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, WARPS)
     step = 0
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
-        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q, BAND)
+        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q)
         acc = gl.zeros([ROWS, BLOCK_P], gl.float32, acc_layout)
         # An empty expert's tile has no steps: its gradient is the zeros stored below.
         acc, step = ws_tile_steps(acc, step, gl.cdiv(hi - lo, BLOCK_R), g_ring, r_ring, ready, ready, empty, True,
@@ -462,18 +226,19 @@ def _wgrad_rows_tma_ws_kernel(
     E, P, Q,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
-    BAND: gl.constexpr, TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr,
+    TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, MMA_GROUPS: gl.constexpr, MMA_REGS: gl.constexpr,
     G_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """``_wgrad_rows_tma_kernel`` warp-specialised: ``PRODUCER_WARPS`` warps copy the
-    gathered rows by cp.async and start the row-ordered tiles' TMA, the MMA warps run the
-    wgmma and store, a tile's TMA store running beside the next tile's MMAs. Each ring slot
-    has two mbarriers: ``ready`` (every copy thread's cp.async copies and the TMA bytes
-    landed) and ``empty`` (the MMA is done with it). ``MMA_GROUPS`` 1: the ``num_warps``
-    MMA warps are one partition; 2: two partitions of ``num_warps`` (a warpgroup each,
-    the second with ``MMA_REGS`` registers a thread), each over half the tile's Q rows
-    (``out_desc``'s box is such a half's)."""
+    """The weight gradient: ``PRODUCER_WARPS`` warps gather the rows by cp.async and start
+    the row-ordered tiles' TMA, the MMA warps run the wgmma (the gathered rows' slot as the
+    transposed left operand, the row-ordered tile as the right one) and store each [Q, P]
+    tile, by TMA where ``TMA_STORE`` (running beside the next tile's MMAs), else from
+    registers. Each ring slot has two mbarriers: ``ready`` (every copy thread's cp.async
+    copies and the TMA bytes landed) and ``empty`` (the MMA is done with it).
+    ``MMA_GROUPS`` 1: the ``num_warps`` MMA warps are one partition; 2: two partitions of
+    ``num_warps`` (a warpgroup each, the second with ``MMA_REGS`` registers a thread), each
+    over half the tile's Q rows (``out_desc``'s box is such a half's)."""
     dtype: gl.constexpr = rows_ptr.dtype.element_ty
     g_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_R, BLOCK_Q],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_Q], dtype))
@@ -487,11 +252,11 @@ def _wgrad_rows_tma_ws_kernel(
     if MMA_GROUPS == 1:
         gl.warp_specialize([
             (_wgrad_rows_tma_ws_consumer, (g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P,
-                                           Q, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, BAND,
+                                           Q, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R,
                                            TMA_STORE, OUT_TRANSPOSED, STORE_PIECES, num_warps)),
             (_wgrad_rows_tma_ws_producer, (rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring,
                                            r_ring, ready, empty, E, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
-                                           BLOCK_R, BAND, PRODUCER_WARPS, G_OFFSETS_32)),
+                                           BLOCK_R, PRODUCER_WARPS, G_OFFSETS_32)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
     else:
         # The second group stores through a buffer of its own: its TMA copies run on
@@ -499,14 +264,14 @@ def _wgrad_rows_tma_ws_kernel(
         _, second_buf = partition_output(out_desc, dtype, TMA_STORE, rows_desc, r_ring)
         gl.warp_specialize([
             (_wgrad_rows_tma_ws_consumer, (g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P,
-                                           Q, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, BAND,
+                                           Q, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R,
                                            TMA_STORE, OUT_TRANSPOSED, STORE_PIECES, num_warps, 0, MMA_GROUPS)),
             (_wgrad_rows_tma_ws_consumer, (g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, second_buf, E,
-                                           P, Q, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R, BAND,
+                                           P, Q, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R,
                                            TMA_STORE, OUT_TRANSPOSED, STORE_PIECES, num_warps, 1, MMA_GROUPS)),
             (_wgrad_rows_tma_ws_producer, (rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring,
                                            r_ring, ready, empty, E, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
-                                           BLOCK_R, BAND, PRODUCER_WARPS, G_OFFSETS_32)),
+                                           BLOCK_R, PRODUCER_WARPS, G_OFFSETS_32)),
         ], [num_warps, PRODUCER_WARPS], [MMA_REGS, PRODUCER_REGS])
 
 
@@ -521,17 +286,14 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
             and rows.data_ptr() % 16 == 0 and gathered.data_ptr() % 16 == 0)
 
 
-def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile, rows_tma: bool, pieces: int = 2,
-                       mma_groups: int = 1):
+def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile, pieces: int = 2, mma_groups: int = 1):
     """``(descriptor, transposed)`` for ``gluon_common.store_by_tma``: the weight gradient as
-    the kernel's [E, M, N] accumulator tiles lie in it ([E, Q, P] for the rows-TMA kernel,
-    [E, P, Q] for the others), or as [E, N, M] (``transposed``) where M is the contiguous
-    dimension, with a box of a tile's ``pieces``-th part (``gluon_common.store_pieces``) of
-    an MMA group's M rows (``mma_groups``); ``(None, False)`` where TMA cannot write it (the
-    kernel then stores from registers, in its one compiled form for that)."""
-    acc_view = grad_w_pq.transpose(1, 2) if rows_tma else grad_w_pq
-    m, n = (tile.block_n, tile.block_m) if rows_tma else (tile.block_m, tile.block_n)
-    m //= mma_groups
+    the kernel's [E, Q, P] accumulator tiles lie in it, or as [E, P, Q] (``transposed``)
+    where Q is the contiguous dimension, with a box of a tile's ``pieces``-th part
+    (``gluon_common.store_pieces``) of an MMA group's Q rows (``mma_groups``);
+    ``(None, False)`` where TMA cannot write it (the kernel then stores from registers)."""
+    acc_view = grad_w_pq.transpose(1, 2)
+    m, n = tile.block_n // mma_groups, tile.block_m
     transposed = acc_view.stride(2) != 1
     view = acc_view.transpose(1, 2) if transposed else acc_view
     if view.stride(2) != 1 or view.data_ptr() % 16 or any(s * view.element_size() % 16 for s in view.stride()[:2]):
@@ -541,63 +303,41 @@ def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile, rows_tma: bool, 
 
 
 def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[GemmTile] = None,
-                 warp_specialize: bool = False, band: Optional[int] = None, rows_tma: bool = False,
-                 tma_store: bool = False, split_mma: bool = False):
-    """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring).
+                 split_mma: bool = False):
+    """``grad_w_pq[e] = rows_e^T @ gathered[row_ids_e]`` (see the module docstring), on
+    ``_wgrad_rows_tma_ws_kernel``.
 
-    ``tile`` is (P block, Q block, R block, warps, stages[, programs per SM, registers
-    then capped to fit]), ``ROWS_TMA_TILE`` or ``TILE`` by default. ``rows_tma`` picks
-    ``_wgrad_rows_tma_kernel`` (Q block = 16 * warps), or with ``warp_specialize``
-    ``_wgrad_rows_tma_ws_kernel``; else ``warp_specialize`` picks ``_wgrad_ws_kernel`` and
-    its absence ``_wgrad_kernel`` (P block = 16 * warps).
-    ``band`` is the tile order's band of P tiles (``_wgrad_tile``), ``settings.wgrad_band``
-    by default. ``tma_store``: the kernel (not ``_wgrad_ws_kernel``) writes its tiles by TMA
-    copies that run on during the next tile (``gluon_common.store_by_tma``), where TMA
-    can write the gradient and each program has a next tile; whole where the tile fits
-    beside the ring, else in halves (``gluon_common.store_pieces``). ``split_mma``: where
-    the kernel is ``_wgrad_rows_tma_ws_kernel`` on 8 MMA warps, its two MMA warpgroups run
-    as partitions of their own, each over half the tile, releasing the ring's slots
-    without waiting for each other."""
+    ``tile`` is (P block, Q block = 16 * warps, R block, warps, stages), ``TILE`` by
+    default; one program runs per SM whatever its ``programs_per_sm`` (the partitions'
+    registers fill an SM's file). Each output tile is stored by TMA copies that run on
+    during the next tile (``gluon_common.store_by_tma``), whole where the tile fits beside
+    the ring, else in halves (``gluon_common.store_pieces``); from registers where TMA
+    cannot write the gradient or a program has no next tile. ``split_mma``
+    (``config.wgrad_split_mma``): on 8 MMA warps, the two MMA warpgroups run as partitions
+    of their own, each over half the tile, releasing the ring's slots without waiting for
+    each other."""
     if grad_w_pq.numel() == 0:
         return
-    band = settings.current().wgrad_band if band is None else band
-    rows_tma = rows_tma and rows.shape[0] > 0  # (a TMA descriptor needs rows to describe)
-    tile = tile or (ROWS_TMA_TILE if rows_tma else TILE)
-    mma_rows = tile.block_n if rows_tma else tile.block_m  # the MMA's M: 16 rows per warp
-    if mma_rows != 16 * tile.num_warps or tile.num_stages < 3:
-        side = "block_n" if rows_tma else "block_m"
-        raise ValueError(f"moeblaze gluon weight gradient: {side} must be 16 * num_warps and num_stages at least 3, "
+    if rows.shape[0] == 0:  # no rows for a TMA descriptor to describe: every expert's sum is empty
+        grad_w_pq.zero_()
+        return
+    tile = tile or TILE
+    if tile.block_n != 16 * tile.num_warps or tile.num_stages < 3:
+        raise ValueError(f"moeblaze gluon weight gradient: block_n must be 16 * num_warps and num_stages at least 3, "
                          f"got {tile}")
-    mma_groups = 2 if split_mma and rows_tma and warp_specialize and tile.num_warps == 8 else 1
+    mma_groups = 2 if split_mma and tile.num_warps == 8 else 1
     E, P, Q = grad_w_pq.shape
     tiles = E * gg.cdiv(P, tile.block_m) * gg.cdiv(Q, tile.block_n)
-    args = (gathered, row_ids, offsets, grad_w_pq, E, P, Q, rows.stride(0), gathered.stride(0), *grad_w_pq.stride())
-    blocks = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
-                  BAND=band, num_warps=tile.num_warps)
-    grid = (gg.num_programs(rows.device, tiles, tile.programs_per_sm),)
-    if tile.programs_per_sm > 1:  # registers capped so that that many programs fit an SM's file at once
-        blocks["maxnreg"] = REGISTERS_PER_SM // (tile.programs_per_sm * 32 * tile.num_warps) // 8 * 8
-    # ``_wgrad_ws_kernel`` stores from registers; a program with one tile has no next one
-    # to run its store beside.
-    tma_store = tma_store and (rows_tma or not warp_specialize) and tiles > grid[0]
+    grid = (gg.num_programs(rows.device, tiles),)
+    # A program with one tile has no next one to run its store beside.
+    tma_store = tiles > grid[0]
     pieces = store_pieces(tile, grad_w_pq.element_size(), grad_w_pq.device) if tma_store else 2
-    out_desc, out_transposed = (_output_descriptor(grad_w_pq, tile, rows_tma, pieces, mma_groups) if tma_store
+    out_desc, out_transposed = (_output_descriptor(grad_w_pq, tile, pieces, mma_groups) if tma_store
                                 else (None, False))
-    pipeline = dict(TMA_STORE=out_desc is not None, OUT_TRANSPOSED=out_transposed, STORE_PIECES=pieces)
-    if rows_tma:
-        block = [tile.block_k, tile.block_m]
-        rows_desc = host_descriptor(rows, block)
-        g_offsets_32 = row_offsets_fit_32(gathered)
-        if warp_specialize:
-            warps, regs = PRODUCER
-            launch(_wgrad_rows_tma_ws_kernel, grid, rows_desc, rows, *args[:4], out_desc, *args[4:],
-                   PRODUCER_WARPS=warps, PRODUCER_REGS=regs, MMA_GROUPS=mma_groups, MMA_REGS=MMA_GROUP_REGS,
-                   G_OFFSETS_32=g_offsets_32, **pipeline, **{**blocks, "num_warps": tile.num_warps // mma_groups})
-        else:
-            launch(_wgrad_rows_tma_kernel, grid, rows_desc, rows, *args[:4], out_desc, *args[4:], **pipeline,
-                   G_OFFSETS_32=g_offsets_32, **blocks)
-    elif warp_specialize:
-        warps, regs = PRODUCER
-        launch(_wgrad_ws_kernel, grid, rows, *args, PRODUCER_WARPS=warps, PRODUCER_REGS=regs, **blocks)
-    else:
-        launch(_wgrad_kernel, grid, rows, *args[:4], out_desc, *args[4:], **pipeline, **blocks)
+    warps, regs = PRODUCER
+    launch(_wgrad_rows_tma_ws_kernel, grid, host_descriptor(rows, [tile.block_k, tile.block_m]), rows, gathered,
+           row_ids, offsets, grad_w_pq, out_desc, E, P, Q, rows.stride(0), gathered.stride(0), *grad_w_pq.stride(),
+           BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
+           TMA_STORE=out_desc is not None, OUT_TRANSPOSED=out_transposed, STORE_PIECES=pieces,
+           PRODUCER_WARPS=warps, PRODUCER_REGS=regs, MMA_GROUPS=mma_groups, MMA_REGS=MMA_GROUP_REGS,
+           G_OFFSETS_32=row_offsets_fit_32(gathered), num_warps=tile.num_warps // mma_groups)

@@ -24,7 +24,6 @@ TMA descriptors and when they apply.
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Optional
 
 import torch
@@ -32,7 +31,8 @@ import triton
 import triton.language as tl
 
 from .. import settings
-from ..settings import GemmTile
+from . import config
+from .config import GemmTile
 from .launch import launch
 from .triton_activations import NUM_GATED
 
@@ -216,15 +216,16 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def fast_sigmoid(t: torch.Tensor, enabled: bool) -> bool:
-    """Whether kernels on tensors like ``t`` use the approximate-tanh sigmoid: where
-    ``enabled``, on CUDA, for 16-bit tensors (its error, 2^-11, is below their rounding)."""
-    return enabled and t.is_cuda and t.dtype != torch.float32
+def fast_sigmoid(t: torch.Tensor) -> bool:
+    """Whether kernels on tensors like ``t`` use the approximate-tanh sigmoid: on CUDA, for
+    16-bit tensors (its error, 2^-11, is below their rounding; one MUFU instruction instead
+    of an exponential and a division)."""
+    return t.is_cuda and t.dtype != torch.float32
 
 
 def tile_config(kind: str, t: torch.Tensor) -> GemmTile:
-    """The tile of GEMM ``kind`` on tensors like ``t`` (``settings.pick_tile``)."""
-    return settings.pick_tile(kind, t.dtype, t.device)
+    """The tile of GEMM ``kind`` on tensors like ``t`` (``config.pick_tile``)."""
+    return config.pick_tile(kind, t.dtype, t.device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,26 +248,31 @@ def launch_row_gemm(kernel, tile: GemmTile, dtype: torch.dtype, device: torch.de
     LK, E = kwargs["LK"], kwargs["E"]
     max_tiles = (cdiv(LK, tile.block_m) + E + 1) * cdiv(n_cols, tile.block_n)
     grid = (num_programs(device, max_tiles, tile.programs_per_sm),)
-    launch(kernel, grid, **kwargs, GROUPS=next_power_of_2(E + 1), BAND=settings.current().row_band,
+    launch(kernel, grid, **kwargs, GROUPS=next_power_of_2(E + 1), BAND=config.ROW_BAND,
            PRECISION=precision(dtype), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
            num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
-#: The module of each GEMM kind's Gluon kernel (``settings.gluon`` names the kinds that run it).
-_GLUON_MODULES = {"up": "gluon_row_gemm", "down": "gluon_row_gemm", "dh": "gluon_dh", "dx": "gluon_row_gemm",
-                  "wgrad_down": "gluon_wgrad", "wgrad_up": "gluon_wgrad"}
+def _import_gluon_module(kind: str):
+    """The module of GEMM ``kind``'s Gluon kernel (imported here, not at the top: Gluon exists
+    only in newer Triton releases, and only Hopper runs it)."""
+    if kind == "dh":
+        from . import gluon_dh as module
+    elif kind in ("wgrad_down", "wgrad_up"):
+        from . import gluon_wgrad as module
+    else:
+        from . import gluon_row_gemm as module
+    return module
 
 
 def gluon_module(kind: str, flop: int):
     """The Gluon kernel module GEMM ``kind`` of ``flop`` operations runs on CUDA, or None:
-    where ``settings.gluon`` names the kind and the GEMM has at least
-    ``settings.small_gemm_flop`` (the module is imported then, and never where this Triton
-    has no Gluon). The module's ``applies`` has the last word."""
-    config = settings.current()
-    if kind not in config.gluon or kind not in _GLUON_MODULES or flop < config.small_gemm_flop:
+    where ``config.runs_gluon`` says so (the module is imported then, and never where this
+    Triton has no Gluon). The module's ``applies`` has the last word."""
+    if not config.runs_gluon(kind, flop):
         return None
     try:
-        return importlib.import_module(f"{__package__}.{_GLUON_MODULES[kind]}")
+        return _import_gluon_module(kind)
     except ImportError:
         return None
 
@@ -293,12 +299,10 @@ def weight_tma_fits(strides, element_size: int, start_byte: Optional[int], tile:
 
 def weight_operand(w: torch.Tensor, stride_reduction: int, tile: GemmTile, kind: str, flop: int):
     """A weight as GEMM ``kind`` of ``flop`` operations reads its [block_k, block_n] B tiles:
-    ``(source, through_tma, reduction_contiguous)``; a 3-D TMA descriptor where ``kind`` is
-    in ``settings.weight_tma``, the GEMM has at least ``settings.small_gemm_flop`` and TMA
-    allows it, else the tensor."""
+    ``(source, through_tma, reduction_contiguous)``; a 3-D TMA descriptor where
+    ``config.reads_weight_by_tma`` says so and TMA allows it, else the tensor."""
     kmajor = stride_reduction == 1
-    config = settings.current()
-    if not (kind in config.weight_tma and flop >= config.small_gemm_flop
+    if not (config.reads_weight_by_tma(kind, flop)
             and weight_tma_fits(w.stride(), w.element_size(), w.data_ptr(), tile)):
         return w, False, kmajor
     block = [1, tile.block_n, tile.block_k] if kmajor else [1, tile.block_k, tile.block_n]

@@ -12,8 +12,7 @@ specialisation: two calls with equal keys have equal specialisations (the tests 
 this against Triton's own), so they run the same compiled kernel. A key not seen yet
 goes through the JIT once, which compiles or finds the kernel, launches it, and hands it
 over. Interpreted kernels (``TRITON_INTERPRET=1``), launch hooks (profilers such as
-Proton), argument kinds the key does not know, and ``settings.launch_plans`` off take
-the JIT's path every time. Triton's own debug switches (``triton.knobs``, ``TRITON_DEBUG``)
+Proton) and argument kinds the key does not know take the JIT's path every time. Triton's own debug switches (``triton.knobs``, ``TRITON_DEBUG``)
 are part of the JIT's key, not of a plan's: set them before the first launch.
 """
 
@@ -22,8 +21,6 @@ from __future__ import annotations
 import inspect
 
 import torch
-
-from .. import settings
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
@@ -153,7 +150,7 @@ def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, the JIT's work skipped where this call's key has
     a compiled kernel already (see the module's doc). ``grid`` is a tuple of ints."""
     sig = kernel_signature(kernel)
-    if sig is None or not settings.current().launch_plans:
+    if sig is None:
         kernel[grid](*args, **kwargs)
         return
     runtime = _runtime()

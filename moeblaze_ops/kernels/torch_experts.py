@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from .. import settings
 from ..activations import activation_backward, activation_forward, is_gated
 from ..layouts import expert_matrix, linear_dims
+from . import config
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -101,12 +101,12 @@ def _activated(h, activation, alpha, limit, interleaved):
 def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                               transposed, activation, interleaved, alpha, limit, always=False):
     """``(h, a)``: ``expert_up``'s h and, for a gated activation where
-    ``settings.activation_beside_h`` says so (any activation with ``always``), a = act(h)
+    ``config.activation_beside_h`` says so (any activation with ``always``), a = act(h)
     in h's dtype (as the Triton backend's epilogue writes it), else None."""
     h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
     E = linear_dims(w_gate_up, transposed)[0]
     if not (always or (is_gated(activation)
-                       and settings.current().activation_beside_h(h.shape[1] // 2, h.shape[0], E))):
+                       and config.activation_beside_h(h.shape[1] // 2, h.shape[0], E))):
         return h, None
     return h, _activated(h, activation, alpha, limit, interleaved)
 

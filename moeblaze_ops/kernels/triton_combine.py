@@ -98,13 +98,13 @@ def combine(rows, token_index_map, topk_weights, expert_offsets, out, E):
 
 def column_slabs(d: int, widest: int = 0) -> list[tuple[int, int]]:
     """The [c0, c1) column ranges the [L*K, d] scratch is made in: slabs of
-    ``settings.column_slab`` columns or, where ``settings.column_slab_widen`` lets them fit
-    ``widest`` columns (``widest_slab``), the fewest slabs of whole multiples of it that do,
-    each as narrow as that count allows (2048 columns within 1536: two of 1024, not 1536
-    and 512), so that the scratch is no wider than the launches need."""
-    config = settings.current()
-    slab = config.column_slab
-    if slab and config.column_slab_widen and widest > slab:
+    ``settings.column_slab`` columns or, where ``widest`` columns fit (``widest_slab``),
+    the fewest slabs of whole multiples of it that do, each as narrow as that count allows
+    (2048 columns within 1536: two of 1024, not 1536 and 512), so that the scratch is no
+    wider than the launches need. Wider slabs are fewer launches for the same memory peak
+    (see docs/performance.md)."""
+    slab = settings.current().column_slab
+    if slab and widest > slab:
         most = widest // slab * slab
         count = gg.cdiv(d, most)
         slab = gg.cdiv(gg.cdiv(d, count), slab) * slab

@@ -21,10 +21,10 @@ Ranking in flat order is what a stable sort does, so the result equals the porta
 kernel's bit for bit.
 
 How a program ranks its rows picks one of two kernel families for steps 1 and 3
-(``settings.dispatch_sorted_min_bins`` chooses by the number of bins):
+(``config.dispatch_family`` chooses by the number of bins):
 
 - one-hot tiles of ``SUB`` rows (few bins): O(E) work per row;
-- sorted chunks (many bins): the chunk is one block of ``settings.dispatch_sort_chunk``
+- sorted chunks (many bins): the chunk is one block of ``config.DISPATCH_SORT_CHUNK``
   rows whose (column, row) keys are sorted in registers; a row's rank is its distance to
   the start of its run of equal columns, and the last row of each run writes the run's
   length into the table. O(log^2 chunk) work per row, no barrier in the scatter; not a
@@ -32,7 +32,7 @@ How a program ranks its rows picks one of two kernel families for steps 1 and 3
   each row's column and rank in ``token_index_map``, and the scatter reads them there
   (one sort per chunk, not two, and no id loaded twice).
 
-A routing of at most ``settings.dispatch_one_program_max_rows`` rows (a small layer, where
+A routing of at most ``config.DISPATCH_ONE_PROGRAM_MAX_ROWS`` rows (a small layer, where
 the launches cost more than the work) is one sorted chunk in one program:
 ``_one_program_dispatch`` ranks, counts and places its rows in one launch, with no table.
 
@@ -53,8 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import settings
 from ..checks import id_value_messages, index_values_message
+from . import config
 from . import grouped_gemm as gg
 from .launch import launch
 
@@ -435,13 +435,13 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool, scan_ti
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    config = settings.current()
-    one_program = config.dispatch_one_program_max_rows is not None and LK <= config.dispatch_one_program_max_rows
-    sorted_ = one_program or (config.dispatch_sorted_min_bins is not None and BINS >= config.dispatch_sorted_min_bins)
+    family = config.dispatch_family(LK, BINS)
+    one_program = family == "one_program"
+    sorted_ = family != "one_hot"
     if one_program:
         chunk = max(16, gg.next_power_of_2(LK))
     else:
-        chunk = min(config.dispatch_sort_chunk, max(16, gg.next_power_of_2(LK))) if sorted_ else _chunk_size(LK)
+        chunk = min(config.DISPATCH_SORT_CHUNK, max(16, gg.next_power_of_2(LK))) if sorted_ else _chunk_size(LK)
     if sorted_ and (BINS + 2) * chunk > 2**31:
         raise ValueError(f"dispatch: {E} experts are too many for sorted chunks of {chunk} rows")
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)

@@ -7,9 +7,9 @@
 - The down projection, y[r] = act(h[r]) @ W_e (+ b_e): ``_activation_kernel`` writes
   a = act(h) once (a transient [L*K, I], half of h), and the gathered GEMM above runs on
   it without a gather, every operand from memory (faster than activating the A tiles in
-  the GEMM as they load: docs/perf-notes.md). Where no h
+  the GEMM as they load: see docs/performance.md). Where no h
   is needed after the forward, the up projection writes act(h) instead of h
-  (``expert_up_activated``); with ``settings.activation_beside_h``, beside it
+  (``expert_up_activated``); where ``config.activation_beside_h`` holds, beside it
   (``expert_up_with_activation``). The rows are then combined per token (``triton_combine``).
 """
 
@@ -21,6 +21,7 @@ import triton.language as tl
 from .. import settings
 from ..activations import activation_code, is_gated
 from ..layouts import linear_dims, linear_strides, out_feature_slice
+from . import config
 from . import grouped_gemm as gg
 from .launch import launch
 from .triton_activations import activate, is_gated_code
@@ -101,7 +102,7 @@ def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
     """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) over every routed row, with B an
     expert weight stack in ``transposed`` layout read as [E, in, out] (``layouts``);
     ``kind`` picks the tile, whether B comes through TMA, and the Gluon kernel where
-    ``settings.gluon`` names it and it applies."""
+    ``config.runs_gluon`` says so and it applies."""
     E, _, reduction = linear_dims(b, transposed)
     flop = 2 * out.numel() * reduction
     gluon = gg.gluon_kernels(kind, a, flop)
@@ -129,18 +130,16 @@ def _gluon_tile(gluon, kind):
 
 
 def _launch_on_gluon(gluon, kind, a, a_row_ids, b, bias, offsets, out, transposed, epilogue=None, h=None):
-    """``gluon.launch_row_gemm`` in the variant the settings pick for GEMM ``kind``: its
-    tile, warp-specialised by rows per expert, tiles stored by TMA or not. With an
+    """``gluon.launch_row_gemm`` in the variant the rules pick for GEMM ``kind``: its tile,
+    warp-specialised by rows per expert (``config.row_gemm_warp_specialized``). With an
     ``epilogue`` (``gluon_row_gemm.GatedEpilogue``) ``out`` is act(h), and ``h``, where
     given, receives h beside it."""
-    config = settings.current()
     E = linear_dims(b, transposed)[0]
     gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, _gluon_tile(gluon, kind),
-                          config.from_rows("gluon_warp_specialize", kind, out.shape[0], E),
-                          tma_store=config.row_tma_store, epilogue=epilogue, h=h)
+                          config.row_gemm_warp_specialized(out.shape[0], E), epilogue=epilogue, h=h)
 
 
-def launch_activation(h, a, act, interleaved, alpha, limit, fast):
+def launch_activation(h, a, act, interleaved, alpha, limit):
     """a = act(h) for every routed row (``_activation_kernel``): the activation pass, the
     down GEMM's A operand written once. ``act`` is an ``ActivationCode``."""
     LK, I = a.shape
@@ -150,7 +149,7 @@ def launch_activation(h, a, act, interleaved, alpha, limit, fast):
     launch(
         _activation_kernel, (gg.cdiv(LK, BLOCK_M), gg.cdiv(I, BLOCK_K)),
         h, a, LK, I, float(alpha), float(limit), h.stride(0), a.stride(0), ACT=int(act),
-        INTERLEAVED=interleaved, FAST_ACT=fast, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+        INTERLEAVED=interleaved, FAST_ACT=gg.fast_sigmoid(a), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
 
 
 def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed):
@@ -174,17 +173,16 @@ def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, toke
     a = gg.empty(LK, N // 2 if is_gated_code(act) else N, dtype=x.dtype, device=x.device)
     if LK == 0:
         return a
-    fast = gg.fast_sigmoid(a, settings.current().fast_activation)
     if _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert_offsets, a, transposed, act,
-                              interleaved, alpha, limit, fast):
+                              interleaved, alpha, limit):
         return a
     h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
-    launch_activation(h, a, act, interleaved, alpha, limit, fast)
+    launch_activation(h, a, act, interleaved, alpha, limit)
     return a
 
 
 def _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert_offsets, a, transposed, act,
-                           interleaved, alpha, limit, fast, h=None) -> bool:
+                           interleaved, alpha, limit, h=None) -> bool:
     """The up GEMM on Gluon with the activation ``act`` in its epilogue (act(h) into ``a``,
     h into ``h`` where given), where that applies (``gluon_row_gemm.applies_gated_epilogue``);
     returns whether it launched."""
@@ -194,13 +192,13 @@ def _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert
                                                          interleaved, _gluon_tile(gluon, "up"), h=h):
         return False
     _launch_on_gluon(gluon, "up", x, expert_token_indices, w_gate_up, None, expert_offsets, a, transposed,
-                     gluon.GatedEpilogue(int(act), float(alpha), float(limit), fast), h=h)
+                     gluon.GatedEpilogue(int(act), float(alpha), float(limit)), h=h)
     return True
 
 
 def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                               transposed, activation, interleaved, alpha, limit, always=False):
-    """``(h, a)``: ``expert_up``'s h and, where ``settings.activation_beside_h`` says so
+    """``(h, a)``: ``expert_up``'s h and, where ``config.activation_beside_h`` says so
     and the Gluon up GEMM's gated epilogue applies, ``a = act(h)`` ([L*K, I]) written by the
     same epilogue, for ``expert_down_activated``; elsewhere a is None (``expert_down``
     then runs the activation pass). With ``always`` (a compiled graph that planned for a)
@@ -210,21 +208,20 @@ def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets
     LK = expert_token_indices.shape[0]
     E, N, _ = linear_dims(w_gate_up, transposed)
     gated = is_gated_code(act)
-    if not (always or (LK and gated and settings.current().activation_beside_h(N // 2, LK, E))):
+    if not (always or (LK and gated and config.activation_beside_h(N // 2, LK, E))):
         return expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                          transposed), None
     h = gg.empty(LK, N, dtype=x.dtype, device=x.device)
     a = gg.empty(LK, N // 2 if gated else N, dtype=x.dtype, device=x.device)
     if LK == 0:
         return h, a
-    fast = gg.fast_sigmoid(a, settings.current().fast_activation)
     if gated and _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert_offsets, a, transposed,
-                                        act, interleaved, alpha, limit, fast, h=h):
+                                        act, interleaved, alpha, limit, h=h):
         return h, a
     launch_gathered_gemm(x, expert_token_indices, w_gate_up, b_gate_up, expert_offsets, h, transposed, "up")
     if not always:
         return h, None
-    launch_activation(h, a, act, interleaved, alpha, limit, fast)
+    launch_activation(h, a, act, interleaved, alpha, limit)
     return h, a
 
 
@@ -237,7 +234,7 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
         h = h.contiguous()
     _, _, I = linear_dims(w_down, transposed)
     a = gg.empty(h.shape[0], I, dtype=h.dtype, device=h.device)
-    launch_activation(h, a, act, interleaved, alpha, limit, gg.fast_sigmoid(h, settings.current().fast_activation))
+    launch_activation(h, a, act, interleaved, alpha, limit)
     return expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                                  b_down, transposed, gated=is_gated(activation))
 

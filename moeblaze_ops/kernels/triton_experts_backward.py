@@ -25,6 +25,7 @@ import triton.language as tl
 from .. import settings
 from ..activations import activation_code
 from ..layouts import in_feature_slice, linear_dims, linear_strides
+from . import config
 from . import grouped_gemm as gg
 from . import triton_activations as acts
 from .launch import launch
@@ -224,15 +225,12 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, *, kind):
     rows ``[offsets[e], offsets[e+1])``: ``rows`` is [L*K, P] in expert order, ``gathered``
     [*, Q] token rows, ``grad_w_pq`` an [E, P, Q] view of the weight gradient (any strides).
     ``kind`` ("wgrad_up" or "wgrad_down") picks the tile, and the Gluon kernel where
-    ``settings.gluon`` names it and it applies."""
+    ``config.runs_gluon`` says so and it applies."""
     E, P, Q = grad_w_pq.shape
     gluon = gg.gluon_kernels(kind, rows, 2 * rows.shape[0] * P * Q)
     if gluon is not None and gluon.applies(rows, gathered):
-        config = settings.current()
-        gluon.launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, config.tiles.get(kind),
-                           config.from_rows("gluon_warp_specialize", kind, rows.shape[0], E),
-                           rows_tma=config.from_rows("wgrad_rows_tma", kind, rows.shape[0], E),
-                           tma_store=config.wgrad_tma_store, split_mma=kind in config.wgrad_split_mma)
+        gluon.launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, settings.current().tiles.get(kind),
+                           split_mma=config.wgrad_split_mma(kind))
         return
     tile = gg.tile_config(kind, rows)
     tiles = E * gg.cdiv(P, tile.block_m) * gg.cdiv(Q, tile.block_n)
@@ -268,29 +266,15 @@ def _pq_view(grad_w, rows_are_outputs, transposed):
     return grad_w if kept else grad_w.transpose(1, 2)
 
 
-def _dh_is_wide(I):
-    """Whether dH of I intermediate columns is a wide layer's: from
-    ``settings.dh_wide_min_columns`` columns, unless ``settings.tiles`` overrides the "dh"
-    tile alone (it then applies at every width)."""
-    config = settings.current()
-    wide = config.dh_wide_min_columns is not None and I >= config.dh_wide_min_columns
-    return wide and not ("dh" in config.tiles and "dh_wide" not in config.tiles)
-
-
 def dh_tile(h, I):
-    """dH's ``tl`` tile for an h like ``h`` of I intermediate columns: the "dh_wide" kind's
-    for a wide layer (``_dh_is_wide``), else the "dh" kind's."""
-    return gg.tile_config("dh_wide" if _dh_is_wide(I) else "dh", h)
-
-
-def _epilogue_slices(block_n, columns):
-    """How many column slices dH's epilogue works through (``settings.dh_epilogue_columns``)."""
-    return 1 if columns is None else min(4, max(1, block_n // columns))
+    """dH's ``tl`` tile for an h like ``h`` of I intermediate columns: the tile of the kind
+    ``config.dh_tile_kind`` gives ("dh_wide" for a wide layer, else "dh")."""
+    return gg.tile_config(config.dh_tile_kind(I), h)
 
 
 def dh_gluon_module(grad_out, h, w_down, *, act, transposed, interleaved, has_bias):
     """The kernel dH runs on for these operands: ``kernels.gluon_dh`` where
-    ``settings.gluon`` names "dh" and it applies, else None (``_dh_kernel``, on
+    ``config.runs_gluon`` says so and it applies, else None (``_dh_kernel``, on
     ``dh_tile``)."""
     E, d, I = linear_dims(w_down, transposed)
     gluon = gg.gluon_kernels("dh", h, 2 * h.shape[0] * d * I)
@@ -315,12 +299,9 @@ def launch_dh(gluon, grad_out, h, w_down, eti, topk_weights, tim, offsets, b_dow
     these operands (a "dh" tile in ``settings.tiles`` is then its kernel's), or where it is
     None on ``_dh_kernel``."""
     E, d, I = linear_dims(w_down, transposed)
-    config = settings.current()
-    fast = gg.fast_sigmoid(h, config.dh_fast_activation)
     if gluon is not None:
         gluon.launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact, parts, act=int(act),
-                        transposed=transposed, alpha=alpha, limit=limit, fast_activation=fast, band=config.row_band,
-                        tile=config.tiles.get("dh"))
+                        transposed=transposed, alpha=alpha, limit=limit, tile=settings.current().tiles.get("dh"))
         return
     tile = dh_tile(h, I)
     # grad_out rows @ W_e as [d, I]: the forward's product transposed (reduction over d).
@@ -336,8 +317,8 @@ def launch_dh(gluon, grad_out, h, w_down, eti, topk_weights, tim, offsets, b_dow
         stride_hm=h.stride(0), stride_dhm=grad_h.stride(0), stride_wam=wact.stride(0) if wact is not None else 0,
         stride_tw0=topk_weights.stride(0), stride_tw1=topk_weights.stride(1), K=topk_weights.shape[1],
         ACT=int(act), INTERLEAVED=interleaved, HAS_BIAS=b_down is not None, WRITE_WACT=wact is not None,
-        W_TMA=w_tma, W_KMAJOR=w_kmajor, FAST_ACT=fast,
-        EPILOGUE_SPLIT=_epilogue_slices(tile.block_n, config.dh_epilogue_columns),
+        W_TMA=w_tma, W_KMAJOR=w_kmajor, FAST_ACT=gg.fast_sigmoid(h),
+        EPILOGUE_SPLIT=config.dh_epilogue_slices(tile.block_n),
     )
 
 
