@@ -6,12 +6,12 @@ and modes): ``dispatch``, then
 - ``expert_layer`` where no h is needed after the forward (nothing to differentiate, or
   ``recompute=True``, whose backward recomputes h);
 - else ``expert_up`` and ``expert_down``, h kept for backward. Traced, the graph records
-  the two ops with their registered formulas; in eager autograd the down projection is
-  ``ops.formulas.DownProjection``, which calls the same op and runs the same formula,
-  writing dH over the layer's own h. In eager, where ``kernels.config.activation_beside_h``
-  says so, the up GEMM writes act(h) beside h (``_expert_up_beside``) and the down GEMM
-  reads it; compiled graphs make the same choice in their lowering
-  (``lowerings/expert_ops.py``).
+  the two ops with their registered formulas; in eager autograd they run inside
+  ``ops.formulas.UpProjection`` and ``DownProjection``, whose backward is the same
+  formula code, writing dH over the layer's own h. In eager, where
+  ``kernels.config.activation_beside_h`` says so, the up GEMM writes act(h) beside h
+  (``_expert_up_beside``) and the down GEMM reads it; compiled graphs make the same
+  choice in their lowering (``lowerings/expert_ops.py``).
 
 Every step is a ``torch.ops.moeblaze`` op, seen by modes, subclasses and Dynamo alike,
 and every gradient comes from the formulas in ``ops/formulas.py``.
@@ -19,6 +19,7 @@ and every gradient comes from the formulas in ``ops/formulas.py``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -28,7 +29,7 @@ from .activations import clamped_swiglu_defaults, is_gated
 from .checks import check_moe_experts
 from .kernels import config
 from .layouts import linear_dims
-from .ops.formulas import DownProjection
+from .ops.formulas import DownProjection, UpProjection
 
 
 def moe_experts(
@@ -122,25 +123,26 @@ def moe_experts(
     # The layer's own dispatch made the index arrays: the ops skip their value checks.
     eti, offsets, tim = ops.dispatch(ids, E)
     gated = is_gated(activation)
-    if recompute or (gated and not _differentiates(x2, w_gate_up, w_down, b_gate_up, b_down, tw)):
-        out = ops.expert_layer(x2, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, *args, False)
+    differentiates = _differentiates(x2, w_gate_up, w_down, b_gate_up, b_down, tw)
+    if recompute or (gated and not differentiates):
+        # With nothing to record, eager calls go past the op's autograd kernel (its
+        # formula's wrapper, host time).
+        unrecorded = not differentiates and not torch.compiler.is_compiling()
+        with torch._C._AutoDispatchBelowAutograd() if unrecorded else contextlib.nullcontext():
+            out = ops.expert_layer.default(x2, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, *args,
+                                           False)
+    elif torch.compiler.is_compiling():
+        # The ops and their registered formulas (the same math): a traced graph records
+        # expert_up and expert_down themselves, and the lowerings choose act(h) beside h and
+        # write dH over h where AOTAutograd donated it to the backward.
+        h = ops.expert_up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed, False)
+        out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args, False)
     else:
-        a = None
-        traced = torch.compiler.is_compiling()
-        if not traced and gated and _beside(w_gate_up, transposed, eti.shape[0], E):
-            h, a = ops._expert_up_beside(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed, activation,
-                                         interleaved, alpha, limit)
-        else:
-            h = ops.expert_up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed, False)
-        if traced:
-            # The op and its registered formula (the same ``down_backward``): a traced graph
-            # records expert_down itself, and the lowering writes dH over h where
-            # AOTAutograd donated h to the backward.
-            out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args, False)
-        else:
-            # Eager autograd may write dH over h, the layer's own.
-            up = (x2, w_gate_up, b_gate_up) if overwrite_h else None
-            out = DownProjection.apply(h, a, w_down, b_down, tw, eti, offsets, tim, args, up)
+        beside = gated and _beside(w_gate_up, transposed, eti.shape[0], E)
+        h, a = UpProjection.apply(x2, w_gate_up, b_gate_up, eti, offsets, tim, args, beside)
+        # Eager autograd may write dH over h, the layer's own.
+        up = (x2, w_gate_up, b_gate_up) if overwrite_h else None
+        out = DownProjection.apply(h, a, w_down, b_down, tw, eti, offsets, tim, args, up)
     return out.reshape(*lead, d)
 
 

@@ -72,13 +72,13 @@ backward: moeblaze.expert_down_backward.default, moeblaze.expert_up_backward.def
 
     def test_compiled_graphs_recompute(self):
         self.assertExpectedInline(self._compiled_calls(True), """\
-dynamo: moeblaze.dispatch, moeblaze.expert_layer
+dynamo: moeblaze.dispatch, moeblaze.expert_layer.default
 forward: moeblaze.dispatch.default, moeblaze.expert_layer.default
 backward: moeblaze.expert_down_backward_recompute.default, moeblaze.expert_up_backward.default""")
 
     def test_compiled_graph_without_gradients(self):
         self.assertExpectedInline(self._compiled_calls(False, grad=False), """\
-dynamo: moeblaze.dispatch, moeblaze.expert_layer
+dynamo: moeblaze.dispatch, moeblaze.expert_layer.default
 forward: moeblaze.dispatch.default, moeblaze.expert_layer.default""")
 
 

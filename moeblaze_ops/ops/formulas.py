@@ -13,12 +13,23 @@ dispatcher drops trailing arguments equal to their defaults): ``_needs`` pads it
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..activations import is_gated
 from . import experts  # noqa: F401  (defines the ops the formulas are registered on)
 
 _ops = torch.ops.moeblaze
+
+
+def _below_autograd():
+    """Where no graph is being built, the ops are called past their autograd kernels (the
+    registered formulas' Python wrappers, tens of microseconds of host time per call that
+    record nothing here); modes and tensor subclasses, which sit below autograd, still see
+    them. A backward that builds a graph (``create_graph``) keeps the wrappers: the
+    backward ops' formulas refuse the second differentiation clearly."""
+    return contextlib.nullcontext() if torch.is_grad_enabled() else torch._C._AutoDispatchBelowAutograd()
 
 
 def _needs(ctx, count: int) -> tuple:
@@ -35,8 +46,9 @@ def up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed, n
     """``(grad_x, grad_w_gate_up, grad_b_gate_up)`` of the up projection, None where not needed."""
     if not (need_x or need_w or (has_bias and need_b)):
         return None, None, None
-    grad_x, grad_w, grad_b = _ops.expert_up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed,
-                                                     need_x, need_w or (has_bias and need_b))
+    with _below_autograd():
+        grad_x, grad_w, grad_b = _ops.expert_up_backward.default(grad_h, x, w_gate_up, eti, offsets, tim, has_bias,
+                                                                 transposed, need_x, need_w or (has_bias and need_b))
     return grad_x if need_x else None, grad_w if need_w else None, grad_b if has_bias and need_b else None
 
 
@@ -47,13 +59,14 @@ def down_backward(grad_out, h, w_down, b_down, topk_weights, eti, offsets, tim, 
     ``in_place`` writes grad_h over h (then returned as grad_h)."""
     has_b = b_down is not None
     need_wb = need_w or (has_b and need_b)
-    if in_place:
-        grad_w, grad_b, grad_tw = _ops.expert_down_backward_(grad_out, h, w_down, eti, offsets, tim, topk_weights,
-                                                             b_down, *args, need_wb)
-        grad_h = h
-    else:
-        grad_h, grad_w, grad_b, grad_tw = _ops.expert_down_backward(grad_out, h, w_down, eti, offsets, tim,
-                                                                    topk_weights, b_down, *args, need_wb)
+    with _below_autograd():
+        if in_place:
+            grad_w, grad_b, grad_tw = _ops.expert_down_backward_.default(grad_out, h, w_down, eti, offsets, tim,
+                                                                         topk_weights, b_down, *args, need_wb)
+            grad_h = h
+        else:
+            grad_h, grad_w, grad_b, grad_tw = _ops.expert_down_backward.default(grad_out, h, w_down, eti, offsets, tim,
+                                                                                topk_weights, b_down, *args, need_wb)
     return (grad_h if need_h else None, grad_w if need_w else None, grad_b if has_b and need_b else None,
             grad_tw if need_tw else None)
 
@@ -65,9 +78,10 @@ def recomputed_backward(grad_out, x, w_gate_up, w_down, b_gate_up, b_down, topk_
     b_gate_up, b_down, topk_weights)``, None where not needed."""
     need_x, need_wgu, need_wd, need_bgu, need_bd, need_tw = need
     has_bgu, has_bd = b_gate_up is not None, b_down is not None
-    grad_h, grad_wd, grad_bd, grad_tw = _ops.expert_down_backward_recompute(
-        grad_out, x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, *args,
-        need_wd or (has_bd and need_bd))
+    with _below_autograd():
+        grad_h, grad_wd, grad_bd, grad_tw = _ops.expert_down_backward_recompute.default(
+            grad_out, x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, *args,
+            need_wd or (has_bd and need_bd))
     grad_x, grad_wgu, grad_bgu = up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bgu, args[1], need_x,
                                              need_wgu, need_bgu)
     return (grad_x, grad_wgu, grad_wd if need_wd else None, grad_bgu, grad_bd if has_bd and need_bd else None,
@@ -156,7 +170,43 @@ for _name, _formula, _setup in (("expert_up", _up_formula, _up_setup_context),
     torch.library.register_autograd(f"moeblaze::{_name}", _formula, setup_context=_setup)
 
 
-# --------------------------------------------------------------------------- moe_experts' down projection
+# --------------------------------------------------------------------------- moe_experts' eager nodes
+#
+# Eager ``moe_experts`` applies these two nodes instead of the ops' registered formulas:
+# the same ops and the same math, with what an op's formula cannot know (that h is the
+# layer's own, so dH may overwrite it; that act(h) comes beside h) and at a quarter of
+# the host time of the registered formulas' wrappers, which small layers pay every step
+# (docs/performance.md). Two nodes, not one: the engine accumulates the down weights'
+# gradient before the up projection's backward allocates its own.
+
+
+class UpProjection(torch.autograd.Function):
+    """``moe_experts``'s up projection: ``(h, a)``, where ``beside`` asks for it a = act(h)
+    from the same GEMM (``_expert_up_beside``; not differentiable: the down projection
+    differentiates through h), else ``expert_up``'s h and None. Backward: ``up_backward``."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate_up, b_gate_up, eti, offsets, tim, args, beside):
+        ctx.save_for_backward(x, w_gate_up, eti, offsets, tim)
+        ctx.has_bias, ctx.transposed = b_gate_up is not None, args[1]
+        ctx.set_materialize_grads(False)  # else a zero-filled [L*K, I] gradient for act(h)
+        activation, transposed, interleaved, alpha, limit = args
+        with torch._C._AutoDispatchBelowAutograd():
+            if not beside:
+                return _ops.expert_up.default(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, False), None
+            h, a = _ops._expert_up_beside.default(x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, activation,
+                                                  interleaved, alpha, limit)
+        ctx.mark_non_differentiable(a)
+        return h, a
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_a):
+        if grad_h is None:  # nothing reached h
+            return (None,) * 8
+        x, w_gate_up, eti, offsets, tim = ctx.saved_tensors
+        need = ctx.needs_input_grad  # x, w_gate_up, b_gate_up, ...
+        return (*up_backward(grad_h, x, w_gate_up, eti, offsets, tim, ctx.has_bias, ctx.transposed, need[0],
+                             need[1], need[2]), None, None, None, None, None)
 
 
 class DownProjection(torch.autograd.Function):
@@ -173,10 +223,11 @@ class DownProjection(torch.autograd.Function):
     def forward(ctx, h, a, w_down, b_down, topk_weights, eti, offsets, tim, args, up):
         ctx.save_for_backward(h, w_down, b_down, topk_weights, eti, offsets, tim)
         ctx.args, ctx.up, ctx.overwritten = args, up, False
-        if a is not None:
-            return _ops._expert_down_activated(a, w_down, eti, offsets, tim, topk_weights, b_down, args[1],
-                                               is_gated(args[0]))
-        return _ops.expert_down(h, w_down, eti, offsets, tim, topk_weights, b_down, *args, False)
+        with torch._C._AutoDispatchBelowAutograd():
+            if a is not None:
+                return _ops._expert_down_activated.default(a, w_down, eti, offsets, tim, topk_weights, b_down,
+                                                           args[1], is_gated(args[0]))
+            return _ops.expert_down.default(h, w_down, eti, offsets, tim, topk_weights, b_down, *args, False)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -187,7 +238,8 @@ class DownProjection(torch.autograd.Function):
         in_place = ctx.up is not None and not torch.is_grad_enabled()
         if in_place and ctx.overwritten:  # a second backward: the saved h holds the first one's dH
             x, w_gate_up, b_gate_up = ctx.up
-            h = _ops.expert_up(x, w_gate_up, eti, offsets, tim, b_gate_up, ctx.args[1], False)
+            with torch._C._AutoDispatchBelowAutograd():
+                h = _ops.expert_up.default(x, w_gate_up, eti, offsets, tim, b_gate_up, ctx.args[1], False)
         if in_place:
             # The write over h is deliberate and tracked (``overwritten``), so h keeps its
             # version: a second backward may unpack it, and then recomputes it.
