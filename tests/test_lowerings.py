@@ -292,20 +292,40 @@ def _compiled_code(fn, *args, **compile_kwargs):
     return out, "\n".join(codes)
 
 
+def _narrow_slabs(monkeypatch):
+    """Column slabs of ``settings.column_slab`` exactly, not widened to the weights' room."""
+    from moeblaze_ops.lowerings import expert_ops
+
+    monkeypatch.setattr(expert_ops, "widest_slab", lambda *args, **kwargs: 0)
+
+
+def _tl_kernels_only(monkeypatch):
+    """Every GEMM counted small: the ``tl`` kernels and templates, no Gluon (any GPU)."""
+    monkeypatch.setattr(config, "SMALL_GEMM_FLOP", 2**62)
+
+
+def _gluon_from_any_size(monkeypatch):
+    """No GEMM counted small: the Gluon kernels wherever they apply (Hopper)."""
+    monkeypatch.setattr(config, "SMALL_GEMM_FLOP", 0)
+
+
 @gpu
 @pytest.mark.parametrize("column_slab,row_band", [(None, 1), (128, 1), (16, 1), (128, 3)])
-def test_templates_run_the_layer(column_slab, row_band, seed):
+def test_templates_run_the_layer(column_slab, row_band, seed, monkeypatch):
     """The compiled layer is made of the moeblaze templates (up GEMM, activation, down GEMM,
     combine), with nothing falling back to the ops, and matches the float64 layer. With
     16 slabs (more than Inductor fuses into a pointwise cat) the slabs meet in a concat
     kernel, which Inductor's cat lowering makes when called from inside our lowering. With
-    ``row_band=3`` the row GEMM templates number their tiles in bands."""
+    a band of 3 the row GEMM templates number their tiles in bands."""
     layer = _gpu_layer(seed)
-    with settings.override(column_slab=column_slab, column_slab_widen=False, row_band=row_band, poison=True):
+    _narrow_slabs(monkeypatch)
+    _tl_kernels_only(monkeypatch)
+    monkeypatch.setattr(config, "ROW_BAND", row_band)
+    with settings.override(column_slab=column_slab, poison=True):
         out, code = _compiled_code(moe_experts, *[layer[k] for k in LAYER_ARGS])
     for helper in TEMPLATE_HELPERS:
         assert helper in code
-    for op in ("expert_up", "expert_down", "expert_layer", *FORWARD_TWINS):
+    for op in ("expert_up", "expert_down", "expert_layer"):
         assert f"torch.ops.moeblaze.{op}.default(" not in code, op
     assert rel_err(out, _reference(layer)) < 1e-2
 
@@ -314,22 +334,21 @@ def test_templates_run_the_layer(column_slab, row_band, seed):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon kernels need a Hopper GPU")
 @pytest.mark.parametrize("gluon", [True, False])
-def test_gemms_on_gluon_kernels_call_the_ops(gluon, seed):
-    """Where the op would run a GEMM on its Gluon kernel (Hopper, ``settings.gluon``, at
-    least ``settings.small_gemm_flop`` operations: here any), the compiled graph calls the
-    op (its internal twin: ``settings.lean_graph_calls``) instead of a ``tl`` template,
-    forward and backward (dX); with ``gluon`` empty the same sizes run as templates.
-    Either way the layer and its gradients match."""
+def test_gemms_on_gluon_kernels_call_the_ops(gluon, seed, monkeypatch):
+    """Where the op would run a GEMM on its Gluon kernel (Hopper, at least
+    ``config.SMALL_GEMM_FLOP`` operations: here any), the compiled graph calls the op
+    instead of a ``tl`` template, forward and backward (dX); with every GEMM counted
+    small the same sizes run as templates. Either way the layer and its gradients match."""
     from torch._inductor.utils import run_and_get_code
 
     layer = _gpu_layer(seed)
-    with settings.override(small_gemm_flop=0, **({} if gluon else dict(gluon=()))):
-        torch._dynamo.reset()
-        (_, got), codes = run_and_get_code(lambda: _grads(torch.compile(_loss, fullgraph=True), layer))
-        _, expected = _grads(_loss, layer)
+    (_gluon_from_any_size if gluon else _tl_kernels_only)(monkeypatch)
+    torch._dynamo.reset()
+    (_, got), codes = run_and_get_code(lambda: _grads(torch.compile(_loss, fullgraph=True), layer))
+    _, expected = _grads(_loss, layer)
     code = "\n".join(codes)
-    assert ("torch.ops.moeblaze._up_kernels.default(" in code) == gluon
-    assert ("torch.ops.moeblaze._down_kernels.default(" in code) == gluon
+    assert ("torch.ops.moeblaze.expert_up.default(" in code) == gluon
+    assert ("torch.ops.moeblaze.expert_down.default(" in code) == gluon
     assert ("import gathered_gemm_tile" in code) == (not gluon)  # no row GEMM template, forward or dX
     for name, g, ref in zip(GRAD_ARGS, got, expected):
         assert rel_err(g, ref) < 2e-2, name
@@ -339,15 +358,16 @@ def test_gemms_on_gluon_kernels_call_the_ops(gluon, seed):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon kernels need a Hopper GPU")
 @pytest.mark.parametrize("gluon", [True, False])
-def test_layer_without_gradients_on_gluon_calls_the_op(gluon, seed):
+def test_layer_without_gradients_on_gluon_calls_the_op(gluon, seed, monkeypatch):
     """Nothing to differentiate: where the up GEMM runs on its Gluon kernel, the compiled
-    graph calls ``expert_layer`` (act(h) from that GEMM's epilogue, no h; its internal
-    twin, ``settings.lean_graph_calls``); with ``gluon`` empty the same sizes run as the
-    up and down templates. Either way the layer matches the float64 one."""
+    graph calls ``expert_layer`` (act(h) from that GEMM's epilogue, no h); with every GEMM
+    counted small the same sizes run as the up and down templates. Either way the layer
+    matches the float64 one."""
     layer = _gpu_layer(seed)
-    with settings.override(small_gemm_flop=0, poison=True, **({} if gluon else dict(gluon=()))):
+    (_gluon_from_any_size if gluon else _tl_kernels_only)(monkeypatch)
+    with settings.override(poison=True):
         out, code = _compiled_code(moe_experts, *[layer[k] for k in LAYER_ARGS])
-    assert ("torch.ops.moeblaze._layer_kernels.default(" in code) == gluon
+    assert ("torch.ops.moeblaze.expert_layer.default(" in code) == gluon
     assert ("import gathered_gemm_tile" in code) == (not gluon)
     assert rel_err(out, _reference(layer)) < 1e-2
 
@@ -357,7 +377,7 @@ def test_layer_without_gradients_on_gluon_calls_the_op(gluon, seed):
                     reason="the Gluon kernels need a Hopper GPU")
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 def test_compiled_training_writes_activation_beside_h(activation, seed, monkeypatch):
-    """Compiled training with ``settings.activation_beside_h`` holding (I = 384, the rows'
+    """Compiled training with ``config.activation_beside_h`` holding (I = 384, the rows'
     bound 0) and the GEMMs on Gluon: the up GEMM's epilogue writes h and act(h), and no
     activation pass runs, in the forward or the backward; every gradient matches eager's
     (which takes the same route)."""
@@ -377,14 +397,16 @@ def test_compiled_training_writes_activation_beside_h(activation, seed, monkeypa
         (fn(**inputs).float() ** 2).mean().backward()
         return [inputs[k].grad for k in GRAD_ARGS]
 
-    with settings.override(small_gemm_flop=0, activation_beside_h_min_rows=0, poison=True):
+    _gluon_from_any_size(monkeypatch)
+    monkeypatch.setattr(config, "ACTIVATION_BESIDE_H_MIN_ROWS", 0)
+    with settings.override(poison=True):
         torch._dynamo.reset()
         got, codes = run_and_get_code(lambda: grads(torch.compile(moe_experts, fullgraph=True)))
         assert not passes
         expected = grads(moe_experts)
     code = "\n".join(codes)
-    assert "torch.ops.moeblaze._up_with_activation_kernels.default(" in code
-    assert "torch.ops.moeblaze._down_activated_kernels.default(" in code
+    assert "torch.ops.moeblaze._expert_up_beside.default(" in code
+    assert "torch.ops.moeblaze._expert_down_activated.default(" in code
     for name, g, ref in zip(GRAD_ARGS, got, expected):
         assert rel_err(g, ref) < 2e-2, name
 
@@ -435,14 +457,16 @@ def test_compiled_training_step_matches_eager(seed):
 
 @gpu
 @pytest.mark.parametrize("case", ["one_slab", "slabs_bias_transposed", "frozen_experts"])
-def test_dx_template_in_the_compiled_backward(case, seed):
-    """With ``backward_templates={"dx"}`` the compiled backward computes grad_x with the
+def test_dx_template_in_the_compiled_backward(case, seed, monkeypatch):
+    """Where dX runs no Gluon kernel, the compiled backward computes grad_x with the
     row_gemm and unweighted combine templates (the op runs for the weight gradients
     alone), and every gradient matches eager's."""
     from torch._inductor.utils import run_and_get_code
 
     options = {"one_slab": dict(column_slab=None), "slabs_bias_transposed": dict(column_slab=128),
-               "frozen_experts": dict(column_slab=128)}[case] | dict(column_slab_widen=False)
+               "frozen_experts": dict(column_slab=128)}[case]
+    _narrow_slabs(monkeypatch)
+    _tl_kernels_only(monkeypatch)
     layer = _gpu_layer(seed, **(dict(bias=True, transposed=True) if case == "slabs_bias_transposed" else {}))
     weights = [k for k in ("w_gate_up", "w_down", "b_gate_up", "b_down") if layer[k] is not None]
     names = ["x", "topk_weights"] + ([] if case == "frozen_experts" else weights)
@@ -455,7 +479,7 @@ def test_dx_template_in_the_compiled_backward(case, seed):
         fn(inputs).backward()
         return [inputs[k].grad for k in names]
 
-    with settings.override(backward_templates={"dx"}, **options):
+    with settings.override(**options):
         torch._dynamo.reset()
         got, codes = run_and_get_code(lambda: grads(torch.compile(loss, fullgraph=True)))
     assert "combine_tile(rows_ptr, tim_ptr, None" in "\n".join(codes)  # the unweighted combine of dX rows
@@ -499,10 +523,10 @@ def test_hf_decoder_layer_compiles_to_templates(seed):
 
 @gpu
 @pytest.mark.parametrize("beside_h", [False, True], ids=["activation_in_down", "activation_beside_h"])
-def test_compiled_training_peak_at_most_eager(beside_h, seed):
+def test_compiled_training_peak_at_most_eager(beside_h, seed, monkeypatch):
     """One compiled forward + backward peaks no higher than eager's: dH is written over h
     in both, and where the up GEMM's epilogue writes act(h) beside h
-    (``settings.activation_beside_h``) act(h) lives from the up projection to the down one
+    (``config.activation_beside_h``) act(h) lives from the up projection to the down one
     in both."""
     layer = _gpu_layer(seed, L=4096, d=512, I=1024, E=16, K=4)
     torch._dynamo.reset()
@@ -516,10 +540,11 @@ def test_compiled_training_peak_at_most_eager(beside_h, seed):
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
 
-    # small_gemm_flop 0: the GEMMs on Gluon, whose up epilogue writes act(h)
-    with settings.override(**(dict(small_gemm_flop=0, activation_beside_h_min_rows=0) if beside_h else {})):
-        _grads(compiled, layer)  # compiles
-        assert peak(compiled) <= peak(_loss) * 1.02
+    if beside_h:  # the GEMMs on Gluon, whose up epilogue writes act(h)
+        _gluon_from_any_size(monkeypatch)
+        monkeypatch.setattr(config, "ACTIVATION_BESIDE_H_MIN_ROWS", 0)
+    _grads(compiled, layer)  # compiles
+    assert peak(compiled) <= peak(_loss) * 1.02
 
 
 @gpu
