@@ -165,7 +165,7 @@ def runs_gluon(kind: str, flop: int) -> bool:
 
 
 #: The ``tl`` GEMMs that read their weight tiles through TMA descriptors where TMA allows:
-#: faster there; the down projection's weight tiles are read as fast by pointer.
+#: faster there; the down GEMM by TMA ran slower (see docs/performance.md).
 WEIGHT_TMA_KINDS = ("up", "dh", "dx")
 
 
@@ -193,8 +193,8 @@ def row_gemm_warp_specialized(rows: int, experts: int) -> bool:
 
 def wgrad_split_mma(kind: str) -> bool:
     """Whether the Gluon weight gradient of ``kind`` runs its two MMA warpgroups as
-    partitions of their own, each over half of every tile: faster for "wgrad_up" (the
-    wide reduction over dH), not for "wgrad_down" (see docs/performance.md)."""
+    partitions of their own, each over half of every tile: "wgrad_up" gained at every
+    configuration measured, "wgrad_down" moved both ways (see docs/performance.md)."""
     return kind == "wgrad_up"
 
 

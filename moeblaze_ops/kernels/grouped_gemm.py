@@ -7,9 +7,10 @@ counts). The pieces, as ``@triton.jit`` helpers that kernels (and Inductor templ
 call in the order loads, MMA, store:
 
 - schedules: ``row_tile`` lays the m-tiles of all experts end to end over one persistent
-  grid of (m-tile, n-tile) output tiles, n fastest so programs running side by side share
-  their A rows and their expert's weights in L2; the rows past ``expert_offsets[E]``
-  (sentinels) form one more group, whose tiles only write zeros. ``expert_tile`` is the
+  grid of (m-tile, n-tile) output tiles, in bands of ``config.ROW_BAND`` m-tiles
+  (``banded``) so programs running side by side share their A rows and their expert's
+  weights in L2; the rows past ``expert_offsets[E]`` (sentinels) form one more group,
+  whose tiles only write zeros. ``expert_tile`` is the
   weight gradients' schedule: one (expert, p-tile, q-tile) at a time, reducing over the
   expert's own rows.
 - operand loads: ``load_rows`` (A rows, gathered through an index array or not),
@@ -18,7 +19,8 @@ call in the order loads, MMA, store:
 - ``store_tile``: the epilogue's masked store.
 
 The host side of the same GEMMs is here too: buffer allocation, the persistent grid, the
-TMA descriptors and when they apply.
+TMA descriptors and when they apply, the Gluon module a GEMM runs (``gluon_module``); the
+rules that choose are ``config``'s.
 """
 
 from __future__ import annotations
