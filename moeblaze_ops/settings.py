@@ -45,7 +45,7 @@ BACKENDS = ("auto", "triton", "torch")
 #: Settings that were removed, and what took their place: the default, whose alternative
 #: never won, or a rule of ``moeblaze_ops.kernels.config``.
 REMOVED = {
-    "triton_backward": 'the backward runs where the forward does; backend="torch" runs the PyTorch one',
+    "triton_backward": 'the backward runs on the forward\'s backend; backend="torch" for the portable kernels',
     "weight_tma": "weight tiles come through TMA wherever it fits: kernels.config.reads_weight_by_tma",
     "gluon": "every GEMM with a Gluon kernel runs it where it applies: kernels.config.runs_gluon",
     "small_gemm_flop": "the rule kernels.config.SMALL_GEMM_FLOP",
@@ -67,9 +67,9 @@ REMOVED = {
     "dispatch_sorted_min_bins": "the rule kernels.config.dispatch_family",
     "dispatch_sort_chunk": "the rule kernels.config.DISPATCH_SORT_CHUNK",
     "dispatch_one_program_max_rows": "the rule kernels.config.dispatch_family",
-    "backward_templates": "compiled graphs always run dX as templates",
+    "backward_templates": "the compiled backward runs grad_x as templates wherever they apply",
     "launch_plans": "repeated launches always skip the JIT's binding where a plan can",
-    "lean_graph_calls": "compiled graphs always call the kernels through the internal ops",
+    "lean_graph_calls": "compiled graphs call the public ops; the internal graph-call ops are gone",
 }
 
 
