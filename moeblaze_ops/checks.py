@@ -34,7 +34,7 @@ def definitely(condition) -> bool:
     """Whether a size condition holds for sure. Sizes that only the data decides (the rows
     expert parallelism receives, under torch.compile) leave a check undecided while
     tracing: it then passes, rather than failing the trace (the kernels see real sizes)."""
-    if type(condition) is bool:  # plain sizes (eager): no symbolic machinery
+    if type(condition) is bool and not torch.compiler.is_compiling():  # eager sizes: no symbolic machinery
         return condition
     return guard_or_false(condition)
 
