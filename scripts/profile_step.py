@@ -1,23 +1,34 @@
-"""Where a forward + backward of the experts spends its time: a torch.profiler table per
-peer (kernels by device time, and the host time of the whole step).
+"""Where a training step spends its time, kernel by kernel: a torch.profiler table per peer
+(kernels by device time) and the step's host, wall and device milliseconds.
 
     python scripts/profile_step.py [--configs qwen3_100m olmoe] [--peers moeblaze hf_grouped_mm_compiled]
-        [--steps 5] [--device cuda|cpu] [--rows 25] [--cudagraphs] [--host-rows 25] [--trace DIR]
-        [--gaps 15] [--set NAME=VALUE ...] [--peer-site DIR]
+        [--steps 5] [--device cuda|cpu] [--rows 25] [--host-rows 25] [--trace DIR] [--gaps 15]
+        [--cudagraphs] [--set NAME=VALUE ...] [--peer-site DIR]
+    python scripts/profile_step.py --model 100m [--impl moeblaze grouped_mm] [--compile [MODE]]
+        [--batch 8] [--seq 64] [...]
+
+The first form profiles forward + backward of one experts layer: the benchmark's shapes
+(``--configs``) and peers (``--peers``, the names ``python -m moeblaze_ops.bench --skip``
+takes). ``--model SIZE`` profiles instead a training step (forward, backward, AdamW) of the
+example's HuggingFace model (``examples/finetune_hf_moe.py --size SIZE``), once per experts
+backend ``--impl``; ``--compile`` compiles the model as the example does.
 
 Small layers (the 100M example) are where the host side shows: compare "host ms per
-step" with "device ms per step". ``--host-rows`` adds a table sorted by host (self CPU) time, and ``--trace`` writes
-one Chrome trace per config and peer (open in Perfetto: the host's gaps between launches).
-``--gaps N`` reads the trace's device activity (kernels, copies, fills) and prints the GPU's
-idle time per step: the total, how much of it came in gaps under 10 us (launch to launch)
-and the N longest gaps with the activity on either side.
+step" with "device ms per step". ``--host-rows`` adds a table sorted by host (self CPU)
+time, ``--trace`` writes one Chrome trace per step profiled (open in Perfetto: the host's
+gaps between launches), and ``--gaps N`` prints the GPU's idle time per step: the total,
+how much of it came in gaps under 10 us (launch to launch) and the N longest gaps with
+the activity on either side.
 """
 
 import argparse
+import importlib.util
 import json
 import os
+import re
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
@@ -25,14 +36,26 @@ from torch.profiler import ProfilerActivity, profile
 
 from moeblaze_ops import settings
 from moeblaze_ops.bench import CONFIGS, make_inputs, peers
-from moeblaze_ops.bench.cli import add_peer_sites, parse_setting
+from moeblaze_ops.bench.cli import add_peer_sites, parse_setting, setting_changes
+from moeblaze_ops.bench.implementations import PEER_NAMES
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "finetune_hf_moe.py"
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--configs", nargs="*", default=["qwen3_100m", "olmoe"], choices=list(CONFIGS))
-    p.add_argument("--peers", nargs="*", default=["moeblaze", "hf_grouped_mm_compiled"])
-    p.add_argument("--steps", type=int, default=5)
+def parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=["qwen3_100m", "olmoe"], choices=list(CONFIGS))
+    p.add_argument("--peers", nargs="+", default=["moeblaze", "hf_grouped_mm_compiled"], choices=PEER_NAMES,
+                   metavar="PEER", help=f"of: {', '.join(PEER_NAMES)}")
+    p.add_argument("--model", metavar="SIZE", default=None,
+                   help="profile the example's model of this --size (tiny, small, 100m) instead of one layer")
+    p.add_argument("--impl", nargs="+", default=["moeblaze", "grouped_mm"],
+                   help="with --model: the experts backends (experts_implementation) to profile")
+    p.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                   help="with --model: the model under torch.compile(fullgraph=True, mode=MODE)")
+    p.add_argument("--batch", type=int, default=8, help="with --model: sequences per step")
+    p.add_argument("--seq", type=int, default=64, help="with --model: tokens per sequence")
+    p.add_argument("--steps", type=int, default=5, help="steps profiled (after 3 untimed ones)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--cudagraphs", action="store_true",
@@ -44,20 +67,36 @@ def main():
                    help="change a kernel setting for the whole run (repeatable), as the benchmark's --set")
     p.add_argument("--peer-site", metavar="DIR", action="append", default=[],
                    help="a site directory a peer is installed into (SonicMoE: see scripts/sonicmoe_peer.sh)")
-    a = p.parse_args()
+    return p
+
+
+def main(argv=None):
+    p = parser()
+    a = p.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA GPU here: --device cpu")
+    changes = setting_changes(p, a.settings)
     add_peer_sites(p, a.peer_site)
-    with settings.override(**dict(a.settings)):
-        _profile(a)
+    with settings.override(**changes):
+        for label, step in (model_steps(p, a) if a.model else layer_steps(a)):
+            profile_step(a, label, step)
 
 
-def _profile(a):
-    cuda = a.device == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+def _release(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def layer_steps(a):
+    """(label, step) per config and peer: one forward + backward of the benchmark's layer,
+    from no gradients (as after ``zero_grad(set_to_none=True)``)."""
     for name in a.configs:
         T, d, I, E, K = CONFIGS[name]
         torch._dynamo.reset()
         x, ids, w, w_gate_up, w_down = make_inputs(T, d, I, E, K, device=a.device)
-        for t in (x, w, w_gate_up, w_down):
+        params = (x, w, w_gate_up, w_down)
+        for t in params:
             t.requires_grad_(True)
         grad = torch.randn_like(x)
         fns = peers(x, ids, w, w_gate_up, w_down, train=True, cuda_graphs=a.cudagraphs)
@@ -65,56 +104,84 @@ def _profile(a):
             if peer not in fns:
                 print(f"\n## {name} {peer}: not available here (peers: {', '.join(fns)})", flush=True)
                 continue
-            fn = fns[peer]
 
-            def step():
-                for t in (x, w, w_gate_up, w_down):  # as after zero_grad(set_to_none=True)
+            def step(fn=fns[peer]):
+                for t in params:
                     t.grad = None
                 fn().backward(grad)
 
-            for _ in range(3):  # compile, first launches
-                step()
-            if cuda:
-                torch.cuda.synchronize()
-            with profile(activities=activities) as prof:
-                t0 = time.perf_counter()
-                for _ in range(a.steps):
-                    step()
-                host = (time.perf_counter() - t0) / a.steps * 1e3
-                if cuda:
-                    torch.cuda.synchronize()
-                wall = (time.perf_counter() - t0) / a.steps * 1e3
-            events = prof.key_averages()
-            # Kernels only: an op's row repeats the device time of the kernels it launched
-            # (the sum over every row was twice the step's device time).
-            device = sum(e.self_device_time_total for e in events
-                         if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / a.steps / 1e3
-            device = device if cuda else float("nan")
-            print(f"\n## {name} {peer}: host ms per step {host:.2f} (launching), wall {wall:.2f}, "
-                  f"device ms per step {device:.2f}", flush=True)
-            sort = "self_device_time_total" if cuda else "self_cpu_time_total"
-            print(events.table(sort_by=sort, row_limit=a.rows), flush=True)
-            if a.host_rows and cuda:
-                print(events.table(sort_by="self_cpu_time_total", row_limit=a.host_rows), flush=True)
-            if a.trace:
-                os.makedirs(a.trace, exist_ok=True)
-                prof.export_chrome_trace(os.path.join(a.trace, f"{name}-{peer}.json"))
-            if a.gaps and cuda:
-                with tempfile.TemporaryDirectory() as tmp:
-                    path = os.path.join(tmp, "trace.json")
-                    prof.export_chrome_trace(path)
-                    _print_gaps(path, a.steps, a.gaps)
-            for t in (x, w, w_gate_up, w_down):
-                t.grad = None
-        del fns, x, w, w_gate_up, w_down
+            yield f"{name} {peer}", step
+        del fns, x, ids, w, w_gate_up, w_down, params, grad
+        _release(a.device)
+
+
+def model_steps(p, a):
+    """(label, step) per experts backend: the example's training step of its model."""
+    from transformers import AutoModelForCausalLM
+
+    from moeblaze_ops.hf import model_config
+
+    spec = importlib.util.spec_from_file_location("finetune_hf_moe", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    if a.model not in example.SIZES:
+        p.error(f"--model: unknown size {a.model!r}; the example's sizes: {', '.join(example.SIZES)}")
+    if a.compile is not None and a.compile not in example.COMPILE_MODES:
+        p.error(f"--compile: unknown mode {a.compile!r}; modes: {', '.join(example.COMPILE_MODES)}")
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    config = model_config("qwen3_moe", max_positions=max(512, a.seq), **example.SIZES[a.model])
+    state = AutoModelForCausalLM.from_config(config, dtype=dtype).state_dict()
+    ids = torch.randint(0, config.vocab_size, (a.batch, a.seq), device=a.device)
+    for impl in a.impl:
+        torch._dynamo.reset()
+        run, opt = example.build_model(config, state, impl, device=a.device, dtype=dtype, compile_mode=a.compile,
+                                       lr=1e-3)
+        yield (f"{a.model} model {impl}" + (f" compiled {a.compile}" if a.compile else ""),
+               lambda: example.train_step(run, opt, ids, a.compile))
+        del run, opt
+        _release(a.device)
+
+
+def profile_step(a, label, step):
+    """Prints host, wall and device ms per step and the profiler's tables; writes a trace."""
+    cuda = a.device == "cuda"
+    for _ in range(3):  # compile, first launches
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            step()
+        host = (time.perf_counter() - t0) / a.steps * 1e3
         if cuda:
-            torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / a.steps * 1e3
+    events = prof.key_averages()
+    # Kernels only: an op's row repeats the device time of the kernels it launched.
+    device = sum(e.self_device_time_total for e in events
+                 if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / a.steps / 1e3
+    print(f"\n## {label}: host ms per step {host:.2f} (launching), wall {wall:.2f}, "
+          f"device ms per step {device if cuda else float('nan'):.2f}", flush=True)
+    print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=a.rows),
+          flush=True)
+    if a.host_rows and cuda:
+        print(events.table(sort_by="self_cpu_time_total", row_limit=a.host_rows), flush=True)
+    if a.trace:
+        os.makedirs(a.trace, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(a.trace, re.sub(r"[^\w.-]+", "-", label) + ".json"))
+    if a.gaps and cuda:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            print_gaps(path, a.steps, a.gaps)
 
 
 _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def _print_gaps(trace_path, steps, rows):
+def print_gaps(trace_path, steps, rows):
     """The GPU's idle time between its first and last activity in the trace: the device
     events merged over streams, each gap with the activity that ended before it and the
     one that started after it."""
@@ -132,7 +199,7 @@ def _print_gaps(trace_path, steps, rows):
     short = sum(g for g, _, _ in gaps if g < 10)
     span = (end - events[0]["ts"]) if events else 0.0
     print(f"GPU idle per step: {idle / steps / 1e3:.3f} ms of {span / steps / 1e3:.3f} ms "
-          f"({sum(1 for g, _, _ in gaps) / steps:.0f} gaps a step; {short / steps / 1e3:.3f} ms in gaps under 10 us)")
+          f"({len(gaps) / steps:.0f} gaps a step; {short / steps / 1e3:.3f} ms in gaps under 10 us)")
     print("| gap us | before | after |\n| --- | --- | --- |")
     for g, before, after in sorted(gaps, reverse=True)[:rows]:
         print(f"| {g:.1f} | {before[:60]} | {after[:60]} |")

@@ -6,12 +6,16 @@
 # made back to back while the machine stays up:
 #
 #   call 1, carrying .peer-sonicmoe-1:  bash scripts/sonicmoe_peer.sh stash; <other work>
-#   call 2, carrying .peer-sonicmoe-2:  bash scripts/sonicmoe_peer.sh install
-#       PEER_SITE=/tmp/peer-site bash scripts/gpu_check.sh ...   # or bench --peer-site /tmp/peer-site
+#   call 2, carrying .peer-sonicmoe-2:  bash scripts/sonicmoe_peer.sh install &&
+#       ln -sfn ../lowerings moeblaze_ops/lowerings &&   # the lowerings of a source tree
+#       python3 -m moeblaze_ops.bench --mode train --no-dispatch --peer-site /tmp/peer-site \
+#         --configs olmoe mixtral --skip hf_eager moeblaze_recompute moeblaze_recompute_compiled
+#       (or python3 scripts/profile_step.py --peer-site /tmp/peer-site --peers sonicmoe moeblaze)
 #
 # `install` puts the packages into /tmp/peer-site (pip --target, no dependencies: torch
-# is the machine's); the benchmark finds them through --peer-site, which also reads the
-# DSL's .pth file. The first call of each new shape JIT-compiles for minutes.
+# is the machine's); the benchmark and scripts/profile_step.py find them through
+# --peer-site, which also reads the DSL's .pth file. The first call of each new shape
+# JIT-compiles for minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 keep=/tmp/peer-keep

@@ -1,5 +1,6 @@
-"""The benchmark's own smoke runs on CPU: what it measures, records and writes; and the
-measuring scripts' helpers that need no GPU."""
+"""The benchmark's own smoke runs on CPU: what it measures, records and writes; its command
+line's errors; and the tools in scripts/ run on CPU (their GPU numbers come from the GPU
+machine)."""
 
 import json
 import math
@@ -297,3 +298,55 @@ def test_cuda_graph_peers_train_from_no_gradients(monkeypatch):
     measure.bench_train(ctx, ["smoke"])
     assert seen["moeblaze_cudagraphs"][:4] == [False] * 4
     assert seen["plain"][1:4] == [True] * 3  # the stand-in timer does accumulate
+
+
+def _script(name):
+    """``scripts/<name>.py`` as a module."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tile_sweep_runs_on_cpu(capsys):
+    """scripts/tune.py: a row per kind and tile beside the table's; a kind the settings do
+    not know is a usage error naming it."""
+    tune = _script("tune")
+    tune.main(["--device", "cpu", "--configs", "smoke", "--kinds", "up", "dh", "--tiles", "16,16,16,4,1",
+               "--rounds", "1"])
+    out = capsys.readouterr().out
+    for kind in ("up", "dh"):
+        assert f"| {kind} | table | " in out and f"| {kind} | 16,16,16,4,1 | " in out, out
+    with pytest.raises(SystemExit):
+        tune.main(["--device", "cpu", "--kinds", "no_such_kind"])
+    assert "no_such_kind" in capsys.readouterr().err
+
+
+def test_host_overhead_and_profile_step_run_on_cpu(capsys):
+    host, device = _script("host_overhead").main(["--device", "cpu", "--config", "smoke", "--steps", "2",
+                                                  "--repeats", "2"])
+    assert host > 0 and math.isnan(device)
+    assert capsys.readouterr().out.startswith(f"host ms per step {host:.3f} (min of 2 repeats of 2 steps)")
+    _script("profile_step").main(["--device", "cpu", "--configs", "smoke", "--peers", "moeblaze", "--steps", "1",
+                                  "--rows", "3"])
+    assert "## smoke moeblaze: host ms per step" in capsys.readouterr().out
+
+
+def test_gpu_check_parses_and_skips_only_peer_names():
+    """scripts/gpu_check.sh is valid bash, and the peers its benchmark leaves out are peer
+    names (the benchmark refuses others), all but moeblaze eager and compiled."""
+    import pathlib
+    import re
+    import subprocess
+
+    from moeblaze_ops.bench.implementations import PEER_NAMES
+
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    skipped = set(re.search(r'--skip(.*?)"\$@"', path.read_text(), re.S).group(1).split()) - {"\\"}
+    assert skipped <= set(PEER_NAMES) and "moeblaze" not in skipped and "moeblaze_compiled" not in skipped
+    assert {"hf_eager", "hf_grouped_mm_compiled", "sonicmoe"} <= skipped
