@@ -73,7 +73,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     -rf --tb=short --durations=5 "${workers[@]}" ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$WORK/tests.txt" >> "$LOG"
   rc=${PIPESTATUS[0]}
   tail -15 "$WORK/tests.txt"
-  TESTS=$(grep -E "[0-9]+ (passed|failed|errors?|skipped|deselected)" "$WORK/tests.txt" | tail -1 | tr -d '=' | xargs)
+  TESTS=$(grep -E "[0-9]+ (passed|failed|errors?|skipped|deselected)" "$WORK/tests.txt" | tail -1 | sed "s/^=* *//; s/ *=*$//")
   [ "$rc" = 124 ] && TESTS="stopped after ${TESTS_TIMEOUT:-360} s: ${TESTS:-no summary}"
   [ -z "$TESTS" ] && TESTS="exit code $rc, no summary (log.txt)"
 fi
