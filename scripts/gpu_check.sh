@@ -93,12 +93,14 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
 fi
 
 if [ "${SKIP_HOST:-0}" != 1 ]; then
-  for round in 1 2; do
-    for side in $(order "$round"); do
-      say "host time per step, $HOST_CONFIG eager, $side"
-      # The script of this tree, the package of the side.
-      PYTHONPATH=$(pypath "$side") python3 scripts/host_overhead.py --config "$HOST_CONFIG" 2>>"$LOG" \
-        | tee -a "$LOG" "$WORK/host_$side.txt"
+  for mode in eager compiled; do
+    for round in 1 2; do
+      for side in $(order "$round"); do
+        say "host time per step, $HOST_CONFIG $mode, $side"
+        # The script of this tree, the package of the side.
+        PYTHONPATH=$(pypath "$side") python3 scripts/host_overhead.py --config "$HOST_CONFIG" \
+          $([ "$mode" = compiled ] && echo --compile) 2>>"$LOG" | tee -a "$LOG" "$WORK/host_${mode}_$side.txt"
+      done
     done
   done
 fi
@@ -126,15 +128,16 @@ for (config, peer), sides in rows.items():
     peak = {s: v[0][1] for s, v in sides.items()}
     lines.append(f"| train ms, {config}, {peer} | {cell(ms.get('old'))} | {cell(ms.get('new'))} | "
                  f"{ratio(ms.get('old'), ms.get('new'))} | {cell(peak.get('old'), 2)} | {cell(peak.get('new'), 2)} |")
-host = {}
-for side in ("old", "new"):
-    path = f"{work}/host_{side}.txt"
-    found = [float(v) for v in re.findall(r"host ms per step ([0-9.]+)", open(path).read())] \
-        if os.path.exists(path) else []
-    host[side] = min(found) if found else None
-if any(host.values()):
-    lines.append(f"| host ms per step, {host_config} eager (min) | {cell(host['old'])} | {cell(host['new'])} | "
-                 f"{ratio(host['old'], host['new'])} | | |")
+for mode in ("eager", "compiled"):
+    host = {}
+    for side in ("old", "new"):
+        path = f"{work}/host_{mode}_{side}.txt"
+        found = [float(v) for v in re.findall(r"host ms per step ([0-9.]+)", open(path).read())] \
+            if os.path.exists(path) else []
+        host[side] = min(found) if found else None
+    if any(host.values()):
+        lines.append(f"| host ms per step, {host_config} {mode} (min) | {cell(host['old'])} | {cell(host['new'])} | "
+                     f"{ratio(host['old'], host['new'])} | | |")
 lines += ["", f"GPU tests: {tests}"]
 print("\n".join(lines))
 EOF
