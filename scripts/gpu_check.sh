@@ -15,7 +15,8 @@
 # (default .ab/old; without one, this tree alone); CONFIGS="olmoe mixtral conf4 deepseek_v3";
 # ROUNDS=1 (benchmark runs per side, old and new alternating, their order turning each round;
 # medians); TEST_WORKERS=6 (pytest-xdist processes sharing the GPU), TESTS_TIMEOUT=360 (s),
-# TESTS_K=<pytest -k expression>; BENCH_TIMEOUT=300 (s, each benchmark run); HOST_CONFIG=qwen3_100m
+# TESTS_K=<pytest -k expression>; BENCH_TIMEOUT=300 (s, each benchmark run); HOST_ROUNDS=2 (host-time
+# runs per side and mode, alternating; the least counts); HOST_CONFIG=qwen3_100m
 # (the benchmark config whose layer host_overhead.py times). Extra arguments
 # go to both sides' benchmark (e.g. --set column_slab=None: both packages must take them).
 # A call runs at most 10 minutes: where tests and benchmark together take longer, make two
@@ -94,7 +95,7 @@ fi
 
 if [ "${SKIP_HOST:-0}" != 1 ]; then
   for mode in eager compiled; do
-    for round in 1 2; do
+    for round in $(seq "${HOST_ROUNDS:-2}"); do
       for side in $(order "$round"); do
         say "host time per step, $HOST_CONFIG $mode, $side"
         # The script of this tree, the package of the side.
