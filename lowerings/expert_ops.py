@@ -22,8 +22,8 @@
 - ``dispatch``: the op's kernels, as an extern call.
 
 Each lowering falls back to the op itself (an extern call, as for an op without a
-lowering, with the arguments the graph gave it: ``moe_experts`` passes
-``check_indices=False`` for the index arrays its own ``dispatch`` made) where the
+lowering, with the arguments the graph gave it: ``moe_experts`` and the formulas pass
+``validate=False``, their arguments being checked already) where the
 templates do not apply: tensors not on CUDA,
 float64, ``settings.backend == "torch"``, and index arrays
 that do not come straight from ``moeblaze::dispatch`` in the same graph (the op checks
@@ -269,7 +269,7 @@ def dispatch(topk_ids, num_experts):
 
 @compat.register_lowering(_ops.expert_up.default, type_promotion_kind=None)
 def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up=None,
-              transposed=False, check_indices=True):
+              transposed=False, validate=True):
     """The template, or the op where its GEMM runs on Gluon or no template applies; the op
     then writes act(h) beside h for the down projection where ``_activation_beside_h``
     plans it."""
@@ -284,7 +284,7 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
             down.meta[_ACTIVATED] = (weakref.ref(V.graph), a)
             return h
         return compat.fallback(_ops.expert_up.default, x, w_gate_up, expert_token_indices, expert_offsets,
-                               token_index_map, b_gate_up, transposed, check_indices)
+                               token_index_map, b_gate_up, transposed, validate)
     return row_gemm("up", x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed, rows)
 
 
@@ -331,9 +331,9 @@ def _named_args(node) -> dict:
 @compat.register_lowering(_ops.expert_down.default, type_promotion_kind=None)
 def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down=None,
                 activation="swiglu", transposed=False, interleaved=False, alpha=CLAMPED_SWIGLU_ALPHA,
-                limit=CLAMPED_SWIGLU_LIMIT, check_indices=True):
+                limit=CLAMPED_SWIGLU_LIMIT, validate=True):
     args = (h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down, activation,
-            transposed, interleaved, alpha, limit, check_indices)
+            transposed, interleaved, alpha, limit, validate)
     graph, a = V.graph.current_node.meta.pop(_ACTIVATED, (lambda: None, None))
     if graph() is V.graph:  # act(h) made beside h (``_activation_beside_h``): no activation pass
         return _down_projection_of_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map,
@@ -344,7 +344,7 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
 
 
 def _down_projection(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-                     activation, transposed, interleaved, alpha, limit, check_indices):
+                     activation, transposed, interleaved, alpha, limit, validate):
     """``expert_down`` of h where the templates apply: the op where its GEMM runs on Gluon,
     else the activation pass, then the down GEMM and the combine in column slabs."""
     out_dim = 2 if transposed else 1  # w_down is [E, d, I], or [E, I, d] when transposed
@@ -353,7 +353,7 @@ def _down_projection(h, w_down, expert_token_indices, expert_offsets, token_inde
                       w_down, gated):
         return compat.fallback(_ops.expert_down.default, h, w_down, expert_token_indices, expert_offsets,
                                token_index_map, topk_weights, b_down, activation, transposed, interleaved, alpha,
-                               limit, check_indices)
+                               limit, validate)
     a = activation_pass(h, w_down.get_size()[3 - out_dim], activation_code(activation), interleaved, alpha, limit)
     return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],
                          transposed, out_dim, topk_weights, b_down, gated)
@@ -377,7 +377,7 @@ def _down_projection_of_activated(a, w_down, expert_token_indices, expert_offset
 @compat.register_lowering(_ops.expert_layer.default, type_promotion_kind=None)
 def expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                  b_gate_up=None, b_down=None, activation="swiglu", transposed=False, interleaved=False,
-                 alpha=CLAMPED_SWIGLU_ALPHA, limit=CLAMPED_SWIGLU_LIMIT, check_indices=True):
+                 alpha=CLAMPED_SWIGLU_ALPHA, limit=CLAMPED_SWIGLU_LIMIT, validate=True):
     """The op where its up GEMM runs on the Gluon kernel, whose epilogue writes act(h) (h
     never made); elsewhere the up projection's template writing h, then the down
     projection as ``expert_down`` lowers it."""
@@ -386,10 +386,10 @@ def expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, tok
             or _op_runs_gluon("up", x, rows, w_gate_up.get_size()[2 if transposed else 1], x.get_size()[1]):
         return compat.fallback(_ops.expert_layer.default, x, w_gate_up, w_down, expert_token_indices,
                                expert_offsets, token_index_map, topk_weights, b_gate_up, b_down, activation,
-                               transposed, interleaved, alpha, limit, check_indices)
+                               transposed, interleaved, alpha, limit, validate)
     h = row_gemm("up", x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed, rows)
     return _down_projection(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-                            activation, transposed, interleaved, alpha, limit, check_indices)
+                            activation, transposed, interleaved, alpha, limit, validate)
 
 
 # --------------------------------------------------------------------------- backward
@@ -397,7 +397,7 @@ def expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, tok
 
 @compat.register_lowering(_ops.expert_up_backward.default, type_promotion_kind=None)
 def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, has_bias,
-                       transposed, need_input_grad=True, need_weight_grad=True):
+                       transposed, need_input_grad=True, need_weight_grad=True, validate=True):
     """grad_x as templates where they apply: each routed row's
     dH @ W_e (the up weight read the other way round: ``row_gemm`` with the layout
     flipped), each token's K rows summed with unit weights (``combine``), in column slabs.
@@ -409,11 +409,11 @@ def expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offset
     if not (need_input_grad and _templates_apply(x, index_positions=()) and not compat.known_zero(x.get_size()[0])
             and not _op_runs_gluon("dx", grad_h, grad_h.get_size()[0], x.get_size()[1], grad_h.get_size()[1],
                                    w_gate_up)):
-        return compat.fallback(_ops.expert_up_backward.default, *args, need_input_grad, need_weight_grad)
+        return compat.fallback(_ops.expert_up_backward.default, *args, need_input_grad, need_weight_grad, validate)
     out_dim = 1 if transposed else 2  # the d of w_gate_up [E, N, d], or of [E, d, N] when transposed
     grad_x = combined_rows("dx", compat.contiguous(grad_h), w_gate_up, expert_offsets, token_index_map,
                            x.get_size()[0], not transposed, out_dim)
-    _, grad_w, grad_b = compat.fallback(_ops.expert_up_backward.default, *args, False, need_weight_grad)
+    _, grad_w, grad_b = compat.fallback(_ops.expert_up_backward.default, *args, False, need_weight_grad, validate)
     return grad_x, grad_w, grad_b
 
 
@@ -431,12 +431,13 @@ def _donated_and_last_use(node, position) -> bool:
 
 @compat.register_lowering(_ops.expert_down_backward.default, type_promotion_kind=None)
 def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
-                         b_down, activation, transposed, interleaved, alpha, limit, need_weight_grad=True):
+                         b_down, activation, transposed, interleaved, alpha, limit, need_weight_grad=True,
+                         validate=True):
     """The op's own kernels; where h is donated and read by nothing else, its in-place form,
     which writes dH over h (as eager autograd does): h and dH never exist at once."""
     overwrite = _donated_and_last_use(h, 1) and h.get_layout().is_contiguous()
     args = (grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-            activation, transposed, interleaved, alpha, limit, need_weight_grad)
+            activation, transposed, interleaved, alpha, limit, need_weight_grad, validate)
     if not overwrite:
         return compat.fallback(_ops.expert_down_backward.default, *args)
     grad_w, grad_b, grad_tw = compat.fallback(_ops.expert_down_backward_.default, *args)

@@ -120,7 +120,8 @@ def moe_experts(
         limit = default_limit
     args = (activation, transposed, interleaved, alpha, limit)
     ops = torch.ops.moeblaze
-    # The layer's own dispatch made the index arrays: the ops skip their value checks.
+    # The arguments were checked above and the layer's own dispatch makes the index arrays:
+    # the ops check nothing again (validate=False), which small layers would pay every step.
     eti, offsets, tim = ops.dispatch(ids, E)
     gated = is_gated(activation)
     differentiates = _differentiates(x2, w_gate_up, w_down, b_gate_up, b_down, tw)

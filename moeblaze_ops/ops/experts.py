@@ -7,13 +7,16 @@ gathered [L*K, d] input, nor the activated [L*K, I] rows, nor the [L*K, d] exper
 are saved: backward recomputes the activation from ``h``.
 
 The three index arrays every op takes must be a ``dispatch`` result for the routing at
-hand. The forward ops check their values (offsets from 0, non-decreasing, within the
-rows; token ids below L; ``token_index_map`` within the rows) unless told that a
-``dispatch`` in the same call made them (``check_indices=False``, what ``moe_experts``
-and compiled graphs of it pass): on the host for CPU tensors, raising ``ValueError``; for
-CUDA tensors with one device-side assert (no host sync) that fails the next
-synchronizing call. The backward ops get what autograd saved from a forward: the CPU
-kernels check them again, the Triton ones trust them.
+hand. Every op checks its arguments' shapes, dtypes and devices, and the forward ops the
+index arrays' values (offsets from 0, non-decreasing, within the rows; token ids below L;
+``token_index_map`` within the rows): on the host for CPU tensors, raising
+``ValueError``; for CUDA tensors with one device-side assert (no host sync) that fails
+the next synchronizing call (the Triton backward ops trust the arrays a checked forward
+saved). ``validate=False`` skips every check, for callers whose arguments are known
+valid: ``moe_experts`` (it checked them, and its own ``dispatch`` made the index arrays),
+the autograd formulas (a checked forward's saved tensors) and the graphs
+``torch.compile`` makes of them (the fake functions, which always check, checked the
+shapes when the graph was traced). Small layers pay each check's host time on every step.
 
 Two ops are internal (underscored): ``_expert_up_beside`` (h and act(h) from one up
 GEMM, its epilogue writing both on Hopper) and ``_expert_down_activated`` (the down
@@ -41,26 +44,21 @@ _ACTIVATION = ('str activation="swiglu", bool transposed=False, bool interleaved
 _ACTIVATION_REQUIRED = "str activation, bool transposed, bool interleaved, float alpha, float limit"
 
 
-def _check_indices(backend, op, check, eti, offsets, tim, num_tokens):
-    if check:
-        backend.check_index_values(op, eti, offsets, tim, num_tokens)
-
-
 # --------------------------------------------------------------------------- forward
 
 
 def _expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up=None,
-               transposed=False, check_indices=True):
-    check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
+               transposed=False, validate=True):
     backend = forward_backend(x)
-    _check_indices(backend, "expert_up", check_indices, expert_token_indices, expert_offsets, token_index_map,
-                   x.shape[0])
+    if validate:
+        check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
+        backend.check_index_values("expert_up", expert_token_indices, expert_offsets, token_index_map, x.shape[0])
     return backend.expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                              transposed)
 
 
 def expert_up_like(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up=None,
-                   transposed=False, check_indices=True):
+                   transposed=False, validate=True):
     _, N, _ = check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                               transposed)
     return x.new_empty(expert_token_indices.shape[0], N)
@@ -68,7 +66,7 @@ def expert_up_like(x, w_gate_up, expert_token_indices, expert_offsets, token_ind
 
 expert_up = define(
     f"expert_up(Tensor x, Tensor w_gate_up, {_INDICES}, Tensor? b_gate_up=None, bool transposed=False, "
-    "bool check_indices=True) -> Tensor", _expert_up, expert_up_like,
+    "bool validate=True) -> Tensor", _expert_up, expert_up_like,
     """Up projection of every routed row, in expert order: ``h[L*K, N]``.
 
     Row r of expert e is ``x[expert_token_indices[r]] @ W_e^T (+ b_gate_up[e])``; the
@@ -76,25 +74,26 @@ expert_up = define(
     when ``transposed``; N is 2I for gated activations (in the weight's own column order,
     which ``expert_down`` is told with ``interleaved``) and I otherwise. Sentinel rows
     (past ``expert_offsets[E]``) are zero. ``token_index_map`` is not read here: backward
-    needs it to sum each token's K input-gradient rows. ``check_indices=False`` skips the
-    check of the index arrays' values: only for arrays a ``dispatch`` made.""")
+    needs it to sum each token's K input-gradient rows. ``validate=False`` skips every
+    check: only for arguments known valid (see the module's doc).""")
 
 
 def _expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down=None,
                  activation="swiglu", transposed=False, interleaved=False, alpha=1.702, limit=7.0,
-                 check_indices=True):
-    check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-                      activation, transposed)
+                 validate=True):
     backend = forward_backend(h)
-    _check_indices(backend, "expert_down", check_indices, expert_token_indices, expert_offsets, token_index_map,
-                   topk_weights.shape[0])
+    if validate:
+        check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
+                          activation, transposed)
+        backend.check_index_values("expert_down", expert_token_indices, expert_offsets, token_index_map,
+                                   topk_weights.shape[0])
     return backend.expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                                b_down, activation, transposed, interleaved, alpha, limit)
 
 
 def expert_down_like(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down=None,
                      activation="swiglu", transposed=False, interleaved=False, alpha=1.702, limit=7.0,
-                     check_indices=True):
+                     validate=True):
     _, d, _ = check_expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                                 b_down, activation, transposed)
     return h.new_empty(topk_weights.shape[0], d)
@@ -102,7 +101,7 @@ def expert_down_like(h, w_down, expert_token_indices, expert_offsets, token_inde
 
 expert_down = define(
     f"expert_down(Tensor h, Tensor w_down, {_INDICES}, Tensor topk_weights, Tensor? b_down=None, {_ACTIVATION}, "
-    "bool check_indices=True) -> Tensor", _expert_down, expert_down_like,
+    "bool validate=True) -> Tensor", _expert_down, expert_down_like,
     """Activation, down projection and weighted combine: ``out[L, d]`` in h's dtype.
 
     ``a = activation(h)`` (never kept), ``y_r = a_r @ W_e^T (+ b_down[e])`` with
@@ -112,8 +111,8 @@ expert_down = define(
     ``interleaved`` says h's gate and up columns alternate (GPT-OSS) instead of being two
     halves; ``alpha`` and ``limit`` are read by ``clamped_swiglu`` only.
     ``expert_token_indices`` is not read here: backward gathers grad_out rows with it.
-    ``check_indices=False`` skips the check of the index arrays' values: only for arrays
-    a ``dispatch`` made.""")
+    ``validate=False`` skips every check: only for arguments known valid (see the
+    module's doc).""")
 
 
 def _check_up_then_down(op, x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, activation,
@@ -133,12 +132,12 @@ def _check_up_then_down(op, x, w_gate_up, w_down, eti, offsets, tim, topk_weight
 
 def _expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                   b_gate_up=None, b_down=None, activation="swiglu", transposed=False, interleaved=False, alpha=1.702,
-                  limit=7.0, check_indices=True):
-    _check_up_then_down("expert_layer", x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map,
-                        topk_weights, b_gate_up, b_down, activation, transposed)
+                  limit=7.0, validate=True):
     backend = forward_backend(x)
-    _check_indices(backend, "expert_layer", check_indices, expert_token_indices, expert_offsets, token_index_map,
-                   x.shape[0])
+    if validate:
+        _check_up_then_down("expert_layer", x, w_gate_up, w_down, expert_token_indices, expert_offsets,
+                            token_index_map, topk_weights, b_gate_up, b_down, activation, transposed)
+        backend.check_index_values("expert_layer", expert_token_indices, expert_offsets, token_index_map, x.shape[0])
     a = backend.expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                                     transposed, activation, interleaved, alpha, limit)
     return backend.expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map,
@@ -147,7 +146,7 @@ def _expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, to
 
 def expert_layer_like(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                       b_gate_up=None, b_down=None, activation="swiglu", transposed=False, interleaved=False,
-                      alpha=1.702, limit=7.0, check_indices=True):
+                      alpha=1.702, limit=7.0, validate=True):
     L, _, d = _check_up_then_down("expert_layer", x, w_gate_up, w_down, expert_token_indices, expert_offsets,
                                   token_index_map, topk_weights, b_gate_up, b_down, activation, transposed)
     return x.new_empty(L, d)
@@ -155,7 +154,7 @@ def expert_layer_like(x, w_gate_up, w_down, expert_token_indices, expert_offsets
 
 expert_layer = define(
     f"expert_layer(Tensor x, Tensor w_gate_up, Tensor w_down, {_INDICES}, Tensor topk_weights, "
-    f"Tensor? b_gate_up=None, Tensor? b_down=None, {_ACTIVATION}, bool check_indices=True) -> Tensor",
+    f"Tensor? b_gate_up=None, Tensor? b_down=None, {_ACTIVATION}, bool validate=True) -> Tensor",
     _expert_layer, expert_layer_like,
     """``expert_down(expert_up(x, ...), ...)`` in one op that never makes h: the up
     projection writes ``a = activation(h)`` ([L*K, I]) straight from its GEMM's epilogue
@@ -221,17 +220,18 @@ def _check_up_backward(grad_h, x, w_gate_up, eti, offsets, tim, transposed):
 
 
 def _expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, has_bias,
-                        transposed, need_input_grad=True, need_weight_grad=True):
-    _check_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, transposed)
+                        transposed, need_input_grad=True, need_weight_grad=True, validate=True):
     backend = backward_backend(x)
-    backend.check_backward_index_values("expert_up_backward", expert_token_indices, expert_offsets,
-                                        token_index_map, x.shape[0])
+    if validate:
+        _check_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, transposed)
+        backend.check_backward_index_values("expert_up_backward", expert_token_indices, expert_offsets,
+                                            token_index_map, x.shape[0])
     return backend.expert_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
                                       has_bias, transposed, need_input_grad, need_weight_grad)
 
 
 def _expert_up_backward_like(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, has_bias,
-                             transposed, need_input_grad=True, need_weight_grad=True):
+                             transposed, need_input_grad=True, need_weight_grad=True, validate=True):
     E, N = _check_up_backward(grad_h, x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
                               transposed)
     return (torch.empty_like(x) if need_input_grad else x.new_empty(0),
@@ -241,14 +241,15 @@ def _expert_up_backward_like(grad_h, x, w_gate_up, expert_token_indices, expert_
 
 expert_up_backward = define(
     f"expert_up_backward(Tensor grad_h, Tensor x, Tensor w_gate_up, {_INDICES}, bool has_bias, bool transposed, "
-    "bool need_input_grad=True, bool need_weight_grad=True) -> (Tensor, Tensor, Tensor)",
+    "bool need_input_grad=True, bool need_weight_grad=True, bool validate=True) -> (Tensor, Tensor, Tensor)",
     _expert_up_backward, _expert_up_backward_like,
     """Gradients of ``expert_up``: ``(grad_x, grad_w_gate_up, grad_b_gate_up)``.
 
     ``grad_x[i]`` sums token i's K rows of ``grad_h @ W`` in the order k = 0..K-1
     (deterministic). ``grad_b_gate_up`` is ``[E, N]`` when ``has_bias``, else empty.
     Without ``need_input_grad`` (``need_weight_grad``) grad_x (the weight and bias
-    gradients) come back empty and are not computed: frozen experts skip their GEMMs.""")
+    gradients) come back empty and are not computed: frozen experts skip their GEMMs.
+    ``validate=False`` skips every check (the formulas pass it).""")
 
 
 def _check_down_backward(grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed,
@@ -266,33 +267,36 @@ def _down_grads_like(h, w_down, b_down, topk_weights, need_weight_grad):
 
 
 def _down_backward_kernels(op, grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, activation, transposed,
-                           interleaved, alpha, limit, need_weight_grad, in_place):
+                           interleaved, alpha, limit, need_weight_grad, in_place, validate):
     backend = backward_backend(h)
-    backend.check_backward_index_values(op, eti, offsets, tim, topk_weights.shape[0])
+    if validate:
+        backend.check_backward_index_values(op, eti, offsets, tim, topk_weights.shape[0])
     return backend.expert_down_backward(grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, activation,
                                         transposed, interleaved, alpha, limit, in_place=in_place,
                                         need_weight_grad=need_weight_grad)
 
 
 def _expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
-                          b_down, activation, transposed, interleaved, alpha, limit, need_weight_grad=True):
-    _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
-                         b_down, activation, transposed)
+                          b_down, activation, transposed, interleaved, alpha, limit, need_weight_grad=True,
+                          validate=True):
+    if validate:
+        _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
+                             topk_weights, b_down, activation, transposed)
     return _down_backward_kernels("expert_down_backward", grad_out, h, w_down, expert_token_indices, expert_offsets,
                                   token_index_map, topk_weights, b_down, activation, transposed, interleaved, alpha,
-                                  limit, need_weight_grad, in_place=False)
+                                  limit, need_weight_grad, False, validate)
 
 
 def _expert_down_backward_like(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
                                topk_weights, b_down, activation, transposed, interleaved, alpha, limit,
-                               need_weight_grad=True):
+                               need_weight_grad=True, validate=True):
     _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                          b_down, activation, transposed)
     return _down_grads_like(h, w_down, b_down, topk_weights, need_weight_grad)
 
 
 _DOWN_BACKWARD_ARGS = (f"Tensor grad_out, Tensor{{mutated}} h, Tensor w_down, {_INDICES}, Tensor topk_weights, "
-                       f"Tensor? b_down, {_ACTIVATION_REQUIRED}, bool need_weight_grad=True")
+                       f"Tensor? b_down, {_ACTIVATION_REQUIRED}, bool need_weight_grad=True, bool validate=True")
 
 expert_down_backward = define(
     f"expert_down_backward({_DOWN_BACKWARD_ARGS.format(mutated='')}) -> (Tensor, Tensor, Tensor, Tensor)",
@@ -303,24 +307,27 @@ expert_down_backward = define(
     ``<grad_out[i], y[token_index_map[i*K+k]]>`` (zero for sentinels): the router's
     gradient. ``grad_b_down`` is ``[E, d]`` when ``b_down`` is given, else empty.
     Without ``need_weight_grad`` the weight and bias gradients come back empty and are
-    not computed (frozen experts).""")
+    not computed (frozen experts). ``validate=False`` skips every check (the formulas
+    pass it).""")
 
 
 def _expert_down_backward_(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
-                           b_down, activation, transposed, interleaved, alpha, limit, need_weight_grad=True):
-    _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
-                         b_down, activation, transposed, op="expert_down_backward_")
-    if not h.is_contiguous():
-        raise ValueError("moeblaze.expert_down_backward_: argument 'h' must be contiguous (it is overwritten "
-                         "with its gradient)")
+                           b_down, activation, transposed, interleaved, alpha, limit, need_weight_grad=True,
+                           validate=True):
+    if validate:
+        _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
+                             topk_weights, b_down, activation, transposed, op="expert_down_backward_")
+        if not h.is_contiguous():
+            raise ValueError("moeblaze.expert_down_backward_: argument 'h' must be contiguous (it is overwritten "
+                             "with its gradient)")
     return _down_backward_kernels("expert_down_backward_", grad_out, h, w_down, expert_token_indices,
                                   expert_offsets, token_index_map, topk_weights, b_down, activation, transposed,
-                                  interleaved, alpha, limit, need_weight_grad, in_place=True)[1:]
+                                  interleaved, alpha, limit, need_weight_grad, True, validate)[1:]
 
 
 def _expert_down_backward_like_(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
                                 topk_weights, b_down, activation, transposed, interleaved, alpha, limit,
-                                need_weight_grad=True):
+                                need_weight_grad=True, validate=True):
     _check_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                          b_down, activation, transposed, op="expert_down_backward_")
     return _down_grads_like(h, w_down, b_down, topk_weights, need_weight_grad)[1:]
@@ -347,19 +354,20 @@ def _check_down_backward_recompute(grad_out, x, w_gate_up, w_down, eti, offsets,
 
 def _expert_down_backward_recompute(grad_out, x, w_gate_up, w_down, expert_token_indices, expert_offsets,
                                     token_index_map, topk_weights, b_gate_up, b_down, activation, transposed,
-                                    interleaved, alpha, limit, need_weight_grad=True):
-    _check_down_backward_recompute(grad_out, x, w_gate_up, w_down, expert_token_indices, expert_offsets,
-                                   token_index_map, topk_weights, b_gate_up, b_down, activation, transposed)
+                                    interleaved, alpha, limit, need_weight_grad=True, validate=True):
+    if validate:
+        _check_down_backward_recompute(grad_out, x, w_gate_up, w_down, expert_token_indices, expert_offsets,
+                                       token_index_map, topk_weights, b_gate_up, b_down, activation, transposed)
     h = forward_backend(x).expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
                                      b_gate_up, transposed)
     return _down_backward_kernels("expert_down_backward_recompute", grad_out, h, w_down, expert_token_indices,
                                   expert_offsets, token_index_map, topk_weights, b_down, activation, transposed,
-                                  interleaved, alpha, limit, need_weight_grad, in_place=True)
+                                  interleaved, alpha, limit, need_weight_grad, True, validate)
 
 
 def _expert_down_backward_recompute_like(grad_out, x, w_gate_up, w_down, expert_token_indices, expert_offsets,
                                          token_index_map, topk_weights, b_gate_up, b_down, activation, transposed,
-                                         interleaved, alpha, limit, need_weight_grad=True):
+                                         interleaved, alpha, limit, need_weight_grad=True, validate=True):
     N = _check_down_backward_recompute(grad_out, x, w_gate_up, w_down, expert_token_indices, expert_offsets,
                                        token_index_map, topk_weights, b_gate_up, b_down, activation, transposed)
     h = x.new_empty(expert_token_indices.shape[0], N)
@@ -369,7 +377,7 @@ def _expert_down_backward_recompute_like(grad_out, x, w_gate_up, w_down, expert_
 expert_down_backward_recompute = define(
     f"expert_down_backward_recompute(Tensor grad_out, Tensor x, Tensor w_gate_up, Tensor w_down, {_INDICES}, "
     f"Tensor topk_weights, Tensor? b_gate_up, Tensor? b_down, {_ACTIVATION_REQUIRED}, "
-    "bool need_weight_grad=True) -> (Tensor, Tensor, Tensor, Tensor)",
+    "bool need_weight_grad=True, bool validate=True) -> (Tensor, Tensor, Tensor, Tensor)",
     _expert_down_backward_recompute, _expert_down_backward_recompute_like,
     """``expert_down_backward`` that recomputes ``h`` (``expert_up``) itself and writes dH
     over it: the backward of ``expert_layer`` and of ``moe_experts(..., recompute=True)``.

@@ -1,7 +1,8 @@
 """The autograd formulas of the expert ops, each written once.
 
 ``up_backward``, ``down_backward`` and ``recomputed_backward`` are the math; they call
-the backward ops through the dispatcher. They are registered on the forward ops
+the backward ops through the dispatcher, with ``validate=False`` (their arguments are a
+checked forward's). They are registered on the forward ops
 (``torch.library.register_autograd``: direct callers, ``opcheck``, traced graphs), and
 ``DownProjection``, the autograd node of ``moe_experts``'s down projection, runs the same
 ``down_backward``, with the one thing an op's formula cannot know: that h is the layer's
@@ -48,7 +49,8 @@ def up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed, n
         return None, None, None
     with _below_autograd():
         grad_x, grad_w, grad_b = _ops.expert_up_backward.default(grad_h, x, w_gate_up, eti, offsets, tim, has_bias,
-                                                                 transposed, need_x, need_w or (has_bias and need_b))
+                                                                 transposed, need_x, need_w or (has_bias and need_b),
+                                                                 False)
     return grad_x if need_x else None, grad_w if need_w else None, grad_b if has_bias and need_b else None
 
 
@@ -62,11 +64,11 @@ def down_backward(grad_out, h, w_down, b_down, topk_weights, eti, offsets, tim, 
     with _below_autograd():
         if in_place:
             grad_w, grad_b, grad_tw = _ops.expert_down_backward_.default(grad_out, h, w_down, eti, offsets, tim,
-                                                                         topk_weights, b_down, *args, need_wb)
+                                                                         topk_weights, b_down, *args, need_wb, False)
             grad_h = h
         else:
-            grad_h, grad_w, grad_b, grad_tw = _ops.expert_down_backward.default(grad_out, h, w_down, eti, offsets, tim,
-                                                                                topk_weights, b_down, *args, need_wb)
+            grad_h, grad_w, grad_b, grad_tw = _ops.expert_down_backward.default(
+                grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, *args, need_wb, False)
     return (grad_h if need_h else None, grad_w if need_w else None, grad_b if has_b and need_b else None,
             grad_tw if need_tw else None)
 
@@ -81,7 +83,7 @@ def recomputed_backward(grad_out, x, w_gate_up, w_down, b_gate_up, b_down, topk_
     with _below_autograd():
         grad_h, grad_wd, grad_bd, grad_tw = _ops.expert_down_backward_recompute.default(
             grad_out, x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, *args,
-            need_wd or (has_bd and need_bd))
+            need_wd or (has_bd and need_bd), False)
     grad_x, grad_wgu, grad_bgu = up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bgu, args[1], need_x,
                                              need_wgu, need_bgu)
     return (grad_x, grad_wgu, grad_wd if need_wd else None, grad_bgu, grad_bd if has_bd and need_bd else None,
@@ -99,7 +101,7 @@ def _up_setup_context(ctx, inputs, output):
 
 def _up_formula(ctx, grad_h):
     x, w_gate_up, eti, offsets, tim = ctx.saved_tensors
-    need = _needs(ctx, 8)  # x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, check_indices
+    need = _needs(ctx, 8)  # x, w_gate_up, eti, offsets, tim, b_gate_up, transposed, validate
     grad_x, grad_w, grad_b = up_backward(grad_h, x, w_gate_up, eti, offsets, tim, ctx.has_bias, ctx.transposed,
                                          need[0], need[1], need[5])
     return grad_x, grad_w, None, None, None, grad_b, None, None
@@ -125,7 +127,7 @@ def _down_setup_context(ctx, inputs, output):
 
 def _down_formula(ctx, grad_out):
     h, w_down, b_down, topk_weights, eti, offsets, tim = ctx.saved_tensors
-    need = _needs(ctx, 13)  # h, w_down, eti, offsets, tim, topk_weights, b_down, activation..limit, check_indices
+    need = _needs(ctx, 13)  # h, w_down, eti, offsets, tim, topk_weights, b_down, activation..limit, validate
     grad_h, grad_w, grad_b, grad_tw = down_backward(grad_out, h, w_down, b_down, topk_weights, eti, offsets, tim,
                                                     ctx.args, need[0], need[1], need[6], need[5])
     return (grad_h, grad_w, None, None, None, grad_tw, grad_b) + (None,) * 6
