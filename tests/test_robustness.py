@@ -287,6 +287,26 @@ def test_double_backward_is_refused_clearly(mode, seed):
         grad_x.sum().backward()
 
 
+@pytest.mark.parametrize("op", ["expert_up_backward", "expert_down_backward"])
+def test_backward_ops_refuse_their_own_differentiation(op, seed):
+    """A backward op called directly on tensors that require grad: differentiating its
+    outputs raises, rather than returning a gradient no formula computed."""
+    layer = make_layer(8, 16, 8, 4, 2, seed=seed, dtype=torch.float64)
+    ops = torch.ops.moeblaze
+    eti, offsets, tim = ops.dispatch(layer["topk_ids"], 4)
+    x, w_gate_up, w_down = layer["x"], layer["w_gate_up"], layer["w_down"]
+    h = ops.expert_up(x, w_gate_up, eti, offsets, tim)
+    if op == "expert_up_backward":
+        grad = torch.randn_like(h).requires_grad_(True)
+        outputs = ops.expert_up_backward(grad, x, w_gate_up, eti, offsets, tim, False, False)
+    else:
+        grad = torch.randn_like(x).requires_grad_(True)
+        outputs = ops.expert_down_backward(grad, h, w_down, eti, offsets, tim, layer["topk_weights"], None,
+                                           "swiglu", False, False, 1.702, 7.0)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        outputs[0].sum().backward()
+
+
 def test_settings_override_reaches_other_threads():
     """Autograd runs the backward of CUDA ops on its own device threads: an override must be
     in force there too (per-thread settings left the backward kernels on the defaults)."""

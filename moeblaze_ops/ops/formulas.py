@@ -2,7 +2,8 @@
 
 ``up_backward``, ``down_backward`` and ``recomputed_backward`` are the math; they call
 the backward ops through the dispatcher, with ``validate=False`` (their arguments are a
-checked forward's). They are registered on the forward ops
+checked forward's). The backward ops have no formula: where autograd records them their
+outputs refuse a second differentiation (``_refusing_autograd_kernel``). They are registered on the forward ops
 (``torch.library.register_autograd``: direct callers, ``opcheck``, traced graphs), and
 ``DownProjection``, the autograd node of ``moe_experts``'s down projection, runs the same
 ``down_backward``, with the one thing an op's formula cannot know: that h is the layer's
@@ -14,23 +15,49 @@ dispatcher drops trailing arguments equal to their defaults): ``_needs`` pads it
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ..activations import is_gated
-from . import experts  # noqa: F401  (defines the ops the formulas are registered on)
+from . import LIB, experts  # noqa: F401  (experts defines the ops the formulas are registered on)
 
 _ops = torch.ops.moeblaze
 
 
-def _below_autograd():
-    """Where no graph is being built, the ops are called past their autograd kernels (the
-    registered formulas' Python wrappers, tens of microseconds of host time per call that
-    record nothing here); modes and tensor subclasses, which sit below autograd, still see
-    them. A backward that builds a graph (``create_graph``) keeps the wrappers: the
-    backward ops' formulas refuse the second differentiation clearly."""
-    return contextlib.nullcontext() if torch.is_grad_enabled() else torch._C._AutoDispatchBelowAutograd()
+class _NoGradientsOfGradients(torch.autograd.Function):
+    """Passes a backward op's outputs through where autograd records them (a backward that
+    builds a graph, ``create_graph``, or a direct call on tensors that require grad);
+    differentiating them raises."""
+
+    @staticmethod
+    def forward(ctx, name, anchor, *outputs):
+        ctx.name = name
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(f"moeblaze.{ctx.name}: gradients of gradients (double backward, e.g. "
+                                  "gradgradcheck or create_graph=True followed by another backward) are not supported")
+
+
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+
+
+def _refusing_autograd_kernel(name):
+    """The autograd kernel of backward op ``name``: the op itself, its outputs marked so
+    that a second differentiation raises where autograd records them. Leaner than a
+    registered formula's wrapper, which compiled backward graphs would pay on every call
+    for a refusal."""
+    op = getattr(_ops, name).default
+
+    def kernel(keyset, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            outputs = op.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+        if not torch.is_grad_enabled():
+            return outputs
+        anchor = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+        return outputs if anchor is None else _NoGradientsOfGradients.apply(name, anchor, *outputs)
+
+    return kernel
 
 
 def _needs(ctx, count: int) -> tuple:
@@ -47,10 +74,8 @@ def up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bias, transposed, n
     """``(grad_x, grad_w_gate_up, grad_b_gate_up)`` of the up projection, None where not needed."""
     if not (need_x or need_w or (has_bias and need_b)):
         return None, None, None
-    with _below_autograd():
-        grad_x, grad_w, grad_b = _ops.expert_up_backward.default(grad_h, x, w_gate_up, eti, offsets, tim, has_bias,
-                                                                 transposed, need_x, need_w or (has_bias and need_b),
-                                                                 False)
+    grad_x, grad_w, grad_b = _ops.expert_up_backward.default(grad_h, x, w_gate_up, eti, offsets, tim, has_bias,
+                                                             transposed, need_x, need_w or (has_bias and need_b), False)
     return grad_x if need_x else None, grad_w if need_w else None, grad_b if has_bias and need_b else None
 
 
@@ -61,14 +86,13 @@ def down_backward(grad_out, h, w_down, b_down, topk_weights, eti, offsets, tim, 
     ``in_place`` writes grad_h over h (then returned as grad_h)."""
     has_b = b_down is not None
     need_wb = need_w or (has_b and need_b)
-    with _below_autograd():
-        if in_place:
-            grad_w, grad_b, grad_tw = _ops.expert_down_backward_.default(grad_out, h, w_down, eti, offsets, tim,
-                                                                         topk_weights, b_down, *args, need_wb, False)
-            grad_h = h
-        else:
-            grad_h, grad_w, grad_b, grad_tw = _ops.expert_down_backward.default(
-                grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, *args, need_wb, False)
+    if in_place:  # (never in a backward that builds a graph: DownProjection decides)
+        grad_w, grad_b, grad_tw = _ops.expert_down_backward_.default(grad_out, h, w_down, eti, offsets, tim,
+                                                                     topk_weights, b_down, *args, need_wb, False)
+        grad_h = h
+    else:
+        grad_h, grad_w, grad_b, grad_tw = _ops.expert_down_backward.default(
+            grad_out, h, w_down, eti, offsets, tim, topk_weights, b_down, *args, need_wb, False)
     return (grad_h if need_h else None, grad_w if need_w else None, grad_b if has_b and need_b else None,
             grad_tw if need_tw else None)
 
@@ -80,10 +104,9 @@ def recomputed_backward(grad_out, x, w_gate_up, w_down, b_gate_up, b_down, topk_
     b_gate_up, b_down, topk_weights)``, None where not needed."""
     need_x, need_wgu, need_wd, need_bgu, need_bd, need_tw = need
     has_bgu, has_bd = b_gate_up is not None, b_down is not None
-    with _below_autograd():
-        grad_h, grad_wd, grad_bd, grad_tw = _ops.expert_down_backward_recompute.default(
-            grad_out, x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, *args,
-            need_wd or (has_bd and need_bd), False)
+    grad_h, grad_wd, grad_bd, grad_tw = _ops.expert_down_backward_recompute.default(
+        grad_out, x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up,
+        b_down, *args, need_wd or (has_bd and need_bd), False)
     grad_x, grad_wgu, grad_bgu = up_backward(grad_h, x, w_gate_up, eti, offsets, tim, has_bgu, args[1], need_x,
                                              need_wgu, need_bgu)
     return (grad_x, grad_wgu, grad_wd if need_wd else None, grad_bgu, grad_bd if has_bd and need_bd else None,
@@ -148,28 +171,13 @@ def _layer_formula(ctx, grad_out):
     return (grad_x, grad_wgu, grad_wd, None, None, None, grad_tw, grad_bgu, grad_bd) + (None,) * 6
 
 
-def _refuse_double_backward(name):
-    def formula(ctx, *grads):
-        raise NotImplementedError(f"moeblaze.{name}: gradients of gradients (double backward, e.g. gradgradcheck "
-                                  "or create_graph=True followed by another backward) are not supported")
-
-    return formula
-
-
-def _nothing_to_save(ctx, inputs, output):
-    pass
-
-
 for _name, _formula, _setup in (("expert_up", _up_formula, _up_setup_context),
                                 ("_expert_up_beside", _up_beside_formula, _up_beside_setup_context),
                                 ("expert_down", _down_formula, _down_setup_context),
-                                ("expert_layer", _layer_formula, _layer_setup_context),
-                                # The backward ops are differentiable only in name: a second
-                                # differentiation says so clearly.
-                                *((name, _refuse_double_backward(name), _nothing_to_save)
-                                  for name in ("expert_up_backward", "expert_down_backward",
-                                               "expert_down_backward_recompute"))):
+                                ("expert_layer", _layer_formula, _layer_setup_context)):
     torch.library.register_autograd(f"moeblaze::{_name}", _formula, setup_context=_setup)
+for _name in ("expert_up_backward", "expert_down_backward", "expert_down_backward_recompute"):
+    LIB.impl(_name, _refusing_autograd_kernel(_name), "Autograd", with_keyset=True)
 
 
 # --------------------------------------------------------------------------- moe_experts' eager nodes
