@@ -56,7 +56,7 @@ def test_forward_activation_routes(activation, layout, differentiated, seed):
                                                ("gelu", "concatenated")])
 @pytest.mark.parametrize("sentinel_frac", [0.0, 0.3])
 def test_up_with_activation_always(activation, layout, sentinel_frac, seed):
-    """``expert_up_with_activation(always=True)`` (what a compiled graph that planned for
+    """``expert_up_with_activation`` (what a compiled graph that planned for
     act(h) beside h calls; here, without a Gluon kernel, the GEMM then the activation pass):
     h and act(h) against the float64 portable kernels', where the rule
     (``config.activation_beside_h``) would not make act(h)."""
@@ -69,8 +69,7 @@ def test_up_with_activation_always(activation, layout, sentinel_frac, seed):
     def up(kernels, dtype):
         t = {k: layer[k].to(dtype) for k in ("x", "w_gate_up", "b_gate_up")}
         return kernels.expert_up_with_activation(t["x"], t["w_gate_up"], eti, offsets, tim, t["b_gate_up"],
-                                                 layer["transposed"], activation, layer["interleaved"], 1.702, 7.0,
-                                                 always=True)
+                                                 layer["transposed"], activation, layer["interleaved"], 1.702, 7.0)
 
     assert not config.activation_beside_h(12, 80, 4)
     h, a = up(triton_experts, torch.float32)

@@ -42,9 +42,8 @@ class Backend:
     #: act(h) of ``expert_up``'s rows, h never kept where the kernels allow (the up
     #: GEMM's epilogue activates): ``expert_layer``'s up projection.
     expert_up_activated: Callable
-    #: ``(h, act(h) or None)``: ``expert_up``'s h and, where ``config.activation_beside_h``
-    #: makes it, act(h) beside it (the activation's arguments follow ``transposed``); with
-    #: ``always=True`` act(h) whatever the rule says.
+    #: ``(h, act(h))``: ``expert_up``'s h and act(h) beside it (the activation's arguments
+    #: follow ``transposed``), for ``expert_down_activated``.
     expert_up_with_activation: Callable
     expert_down: Callable
     #: ``expert_down`` of rows ``expert_up_activated`` activated (no activation arguments).

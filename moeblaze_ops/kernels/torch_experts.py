@@ -14,9 +14,8 @@ from typing import Optional
 
 import torch
 
-from ..activations import activation_backward, activation_forward, is_gated
+from ..activations import activation_backward, activation_forward
 from ..layouts import expert_matrix, linear_dims
-from . import config
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -99,15 +98,10 @@ def _activated(h, activation, alpha, limit, interleaved):
 
 
 def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
-                              transposed, activation, interleaved, alpha, limit, always=False):
-    """``(h, a)``: ``expert_up``'s h and, for a gated activation where
-    ``config.activation_beside_h`` says so (any activation with ``always``), a = act(h)
-    in h's dtype (as the Triton backend's epilogue writes it), else None."""
+                              transposed, activation, interleaved, alpha, limit):
+    """``(h, a)``: ``expert_up``'s h and a = act(h) in h's dtype (as the Triton backend's
+    epilogue writes it)."""
     h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
-    E = linear_dims(w_gate_up, transposed)[0]
-    if not (always or (is_gated(activation)
-                       and config.activation_beside_h(h.shape[1] // 2, h.shape[0], E))):
-        return h, None
     return h, _activated(h, activation, alpha, limit, interleaved)
 
 

@@ -197,20 +197,15 @@ def _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert
 
 
 def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
-                              transposed, activation, interleaved, alpha, limit, always=False):
-    """``(h, a)``: ``expert_up``'s h and, where ``config.activation_beside_h`` says so
-    and the Gluon up GEMM's gated epilogue applies, ``a = act(h)`` ([L*K, I]) written by the
-    same epilogue, for ``expert_down_activated``; elsewhere a is None (``expert_down``
-    then runs the activation pass). With ``always`` (a compiled graph that planned for a)
-    a whatever the setting says: the epilogue's where it applies, else the activation
-    pass's after the GEMM."""
+                              transposed, activation, interleaved, alpha, limit):
+    """``(h, a)``: ``expert_up``'s h and ``a = act(h)`` ([L*K, I] for a gated activation),
+    for ``expert_down_activated``: both from the Gluon up GEMM's gated epilogue where it
+    applies, else the GEMM then the activation pass. (Whether a layer takes this route is
+    the caller's rule, ``config.activation_beside_h``.)"""
     act = activation_code(activation)
     LK = expert_token_indices.shape[0]
-    E, N, _ = linear_dims(w_gate_up, transposed)
+    _, N, _ = linear_dims(w_gate_up, transposed)
     gated = is_gated_code(act)
-    if not (always or (LK and gated and config.activation_beside_h(N // 2, LK, E))):
-        return expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
-                         transposed), None
     h = gg.empty(LK, N, dtype=x.dtype, device=x.device)
     a = gg.empty(LK, N // 2 if gated else N, dtype=x.dtype, device=x.device)
     if LK == 0:
@@ -219,8 +214,6 @@ def expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets
                                         act, interleaved, alpha, limit, h=h):
         return h, a
     launch_gathered_gemm(x, expert_token_indices, w_gate_up, b_gate_up, expert_offsets, h, transposed, "up")
-    if not always:
-        return h, None
     launch_activation(h, a, act, interleaved, alpha, limit)
     return h, a
 

@@ -170,7 +170,7 @@ def _expert_up_beside(x, w_gate_up, expert_token_indices, expert_offsets, token_
                       activation, interleaved, alpha, limit):
     return forward_backend(x).expert_up_with_activation(x, w_gate_up, expert_token_indices, expert_offsets,
                                                         token_index_map, b_gate_up, transposed, activation,
-                                                        interleaved, alpha, limit, always=True)
+                                                        interleaved, alpha, limit)
 
 
 def _expert_up_beside_like(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,

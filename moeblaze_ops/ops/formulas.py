@@ -2,18 +2,19 @@
 
 ``up_backward``, ``down_backward`` and ``recomputed_backward`` are the math; they call
 the backward ops through the dispatcher, with ``validate=False`` (their arguments are a
-checked forward's). The backward ops have no formula: where autograd records them their
-outputs refuse a second differentiation (``_refusing_autograd_kernel``). They are registered on the forward ops
+checked forward's). They are registered on the forward ops
 (``torch.library.register_autograd``: direct callers, ``opcheck``, traced graphs), and
-``DownProjection``, the autograd node of ``moe_experts``'s down projection, runs the same
-``down_backward``, with the one thing an op's formula cannot know: that h is the layer's
-own, so that eager backward may write dH over it.
+run by ``UpProjection`` and ``DownProjection``, eager ``moe_experts``'s nodes. The
+backward ops have no formula: where autograd records them, their outputs refuse a second
+differentiation (``_refusing_autograd_kernel``).
 
 A formula sees ``ctx.needs_input_grad`` only for the arguments the call passed (the
 dispatcher drops trailing arguments equal to their defaults): ``_needs`` pads it.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -184,8 +185,8 @@ for _name in ("expert_up_backward", "expert_down_backward", "expert_down_backwar
 #
 # Eager ``moe_experts`` applies these two nodes instead of the ops' registered formulas:
 # the same ops and the same math, with what an op's formula cannot know (that h is the
-# layer's own, so dH may overwrite it; that act(h) comes beside h) and at a quarter of
-# the host time of the registered formulas' wrappers, which small layers pay every step
+# layer's own, so dH may overwrite it; that act(h) comes beside h), and without the
+# registered formulas' Python wrappers, whose host time small layers pay every step
 # (docs/performance.md). Two nodes, not one: the engine accumulates the down weights'
 # gradient before the up projection's backward allocates its own.
 
@@ -250,15 +251,11 @@ class DownProjection(torch.autograd.Function):
             x, w_gate_up, b_gate_up = ctx.up
             with torch._C._AutoDispatchBelowAutograd():
                 h = _ops.expert_up.default(x, w_gate_up, eti, offsets, tim, b_gate_up, ctx.args[1], False)
-        if in_place:
-            # The write over h is deliberate and tracked (``overwritten``), so h keeps its
-            # version: a second backward may unpack it, and then recomputes it.
-            with torch.autograd._unsafe_preserve_version_counter(h):
-                grads = down_backward(grad_out, h, w_down, b_down, topk_weights, eti, offsets, tim, ctx.args,
-                                      need[0], need[2], need[3], need[4], in_place=True)
-            ctx.overwritten = True
-        else:
-            grads = down_backward(grad_out, h, w_down, b_down, topk_weights, eti, offsets, tim, ctx.args, need[0],
-                                  need[2], need[3], need[4])
-        grad_h, grad_w, grad_b, grad_tw = grads
+        # The write over h is deliberate and tracked (``overwritten``), so h keeps its
+        # version: a second backward may unpack it, and then recomputes it.
+        with torch.autograd._unsafe_preserve_version_counter(h) if in_place else contextlib.nullcontext():
+            grad_h, grad_w, grad_b, grad_tw = down_backward(grad_out, h, w_down, b_down, topk_weights, eti, offsets,
+                                                            tim, ctx.args, need[0], need[2], need[3], need[4],
+                                                            in_place)
+        ctx.overwritten = ctx.overwritten or in_place
         return grad_h, None, grad_w, grad_b, grad_tw, None, None, None, None, None
