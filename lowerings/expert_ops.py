@@ -298,23 +298,23 @@ def _activation_beside_h(x, w_gate_up, rows, N, b_gate_up):
     """``(down, (activation, interleaved, alpha, limit))`` where the ``expert_up`` being
     lowered (to the op) should write act(h) beside h for ``down``, the one
     ``expert_down`` FX node that reads its h, as eager training does
-    (``config.activation_beside_h``, by the size hints): a gated activation over
-    concatenated halves with constant parameters, no up bias, every index array from a
-    dispatch in this graph (the internal ops check none). Else None: the down projection
-    runs the activation pass."""
+    (``config.activation_beside_h``, by the size hints): a gated activation with
+    constant parameters, every index array from a dispatch in this graph (the internal ops
+    check none). Else None: the down projection runs the activation pass."""
     up = V.graph.current_node
     downs = [user for user in up.users if user.target is _ops.expert_down.default]
-    if b_gate_up is not None or len(downs) != 1 or not _index_arrays_from_dispatch(_UP_INDEX_ARRAYS):
+    if len(downs) != 1 or not _index_arrays_from_dispatch(_UP_INDEX_ARRAYS):
         return None
     down = _named_args(downs[0])
     activation_args = tuple(down[name] for name in ("activation", "interleaved", "alpha", "limit"))
-    if down["h"] is not up or not is_gated(down["activation"]) or down["interleaved"] \
+    if down["h"] is not up or not is_gated(down["activation"]) \
             or not all(isinstance(v, float) for v in activation_args[2:]) \
             or not all(_from_dispatch(down[name]) for name in ("expert_token_indices", "expert_offsets",
                                                                 "token_index_map")):
         return None
     experts = compat.static_int(w_gate_up.get_size()[0])
-    if not config.activation_beside_h(compat.hint(N) // 2, compat.hint(rows), experts):
+    if not config.activation_beside_h(compat.hint(N) // 2, compat.hint(rows), experts,
+                                      interleaved=down["interleaved"], up_bias=b_gate_up is not None):
         return None
     return downs[0], activation_args
 

@@ -139,7 +139,8 @@ def moe_experts(
         h = ops.expert_up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed, False)
         out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args, False)
     else:
-        beside = gated and _beside(w_gate_up, transposed, eti.shape[0], E)
+        beside = gated and config.activation_beside_h(linear_dims(w_gate_up, transposed)[1] // 2, eti.shape[0], E,
+                                                      interleaved=interleaved, up_bias=b_gate_up is not None)
         h, a = UpProjection.apply(x2, w_gate_up, b_gate_up, eti, offsets, tim, args, beside)
         # Eager autograd may write dH over h, the layer's own.
         up = (x2, w_gate_up, b_gate_up) if overwrite_h else None
@@ -151,8 +152,3 @@ def _differentiates(*tensors) -> bool:
     """Whether autograd would record a graph through any of ``tensors``."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
-
-def _beside(w_gate_up, transposed, rows, experts) -> bool:
-    """Whether the up GEMM of a gated layer writes act(h) beside h (the config's rule on
-    its intermediate width and routed rows per expert)."""
-    return config.activation_beside_h(linear_dims(w_gate_up, transposed)[1] // 2, rows, experts)

@@ -130,15 +130,16 @@ for (config, peer), sides in rows.items():
     lines.append(f"| train ms, {config}, {peer} | {cell(ms.get('old'))} | {cell(ms.get('new'))} | "
                  f"{ratio(ms.get('old'), ms.get('new'))} | {cell(peak.get('old'), 2)} | {cell(peak.get('new'), 2)} |")
 for mode in ("eager", "compiled"):
-    host = {}
-    for side in ("old", "new"):
-        path = f"{work}/host_{mode}_{side}.txt"
-        found = [float(v) for v in re.findall(r"host ms per step ([0-9.]+)", open(path).read())] \
-            if os.path.exists(path) else []
-        host[side] = min(found) if found else None
-    if any(host.values()):
-        lines.append(f"| host ms per step, {host_config} {mode} (min) | {cell(host['old'])} | {cell(host['new'])} | "
-                     f"{ratio(host['old'], host['new'])} | | |")
+    for what, pattern in (("host ms per step (profiler)", r"host ms per step ([0-9.]+)"),
+                          ("wall ms per step (unprofiled)", r"wall ms per step unprofiled ([0-9.]+)")):
+        host = {}
+        for side in ("old", "new"):
+            path = f"{work}/host_{mode}_{side}.txt"
+            found = [float(v) for v in re.findall(pattern, open(path).read())] if os.path.exists(path) else []
+            host[side] = min(found) if found else None
+        if any(host.values()):
+            lines.append(f"| {what}, {host_config} {mode} (min) | {cell(host['old'])} | {cell(host['new'])} | "
+                         f"{ratio(host['old'], host['new'])} | | |")
 lines += ["", f"GPU tests: {tests}"]
 print("\n".join(lines))
 EOF

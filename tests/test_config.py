@@ -39,13 +39,18 @@ def test_rule_warp_specialization_and_mma_partitions():
 
 def test_rule_activation_beside_h():
     """act(h) is written beside h in layers of at most 8192 intermediate columns and at
-    least 2048 routed rows per expert; the rule's signature is what the lowerings call."""
+    least 2048 routed rows per expert, never with interleaved halves or an up bias (the
+    epilogue that writes both cannot); the rule's signature is what eager ``moe_experts``
+    and the lowerings both call."""
     import inspect
 
     from moeblaze_ops.kernels import config
 
-    assert list(inspect.signature(config.activation_beside_h).parameters) == ["columns", "rows", "experts"]
+    assert list(inspect.signature(config.activation_beside_h).parameters) == [
+        "columns", "rows", "experts", "interleaved", "up_bias"]
     assert config.activation_beside_h(8192, 2048 * 16, 16)
+    assert not config.activation_beside_h(8192, 2048 * 16, 16, interleaved=True)
+    assert not config.activation_beside_h(8192, 2048 * 16, 16, up_bias=True)
     assert not config.activation_beside_h(8193, 2048 * 16, 16)
     assert not config.activation_beside_h(8192, 2048 * 16 - 1, 16)
 

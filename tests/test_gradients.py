@@ -386,18 +386,21 @@ def test_layer_without_gradients_makes_no_h(activation, layout, seed, monkeypatc
     assert rel_err(out, trained.detach()) <= 1e-6
 
 
-@pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
-                                               ("gelu", "concatenated")])
-def test_activation_beside_h_route(activation, layout, seed, monkeypatch):
+@pytest.mark.parametrize("activation,layout,bias", [("swiglu", "concatenated", False),
+                                                    ("clamped_swiglu", "transposed", False),
+                                                    ("clamped_swiglu", "transposed_interleaved", False),
+                                                    ("swiglu", "concatenated", True), ("gelu", "concatenated", False)])
+def test_activation_beside_h_route(activation, layout, bias, seed, monkeypatch):
     """``config.activation_beside_h``'s column bound at or above the layer's I and its row
     bound at or below its routed rows per expert: with gradients, a gated layer's up
     projection hands act(h) beside h to the down projection, which then runs no
     activation of its own (``expert_down_activated``); outputs and gradients as without
-    it (float32, where act(h) rounds to nothing). Past either edge, and in non-gated
+    it (float32, where act(h) rounds to nothing). Past either edge, with interleaved
+    halves or biases (the rule's, for eager and compiled layers alike), and in non-gated
     layers: h alone and the down projection's activation."""
     seen = _spy_on_torch_backend(monkeypatch, expert_up_with_activation="up", expert_up="up", expert_down="down",
                                  expert_down_activated="down_activated")
-    layer = make_layer(41, 8, 4, 5, 3, dtype=torch.float32, routing="skewed", bias=True, seed=seed,
+    layer = make_layer(41, 8, 4, 5, 3, dtype=torch.float32, routing="skewed", bias=bias, seed=seed,
                        activation=activation, layout=layout)
     g = torch.randn(41, 8, generator=torch.Generator().manual_seed(seed + 1))
     runs = []
@@ -406,7 +409,7 @@ def test_activation_beside_h_route(activation, layout, seed, monkeypatch):
         _beside_rule(monkeypatch, limit, min_rows)
         run, called = _step(layer, g, seen)
         runs.append(run)
-        beside = limit == 4 and min_rows <= 24 and is_gated(activation)
+        beside = limit == 4 and min_rows <= 24 and is_gated(activation) and "interleaved" not in layout and not bias
         assert called == (["up", "down_activated"] if beside else ["up", "down"])
     for run in runs[1:]:
         for a, b in zip(runs[0], run):

@@ -215,12 +215,17 @@ ACTIVATION_BESIDE_H_MAX_COLUMNS = 8192
 ACTIVATION_BESIDE_H_MIN_ROWS = 2048
 
 
-def activation_beside_h(columns: int, rows: int, experts: int) -> bool:
+def activation_beside_h(columns: int, rows: int, experts: int, *, interleaved: bool = False,
+                        up_bias: bool = False) -> bool:
     """Whether a gated layer of ``columns`` intermediate columns (I) and ``rows`` routed
     rows over ``experts`` experts, which keeps h for backward, has the up GEMM write act(h)
-    beside h (on Hopper, where ``gluon_row_gemm.GatedEpilogue`` applies) for the down
-    projection to read instead of running the activation pass; eager and compiled alike."""
-    return columns <= ACTIVATION_BESIDE_H_MAX_COLUMNS and rows >= ACTIVATION_BESIDE_H_MIN_ROWS * experts
+    beside h for the down projection to read instead of running the activation pass;
+    eager and compiled alike. Only where the Gluon up GEMM's gated epilogue can write both
+    (``gluon_row_gemm.applies_gated_epilogue``: gate and up halves concatenated, not
+    ``interleaved``, no ``up_bias``): elsewhere act(h) would come from the same activation
+    pass, held longer."""
+    return (not interleaved and not up_bias and columns <= ACTIVATION_BESIDE_H_MAX_COLUMNS
+            and rows >= ACTIVATION_BESIDE_H_MIN_ROWS * experts)
 
 
 # --------------------------------------------------------------------------- dH
