@@ -22,6 +22,15 @@ reject, is a usage error (exit code 2) that says which fields there are; so is a
 ``--configs`` or ``--skip`` does not know. ``--device cpu --configs smoke`` is a quick
 check of the benchmark itself (fp32, no peak memory, no dispatch micro-benchmark).
 
+``--mode decode`` times the experts' forward at inference token counts (``--tokens``, 1 to
+4096 by default) for the decode shapes (``--configs mixtral_decode qwen3_a3b_decode``), each
+beside the floor of the bytes its routing must read, at ``--nominal-tbps`` and at the read
+bandwidth measured in the same run (``--bandwidth-mb``): moeblaze compiled with CUDA graphs,
+moeblaze eager captured into CUDA graphs, and compiled ``grouped_mm`` with CUDA graphs,
+rotating over copies of the weights so that L2 holds none of what a call reads. Writes
+decode.md, decode.json and decode.png under ``--out`` (``moeblaze_ops.bench.decode``);
+``--device cpu --configs smoke_decode`` checks it in seconds.
+
 ``python -m moeblaze_ops.bench.expert_parallel`` (under torchrun, or ``--spawn N --device
 cpu``) measures expert parallelism against one device.
 """
@@ -39,7 +48,8 @@ from pathlib import Path
 import torch
 
 from .. import settings
-from .configs import CONFIGS
+from . import decode
+from .configs import CONFIGS, DECODE_SHAPES, DECODE_TOKENS
 from .console import note
 from .implementations import PEER_NAMES
 from .measure import BenchContext, bench_dispatch, bench_forward, bench_train
@@ -66,15 +76,20 @@ def parse_setting(text):
 def _parser():
     p = argparse.ArgumentParser(prog="python -m moeblaze_ops.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["forward", "train"], default="forward",
-                   help="forward: the experts' forward; train: forward + backward, activation and peak memory")
+    p.add_argument("--mode", choices=["forward", "train", "decode"], default="forward",
+                   help="forward: the experts' forward; train: forward + backward, activation and peak memory; "
+                        "decode: the forward at inference token counts against its memory floor")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--set", dest="settings", metavar="NAME=VALUE", action="append", type=parse_setting, default=[],
                    help="change a kernel setting for the whole run (repeatable), e.g. --set column_slab=None")
-    p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS),
-                   help="layer shapes to measure (none: the dispatch micro-benchmark alone)")
-    p.add_argument("--skip", nargs="*", default=[], choices=PEER_NAMES, metavar="PEER",
-                   help=f"peers to leave out, of: {', '.join(PEER_NAMES)}")
+    # None: the mode's own default (every config; decode: DEFAULT_SHAPES); checked against
+    # the mode in _check_names.
+    p.add_argument("--configs", nargs="*", default=None, choices=[*CONFIGS, *DECODE_SHAPES],
+                   help="layer shapes to measure (none: the dispatch micro-benchmark alone); decode mode takes "
+                        f"{', '.join(DECODE_SHAPES)} (default {' '.join(decode.DEFAULT_SHAPES)})")
+    p.add_argument("--skip", nargs="*", default=[], choices=list(dict.fromkeys(PEER_NAMES + decode.DECODE_PEER_NAMES)),
+                   metavar="PEER", help=f"peers to leave out, of: {', '.join(PEER_NAMES)}; in decode mode, of: "
+                                        f"{', '.join(decode.DECODE_PEER_NAMES)}")
     p.add_argument("--no-dispatch", action="store_true", help="skip the dispatch micro-benchmark")
     p.add_argument("--cudagraphs", action="store_true",
                    help="add grouped_mm and moeblaze compiled with mode='reduce-overhead' (CUDA graphs; "
@@ -83,7 +98,44 @@ def _parser():
                    help="a site directory holding peers' packages, e.g. one that pip --target installed "
                         "SonicMoE into (repeatable)")
     p.add_argument("--out", default="bench_out")
+    g = p.add_argument_group("decode mode")
+    g.add_argument("--tokens", nargs="+", type=_positive_int, default=list(DECODE_TOKENS), metavar="T",
+                   help="token counts to measure (default: %(default)s)")
+    g.add_argument("--nominal-tbps", type=float, default=3.35,
+                   help="the card's nominal memory bandwidth in TB/s, for the nominal floor (default: %(default)s, "
+                        "H100 SXM)")
+    g.add_argument("--bandwidth-mb", type=float, default=None,
+                   help="MB of the buffer whose sum() measures the read bandwidth (default: 4096 on CUDA, 64 on CPU)")
+    g.add_argument("--calls", type=_positive_int, default=200, help="timed calls per repeat (default: %(default)s)")
+    g.add_argument("--repeats", type=_positive_int, default=5,
+                   help="repeats of the timed calls; the median is reported (default: %(default)s)")
     return p
+
+
+def _positive_int(text):
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _check_names(parser, args):
+    """Fills in the mode's default ``--configs`` and makes a shape or peer another mode
+    measures a usage error: decode shapes and peers are decode mode's alone."""
+    decoding = args.mode == "decode"
+    if args.configs is None:
+        args.configs = list(decode.DEFAULT_SHAPES if decoding else CONFIGS)
+    shapes = DECODE_SHAPES if decoding else CONFIGS
+    wrong = [name for name in args.configs if name not in shapes]
+    if wrong:
+        parser.error(f"--configs: {', '.join(wrong)} not measured in {args.mode} mode, which takes: "
+                     f"{', '.join(shapes)}")
+    peer_names = decode.DECODE_PEER_NAMES if decoding else PEER_NAMES
+    wrong = [name for name in args.skip if name not in peer_names]
+    if wrong:
+        parser.error(f"--skip: {', '.join(wrong)} not a peer of {args.mode} mode, whose peers are: "
+                     f"{', '.join(peer_names)}")
 
 
 def setting_changes(parser, items):
@@ -149,6 +201,23 @@ def add_peer_sites(parser, directories):
         site.addsitedir(directory)
 
 
+def _run_decode(args, changes):
+    """Decode mode (``moeblaze_ops.bench.decode``) under the ``--set`` settings: writes
+    decode.json, decode.md and decode.png under ``--out`` and prints the table."""
+    opts = decode.DecodeOptions(shapes=tuple(args.configs), tokens=tuple(args.tokens), device=args.device,
+                                nominal_tbps=args.nominal_tbps, bandwidth_mb=args.bandwidth_mb, calls=args.calls,
+                                repeats=args.repeats, skip=frozenset(args.skip))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    # The settings as bench.json writes them (sets and tiles made JSON), for decode.json.
+    record = dict(torch=torch.__version__, settings=json.loads(json.dumps(changes, default=_jsonable)), **_versions())
+    with settings.override(**changes):
+        _, text = decode.run_decode(opts, out, record)
+    print("\n".join(text), flush=True)
+    print(f"\n({time.time() - t0:.0f} s)")
+
+
 def main(argv=None):
     """Runs the benchmark with command-line arguments ``argv`` (``sys.argv[1:]`` by default)."""
     parser = _parser()
@@ -159,6 +228,11 @@ def main(argv=None):
     add_peer_sites(parser, args.peer_site)
     if args.cudagraphs and args.device != "cuda":
         parser.error("--cudagraphs needs --device cuda")
+    _check_names(parser, args)
+    if args.mode == "decode":
+        if args.cudagraphs:
+            parser.error("--cudagraphs is for forward and train modes: decode mode replays CUDA graphs on CUDA anyway")
+        return _run_decode(args, changes)
     ctx = BenchContext(device=args.device, skip=frozenset(args.skip), cuda_graphs=args.cudagraphs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

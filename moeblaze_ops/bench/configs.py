@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CONFIGS", "DISPATCH_CASES", "make_inputs"]
+__all__ = ["CONFIGS", "DECODE_SHAPES", "DECODE_TOKENS", "DISPATCH_CASES", "make_inputs"]
 
 #: name -> (T tokens, d hidden, I intermediate, E experts, K chosen per token).
 CONFIGS = {
@@ -22,6 +22,17 @@ CONFIGS = {
     "qwen3_100m_b512": (512, 512, 256, 32, 4),
     "smoke": (512, 64, 128, 8, 2),  # a seconds-long check of the benchmark itself
 }
+
+#: Decode mode's layer shapes, name -> (d hidden, I intermediate, E experts, K chosen per
+#: token); the token counts come from ``--tokens`` (``DECODE_TOKENS`` by default).
+DECODE_SHAPES = {
+    "mixtral_decode": (4096, 14336, 8, 2),
+    "qwen3_a3b_decode": (2048, 768, 128, 8),
+    "smoke_decode": (64, 128, 8, 2),  # a seconds-long CPU check of the decode mode itself
+}
+
+#: Decode mode's default token counts: one sequence's step up to a large prefill chunk.
+DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 #: (L rows, K ids per row, E experts) of the dispatch micro-benchmark.
 DISPATCH_CASES = [(65536, 8, 128), (262144, 4, 16), (1048576, 8, 256)]
