@@ -49,9 +49,9 @@ from torch._inductor.virtualized import V
 from moeblaze_ops import settings
 from moeblaze_ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, activation_code, is_gated
 from moeblaze_ops.kernels import config
-from moeblaze_ops.kernels import grouped_gemm as gg
-from moeblaze_ops.kernels.triton_combine import COMBINE_TILE, column_slabs, widest_slab
-from moeblaze_ops.kernels.triton_experts import ACTIVATION_TILE
+from moeblaze_ops.kernels.triton_backend import grouped_gemm as gg
+from moeblaze_ops.kernels.triton_backend.combine import COMBINE_TILE, column_slabs, widest_slab
+from moeblaze_ops.kernels.triton_backend.experts import ACTIVATION_TILE
 
 from . import compat, templates
 
@@ -92,7 +92,7 @@ def _index_arrays_from_dispatch(index_positions) -> bool:
 
 
 def _widest_slab(kind, rows, reduction, weight, gated=False) -> int:
-    """``triton_combine.widest_slab`` of GEMM ``kind`` over ``rows`` routed rows
+    """``triton_backend.combine.widest_slab`` of GEMM ``kind`` over ``rows`` routed rows
     ``reduction`` deep with the weight stack ``weight`` (``gated``: the down projection
     of a gated activation), by the size hints."""
     numel = 1
@@ -104,10 +104,10 @@ def _widest_slab(kind, rows, reduction, weight, gated=False) -> int:
 def _op_runs_gluon(kind, a, rows, out_cols, reduction, weight=None, gated=False) -> bool:
     """Whether the op's own kernels would run GEMM ``kind`` (A = ``a`` over ``rows`` routed
     rows, ``out_cols`` output columns, ``reduction`` deep) on its Gluon kernel: the
-    decision of ``grouped_gemm.gluon_module`` on each launch's operations (a column slab
+    decision of ``triton_backend.grouped_gemm.gluon_module`` on each launch's operations (a column slab
     where down and dX make their rows in slabs, ``weight`` their weight stack; by the size
     hints), for a 16-bit ``a`` on a
-    Hopper GPU, with column counts the Gluon kernel takes (``gluon_row_gemm.applies``:
+    Hopper GPU, with column counts the Gluon kernel takes (``triton_backend.gluon.row_gemm.applies``:
     multiples of 16; its stride and alignment rules hold for the contiguous operands the
     graph makes). Those kernels are faster than the ``tl`` templates, so the graph calls
     the op there; elsewhere the op's ``tl`` kernel would run, and the template, as fast,
@@ -123,7 +123,7 @@ def _op_runs_gluon(kind, a, rows, out_cols, reduction, weight=None, gated=False)
         return False
     if gg.gluon_module(kind, 2 * compat.hint(rows) * out_cols * reduction) is None:
         return False
-    from moeblaze_ops.kernels.gluon_common import is_hopper  # importable: gluon_module found Gluon
+    from moeblaze_ops.kernels.triton_backend.gluon.common import is_hopper  # importable: gluon_module found Gluon
 
     return is_hopper(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -141,7 +141,7 @@ def _row_gemm_tiles(kind, dtype, device):
 
 
 def _tma_ready(w, tile) -> bool:
-    """``grouped_gemm.weight_tma_fits`` for a weight node (sizes that are symbols: no)."""
+    """``triton_backend.grouped_gemm.weight_tma_fits`` for a weight node (sizes that are symbols: no)."""
     size = w.get_dtype().itemsize
     offset = _as_int(w.get_layout().offset)
     return gg.weight_tma_fits([_as_int(s) for s in w.get_stride()], size, None if offset is None else offset * size,
@@ -244,7 +244,7 @@ def combine(rows, token_index_map, offsets, num_tokens, topk_weights=None):
 def combined_rows(kind, a, b, offsets, token_index_map, num_tokens, transposed, out_dim, topk_weights=None,
                   bias=None, gated=False):
     """``combine`` of the routed rows A_r @ B_e (+ bias_e), made one column slab at a time
-    (``triton_combine.column_slabs``, as the eager kernels make their [L*K, d] scratch): the
+    (``triton_backend.combine.column_slabs``, as the eager kernels make their [L*K, d] scratch): the
     forward's down projection (A = act(h); ``gated``: of a gated activation) and backward's
     dX (A = dH). ``out_dim`` is the dimension of B that holds the output columns."""
     slabs = []

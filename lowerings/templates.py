@@ -2,12 +2,12 @@
 kernels' own ``@triton.jit`` tile functions, ending in Inductor's ``store_output``.
 
 - ``row_gemm``: out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e), one tile at a time from
-  ``triton_experts.gathered_gemm_tile``: the up projection (A rows gathered from x) and
+  ``triton_backend.experts.gathered_gemm_tile``: the up projection (A rows gathered from x) and
   the down projection (A = act(h), in expert order), and the dX rows of backward (A =
   dH, B the up projection's weight read the other way round).
-- ``activation``: a = act(h), from ``grouped_gemm.load_h_pair`` and ``activate``.
+- ``activation``: a = act(h), from ``triton_backend.grouped_gemm.load_h_pair`` and ``activate``.
 - ``combine``: out[i] = sum_k w[i, k] * rows[token_index_map[i*K + k]] in the order
-  k = 0..K-1, from ``triton_combine.combine_tile``; unit weights without ``WEIGHTED``
+  k = 0..K-1, from ``triton_backend.combine.combine_tile``; unit weights without ``WEIGHTED``
   (the input gradient's sum of each token's dX rows).
 
 ``store_output`` is where Inductor fuses the pointwise consumers of the output (a residual
@@ -31,8 +31,8 @@ def persistent_grid(*args):
 # The templates import the helpers by module path: the kernel source Inductor writes and
 # compiles (possibly in a worker process) resolves them there.
 _ROW_GEMM = r"""
-from moeblaze_ops.kernels import grouped_gemm as gg
-from moeblaze_ops.kernels.triton_experts import gathered_gemm_tile
+from moeblaze_ops.kernels.triton_backend import grouped_gemm as gg
+from moeblaze_ops.kernels.triton_backend.experts import gathered_gemm_tile
 
 {%- set inputs = ["a_ptr", "b_ptr"] + (["a_row_ids_ptr"] if GATHER_A else []) + ["offsets_ptr"]
                  + (["bias_ptr"] if HAS_BIAS else []) %}
@@ -66,8 +66,8 @@ from moeblaze_ops.kernels.triton_experts import gathered_gemm_tile
 """
 
 _ACTIVATION = r"""
-from moeblaze_ops.kernels import grouped_gemm as gg
-from moeblaze_ops.kernels.triton_activations import activate
+from moeblaze_ops.kernels.triton_backend import grouped_gemm as gg
+from moeblaze_ops.kernels.triton_backend.activations import activate
 
 {{def_kernel("h_ptr")}}
     LK = {{size(None, 0)}}
@@ -89,7 +89,7 @@ from moeblaze_ops.kernels.triton_activations import activate
 """
 
 _COMBINE = r"""
-from moeblaze_ops.kernels.triton_combine import combine_tile
+from moeblaze_ops.kernels.triton_backend.combine import combine_tile
 
 {%- set inputs = ["rows_ptr", "tim_ptr"] + (["weights_ptr"] if WEIGHTED else []) + ["offsets_ptr"] %}
 {{def_kernel(*inputs)}}

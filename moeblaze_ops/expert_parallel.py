@@ -37,7 +37,7 @@ from torch.distributed import _functional_collectives as funcol
 
 from .checks import fail
 from .functional import moe_experts
-from .kernels.torch_experts import combine, row_weights
+from .kernels.torch_backend.experts import combine, row_weights
 
 __all__ = ["moe_experts_ep", "dispatch_to_experts", "combine_from_experts", "Exchange"]
 

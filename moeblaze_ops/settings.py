@@ -91,7 +91,7 @@ class KernelSettings:
         column_slab: width of the column slabs in which the [L*K, d] scratch (expert
             outputs before the combine, dX rows before their sum) is made, widened in
             whole multiples of it as far as the memory the layer's weight gradients take
-            allows (``triton_combine.widest_slab``), so that training peaks no higher
+            allows (``triton_backend.combine.widest_slab``), so that training peaks no higher
             than with narrow slabs; None: all d columns at once (more memory, fewer
             launches).
     """

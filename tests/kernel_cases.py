@@ -10,7 +10,7 @@ import contextlib
 import torch
 
 from moeblaze_ops import moe_experts
-from moeblaze_ops.kernels import torch_dispatch
+from moeblaze_ops.kernels.torch_backend import dispatch as torch_dispatch
 from moeblaze_ops.testing import make_layer, make_topk_ids, reference_moe, rel_err, router_grad_scale
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
@@ -51,7 +51,7 @@ def check_id_defects(ids, E, *, negative_at, repeat_in, device="cuda"):
     experts, then with one defect each: a negative id at ``negative_at`` (token, k), the
     last choice of token ``repeat_in`` repeating its first, and every token's first two
     choices a sentinel (sentinels may repeat)."""
-    from moeblaze_ops.kernels.triton_dispatch import invalid_id_flags
+    from moeblaze_ops.kernels.triton_backend.dispatch import invalid_id_flags
 
     K = ids.shape[1]
     assert invalid_id_flags(ids.to(device), E).tolist() == [0, 0]

@@ -109,7 +109,7 @@ def test_dh_tile_by_layer_width(monkeypatch):
     from types import SimpleNamespace
 
     from moeblaze_ops.kernels import config
-    from moeblaze_ops.kernels import triton_experts_backward as tb
+    from moeblaze_ops.kernels.triton_backend import experts_backward as tb
 
     monkeypatch.setattr(config, "_device_traits", lambda index: ("sm90", 227 * 1024))
     h = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda", 0))
@@ -137,8 +137,8 @@ def test_dh_kernel_choice_sizes_the_router_partials(monkeypatch):
     from types import SimpleNamespace
 
     from moeblaze_ops.kernels import config
-    from moeblaze_ops.kernels import grouped_gemm as gg
-    from moeblaze_ops.kernels import triton_experts_backward as tb
+    from moeblaze_ops.kernels.triton_backend import grouped_gemm as gg
+    from moeblaze_ops.kernels.triton_backend import experts_backward as tb
 
     launches = []
     fake = SimpleNamespace(PART_COLUMNS=64, applies=lambda *a: True,
@@ -183,7 +183,8 @@ def test_gathered_copies_use_32_bit_offsets_only_where_they_fit(rows, offsets_32
     64-bit ones (a wrong choice would address other rows without a fault). Meta tensors
     stand in for an A that large; the launch is recorded, not run (no GPU)."""
     pytest.importorskip("triton.experimental.gluon")
-    from moeblaze_ops.kernels import gluon_dh, gluon_row_gemm
+    from moeblaze_ops.kernels.triton_backend.gluon import dh as gluon_dh
+    from moeblaze_ops.kernels.triton_backend.gluon import row_gemm as gluon_row_gemm
 
     launches = []
     for module in (gluon_dh, gluon_row_gemm):

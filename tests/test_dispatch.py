@@ -110,8 +110,8 @@ def test_scan_tile(num_chunks, width):
     tall and as tall as the table when the tile allows; few columns a program, so the
     scan runs as many programs as 4 columns each make, up to 64 at least, or the table is
     tall and cut into blocks of whole 8-column sectors a row."""
-    from moeblaze_ops.kernels.grouped_gemm import cdiv
-    from moeblaze_ops.kernels.triton_dispatch import SCAN_TILE, _scan_blocks, _scan_tile
+    from moeblaze_ops.kernels.triton_backend.grouped_gemm import cdiv
+    from moeblaze_ops.kernels.triton_backend.dispatch import SCAN_TILE, _scan_blocks, _scan_tile
 
     cols, rows, num_warps = _scan_tile(num_chunks, width)
     programs = cdiv(width, cols)
@@ -128,8 +128,8 @@ def test_scan_tile(num_chunks, width):
 def test_scan_blocks(num_chunks, rows):
     """The scan's blocks cover the table once, in whole tiles: one block where a program
     walks few tiles, else at most ``SCAN_BLOCKS`` blocks, the last one not empty."""
-    from moeblaze_ops.kernels.grouped_gemm import cdiv
-    from moeblaze_ops.kernels.triton_dispatch import SCAN_BLOCKS, SCAN_STEPS, _scan_blocks
+    from moeblaze_ops.kernels.triton_backend.grouped_gemm import cdiv
+    from moeblaze_ops.kernels.triton_backend.dispatch import SCAN_BLOCKS, SCAN_STEPS, _scan_blocks
 
     span, blocks = _scan_blocks(num_chunks, rows)
     assert span % rows == 0 and (blocks - 1) * span < num_chunks <= blocks * span
@@ -149,7 +149,7 @@ def test_column_scan(num_chunks, width, max_tile, seed):
     block of rows and of columns; with a small tile the tall ones are scanned in blocks of
     8 columns (50 of 12 rows; 10 of one 16-row step), each started from the blocks above
     it, or in one block of ``SCAN_STEPS`` steps."""
-    from moeblaze_ops.kernels.triton_dispatch import SCAN_TILE, _scan_columns
+    from moeblaze_ops.kernels.triton_backend.dispatch import SCAN_TILE, _scan_columns
 
     dev = triton_device()
     counts = torch.randint(0, 1000, (num_chunks, width), dtype=torch.int32,
@@ -180,7 +180,9 @@ def test_triton_dispatch_scan_in_steps(L, K, E, family, checked, scan_tile, seed
     11) what the real one does to thousands. ``family``: the constants of
     ``config.dispatch_family`` that send these small routings to each kernel family.
     Checked, the id flags say the ids are valid."""
-    from moeblaze_ops.kernels import config, torch_dispatch, triton_dispatch
+    from moeblaze_ops.kernels import config
+    from moeblaze_ops.kernels.torch_backend import dispatch as torch_dispatch
+    from moeblaze_ops.kernels.triton_backend import dispatch as triton_dispatch
 
     for name, value in family.items():
         monkeypatch.setattr(config, name, value)

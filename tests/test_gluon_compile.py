@@ -46,7 +46,7 @@ def test_weight_gradient_kernel_compiles_for_hopper(dtype, variant, offsets_32, 
     ("split"), or a tile of one MMA warpgroup; the gathered rows' offsets in 32 or 64 bits."""
     from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type, _spill_bytes
 
-    from moeblaze_ops.kernels import gluon_wgrad
+    from moeblaze_ops.kernels.triton_backend.gluon import wgrad as gluon_wgrad
 
     tma_store = "store" in variant
     groups = 2 if variant.startswith("split") else 1  # the MMA warpgroups in partitions of their own
@@ -114,7 +114,7 @@ def test_weight_gradient_output_descriptor(q_contiguous):
     16-byte aligned)."""
     import torch
 
-    from moeblaze_ops.kernels import gluon_wgrad
+    from moeblaze_ops.kernels.triton_backend.gluon import wgrad as gluon_wgrad
 
     E, P, Q = 3, 192, 2880
     storage = torch.empty(E, P, Q, dtype=torch.bfloat16) if q_contiguous else torch.empty(E, Q, P, dtype=torch.bfloat16)
@@ -147,7 +147,9 @@ def _stand_in_wgrad_operands(monkeypatch, programs=4, q_contiguous=True):
     kernel a stand-in that records the launch (no GPU)."""
     import torch
 
-    from moeblaze_ops.kernels import config, gluon_wgrad, grouped_gemm
+    from moeblaze_ops.kernels import config
+    from moeblaze_ops.kernels.triton_backend.gluon import wgrad as gluon_wgrad
+    from moeblaze_ops.kernels.triton_backend import grouped_gemm
 
     kernel = _RecordedKernel()
     monkeypatch.setattr(gluon_wgrad, "_wgrad_rows_tma_ws_kernel", kernel)
@@ -169,7 +171,7 @@ def test_weight_gradient_store_choice(q_contiguous, programs, monkeypatch):
     """``launch_wgrad`` stores by TMA only where a program has a next tile to run the store
     beside (more tiles than programs), in the orientation of the gradient's memory; the
     copy warpgroup and the row-ordered operand's TMA descriptor are there either way."""
-    from moeblaze_ops.kernels import gluon_wgrad
+    from moeblaze_ops.kernels.triton_backend.gluon import wgrad as gluon_wgrad
 
     kernel, operands = _stand_in_wgrad_operands(monkeypatch, programs, q_contiguous)
     gluon_wgrad.launch_wgrad(*operands)
@@ -187,7 +189,7 @@ def test_weight_gradient_without_rows_is_zero(monkeypatch):
     expert's gradient zero."""
     import torch
 
-    from moeblaze_ops.kernels import gluon_wgrad
+    from moeblaze_ops.kernels.triton_backend.gluon import wgrad as gluon_wgrad
 
     kernel, (rows, gathered, ids, offsets, grad_w_pq) = _stand_in_wgrad_operands(monkeypatch)
     grad_w_pq.fill_(float("nan"))
@@ -200,7 +202,7 @@ def test_weight_gradient_tile_stored_whole_where_it_fits(stages, pieces, monkeyp
     """``launch_wgrad`` stages the whole output tile for its TMA store where the tile's
     buffer fits beside the ring (three 48 KB stages and 64 KB: one store a tile), else half
     of it (four stages): the launch's ``STORE_PIECES`` and the descriptor's box agree."""
-    from moeblaze_ops.kernels import gluon_wgrad
+    from moeblaze_ops.kernels.triton_backend.gluon import wgrad as gluon_wgrad
 
     kernel, operands = _stand_in_wgrad_operands(monkeypatch)
     tile = dataclasses.replace(gluon_wgrad.TILE, num_stages=stages)
@@ -216,7 +218,7 @@ def test_weight_gradient_split_mma_launch(split, warps, monkeypatch):
     """``split_mma`` runs the kernel with two MMA partitions of a warpgroup each (4 warps a
     partition, ``MMA_GROUPS`` 2) and a TMA box of half a tile's Q rows for each; the flag
     off, or a tile of one MMA warpgroup, keeps one MMA partition of all its warps."""
-    from moeblaze_ops.kernels import gluon_wgrad
+    from moeblaze_ops.kernels.triton_backend.gluon import wgrad as gluon_wgrad
 
     kernel, operands = _stand_in_wgrad_operands(monkeypatch)
     tile = gluon_wgrad.TILE if warps == 8 else GemmTile(256, 64, 64, 4, 4)
@@ -231,7 +233,7 @@ def test_weight_gradient_split_mma_launch(split, warps, monkeypatch):
 def test_weight_gradient_refuses_tiles_the_kernel_cannot_run(monkeypatch):
     """A tile whose Q block is not 16 rows a warp (the MMA's M), or of fewer than three
     stages, is refused by name before any launch."""
-    from moeblaze_ops.kernels import gluon_wgrad
+    from moeblaze_ops.kernels.triton_backend.gluon import wgrad as gluon_wgrad
 
     kernel, operands = _stand_in_wgrad_operands(monkeypatch)
     for tile in (GemmTile(256, 256, 64, 8, 4), GemmTile(256, 128, 64, 8, 2)):
@@ -246,7 +248,7 @@ def test_row_offsets_fit_32_bounds_views_by_their_row_stride():
     not bound, and must get 64-bit ones."""
     import torch
 
-    from moeblaze_ops.kernels.gluon_common import row_offsets_fit_32
+    from moeblaze_ops.kernels.triton_backend.gluon.common import row_offsets_fit_32
 
     whole = torch.empty(2**20, 4096, device="meta")
     assert not row_offsets_fit_32(whole)

@@ -1,5 +1,5 @@
-"""The Gluon row GEMM (``kernels.gluon_row_gemm``) and the dH on its warp-specialised
-ring (``kernels.gluon_dh``) compile for Hopper on any machine, as
+"""The Gluon row GEMM (``kernels.triton_backend.gluon.row_gemm``) and the dH on its warp-specialised
+ring (``kernels.triton_backend.gluon.dh``) compile for Hopper on any machine, as
 tests/test_gluon_compile.py checks for the weight gradients: both weight layouts, both
 16-bit dtypes, with and without the gather and the bias. What it computes is checked on
 the GPU (tests/test_gpu.py)."""
@@ -66,7 +66,8 @@ def _assert_tile_stores(ptx):
 @pytest.mark.parametrize("k_contiguous", [True, False], ids=["k_contiguous", "n_contiguous"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, tmp_path):
-    from moeblaze_ops.kernels import config, gluon_row_gemm
+    from moeblaze_ops.kernels import config
+    from moeblaze_ops.kernels.triton_backend.gluon import row_gemm as gluon_row_gemm
 
     tile = gluon_row_gemm.TILE
     block = [1, tile.block_n, tile.block_k] if k_contiguous else [1, tile.block_k, tile.block_n]
@@ -100,7 +101,8 @@ def test_row_gemm_kernel_compiles_for_hopper(dtype, k_contiguous, gather, bias, 
 @pytest.mark.parametrize("k_contiguous", [True, False], ids=["k_contiguous", "n_contiguous"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_warp_specialized_row_gemm_compiles_for_hopper(dtype, k_contiguous, gather, bias, offsets_32, tmp_path):
-    from moeblaze_ops.kernels import config, gluon_row_gemm
+    from moeblaze_ops.kernels import config
+    from moeblaze_ops.kernels.triton_backend.gluon import row_gemm as gluon_row_gemm
 
     tile = gluon_row_gemm.TILE
     block = [1, tile.block_n, tile.block_k] if k_contiguous else [1, tile.block_k, tile.block_n]
@@ -168,7 +170,8 @@ sys.path.insert(0, sys.argv[2])
 from test_gluon_compile import _compile_for_hopper
 from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type
 from moeblaze_ops.activations import activation_code, is_gated
-from moeblaze_ops.kernels import config, gluon_dh
+from moeblaze_ops.kernels import config
+from moeblaze_ops.kernels.triton_backend.gluon import dh as gluon_dh
 
 dtype, k_contiguous, act, slots, out = json.loads(sys.argv[1])
 gated = is_gated(act)
@@ -218,11 +221,11 @@ def _assert_dh_pipeline(ptx, dtype, tile):
 
 @pytest.mark.parametrize("dtype,k_contiguous,act", _DH_CASES)
 def test_dh_compiles_for_hopper(dtype, k_contiguous, act, tmp_path):
-    """The Gluon dH (``kernels.gluon_dh._dh_kernel``): one copy warpgroup for both operands,
+    """The Gluon dH (``kernels.triton_backend.gluon.dh._dh_kernel``): one copy warpgroup for both operands,
     the two MMA warpgroups' wgmma 256 columns wide, the ring and the h chunks within the
     block's shared memory (the fp32 stage in a ring slot), and (almost) no spills."""
     from moeblaze_ops.activations import is_gated
-    from moeblaze_ops.kernels import gluon_dh
+    from moeblaze_ops.kernels.triton_backend.gluon import dh as gluon_dh
 
     compiled = _compile_in_subprocess(_DH_SCRIPT, [dtype, k_contiguous, act, None], tmp_path)
     ptx = compiled["ptx"]
@@ -257,7 +260,9 @@ sys.path.insert(0, sys.argv[2])
 from test_gluon_compile import _compile_for_hopper
 from test_gluon_row_gemm_compile import MAX_SHARED, _descriptor_type
 from moeblaze_ops.activations import activation_code
-from moeblaze_ops.kernels import config, gluon_row_gemm, triton_activations
+from moeblaze_ops.kernels import config
+from moeblaze_ops.kernels.triton_backend.gluon import row_gemm as gluon_row_gemm
+from moeblaze_ops.kernels.triton_backend import activations as triton_activations
 
 dtype, warp_specialize, act, store_h, out = json.loads(sys.argv[1])
 tile = gluon_row_gemm.TILE
@@ -305,7 +310,7 @@ def test_row_gemm_with_gated_epilogue_compiles_for_hopper(dtype, warp_specialize
     sigmoid), with ``store_h`` h's gate and up halves before it, by TMA (from registers
     for tiles past their expert's end), with no spills: the activation goes to 16 bits at
     once beside the accumulator."""
-    from moeblaze_ops.kernels import gluon_row_gemm
+    from moeblaze_ops.kernels.triton_backend.gluon import row_gemm as gluon_row_gemm
 
     compiled = _compile_in_subprocess(_ACTIVATED_SCRIPT, [dtype, warp_specialize, act, store_h], tmp_path)
     ptx = compiled["ptx"]
@@ -339,7 +344,9 @@ def test_gated_epilogue_launch_arguments(warp_specialize, monkeypatch):
     import torch
 
     from moeblaze_ops.activations import ActivationCode
-    from moeblaze_ops.kernels import config, gluon_row_gemm, triton_activations
+    from moeblaze_ops.kernels import config
+    from moeblaze_ops.kernels.triton_backend.gluon import row_gemm as gluon_row_gemm
+    from moeblaze_ops.kernels.triton_backend import activations as triton_activations
 
     launches = []
     monkeypatch.setattr(gluon_row_gemm, "launch", lambda kernel, grid, *args, **kwargs: launches.append(

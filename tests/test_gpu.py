@@ -243,7 +243,7 @@ def test_invalid_id_flags(K, family, seed, monkeypatch):
     """The device-side id check, folded into the dispatch kernels of either family: flags
     raised exactly for negative and repeated ids, also in a token whose K rows straddle the
     first chunk edge (K = 3), its bad id past the edge."""
-    from moeblaze_ops.kernels.triton_dispatch import _chunk_size, invalid_id_flags
+    from moeblaze_ops.kernels.triton_backend.dispatch import _chunk_size, invalid_id_flags
 
     g = torch.Generator().manual_seed(seed)
     L, E = 4096, 64
@@ -328,7 +328,7 @@ def test_activation_beside_h(activation, route, seed, monkeypatch):
     row bound at 0): the Gluon up GEMM's epilogue writes h and act(h) (each kernel) and the
     down projection reads act(h), running no activation pass; the forward of a
     differentiated layer and every gradient against the reference."""
-    from moeblaze_ops.kernels import triton_experts
+    from moeblaze_ops.kernels.triton_backend import experts as triton_experts
 
     passes = []
     pass_kernel = triton_experts.launch_activation
@@ -379,7 +379,7 @@ def test_column_slabs(layout, slab, seed, monkeypatch):
     partial one; 18000 routed rows over 2 experts leave the weight gradients' bytes no room
     to widen them) and in one piece (None): forward and every gradient against the
     reference, and the slabs the kernels made are those."""
-    from moeblaze_ops.kernels import triton_combine
+    from moeblaze_ops.kernels.triton_backend import combine as triton_combine
 
     made = []
     real = triton_combine.column_slabs
@@ -464,8 +464,8 @@ WGRAD_VARIANTS = {
 def _launch_wgrad(variant, monkeypatch, rows, gathered, ids, offsets, out):
     """``launch_wgrad`` on weight-gradient kernel ``variant`` (of ``WGRAD_VARIANTS``);
     returns how many times the Gluon kernel was launched."""
-    from moeblaze_ops.kernels import gluon_wgrad
-    from moeblaze_ops.kernels.triton_experts_backward import launch_wgrad
+    from moeblaze_ops.kernels.triton_backend.gluon import wgrad as gluon_wgrad
+    from moeblaze_ops.kernels.triton_backend.experts_backward import launch_wgrad
 
     kind, tile = WGRAD_VARIANTS[variant]
     launches = []
@@ -490,7 +490,9 @@ def test_weight_gradient_kernels(variant, P, Q, transposed_out, seed, monkeypatc
     where a program has more than one tile (in halves or whole; from registers at P=64,
     Q=16, one tile a program), a poisoned output (a tile the order skipped stays NaN), and
     two runs bitwise equal."""
-    from moeblaze_ops.kernels import gluon_common, gluon_wgrad, grouped_gemm
+    from moeblaze_ops.kernels.triton_backend.gluon import common as gluon_common
+    from moeblaze_ops.kernels.triton_backend.gluon import wgrad as gluon_wgrad
+    from moeblaze_ops.kernels.triton_backend import grouped_gemm
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     E, LK, T = 16, 3001, 1200

@@ -1,4 +1,4 @@
-"""The Gluon dH kernel (``kernels.gluon_dh``) on the GPU: every gradient of the layer
+"""The Gluon dH kernel (``kernels.triton_backend.gluon.dh``) on the GPU: every gradient of the layer
 against the float64 reference with the kernel in the backward, over the activations, both
 weight layouts, both 16-bit dtypes, ragged, empty and sentinel rows, odd sizes and E=256
 K=8, dH written over h, other tiles and fewer chunks of h in flight, with a count of its
@@ -33,7 +33,7 @@ def gluon_dh_on(monkeypatch):
 @pytest.fixture
 def launches(monkeypatch):
     """How many times the Gluon dH kernel was launched."""
-    from moeblaze_ops.kernels import gluon_dh
+    from moeblaze_ops.kernels.triton_backend.gluon import dh as gluon_dh
 
     count = [0]
     launch = gluon_dh.launch_dh
@@ -98,7 +98,7 @@ def test_gluon_dh_h_slots(slots, seed, launches, monkeypatch):
     """Fewer chunks of h in flight than shared memory holds: one (each chunk's copies
     waited for before the next is started), and a count that does not divide the tile's
     chunks (the ring wraps mid-part)."""
-    from moeblaze_ops.kernels import gluon_dh
+    from moeblaze_ops.kernels.triton_backend.gluon import dh as gluon_dh
 
     launch = gluon_dh.launch_dh
     monkeypatch.setattr(gluon_dh, "launch_dh", lambda *args, **kwargs: launch(*args, **kwargs, slots=slots))

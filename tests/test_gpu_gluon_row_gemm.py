@@ -1,4 +1,4 @@
-"""The Gluon row GEMM (``kernels.gluon_row_gemm``) on the GPU: every routed row against a float64
+"""The Gluon row GEMM (``kernels.triton_backend.gluon.row_gemm``) on the GPU: every routed row against a float64
 reference, over ragged, empty and sentinel-only experts, both weight layouts, gather and
 bias or not, each kernel variant (``KERNELS``), column slabs (strided views), and the
 gated activation in the epilogue (``GatedEpilogue``)."""
@@ -43,7 +43,7 @@ def _expert_rows(counts, sentinels, device):
     ([1, 2, 3], 5, 16, 16),  # a single step, a single partial tile each
 ])
 def test_gluon_row_gemm_matches_float64(counts, sentinels, K, N, gather, bias, kernel, transposed, dtype, seed):
-    from moeblaze_ops.kernels import gluon_row_gemm
+    from moeblaze_ops.kernels.triton_backend.gluon import row_gemm as gluon_row_gemm
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     E = len(counts)
@@ -83,7 +83,7 @@ def test_gluon_row_gemm_matches_float64(counts, sentinels, K, N, gather, bias, k
 def test_gluon_row_gemm_column_slab(transposed, kernel, seed):
     """A column slab of the weights into a column slab of the output (as the down
     projection's ``column_slab`` runs it): strided views, same result."""
-    from moeblaze_ops.kernels import gluon_row_gemm
+    from moeblaze_ops.kernels.triton_backend.gluon import row_gemm as gluon_row_gemm
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     counts, K, N, c0, c1 = [200, 0, 333, 90], 1408, 2880, 1024, 2048
@@ -127,7 +127,7 @@ def test_gluon_row_gemm_gated_epilogue_matches_float64(counts, sentinels, K, I, 
     against float64, from gate and up columns paired in each tile; with ``h_beside``, h
     itself too, every column of it (``launch_row_gemm``'s ``h``)."""
     from moeblaze_ops.activations import activation_code, activation_forward, clamped_swiglu_defaults
-    from moeblaze_ops.kernels import gluon_row_gemm
+    from moeblaze_ops.kernels.triton_backend.gluon import row_gemm as gluon_row_gemm
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     E, T = len(counts), 513
@@ -166,7 +166,7 @@ def test_gluon_row_gemm_gated_epilogue_applies():
     """Where the epilogue cannot pair a tile's gate and up columns it says so, and the
     caller keeps the GEMM and the activation pass."""
     from moeblaze_ops.activations import activation_code
-    from moeblaze_ops.kernels import gluon_row_gemm
+    from moeblaze_ops.kernels.triton_backend.gluon import row_gemm as gluon_row_gemm
 
     meta = dict(device="cuda", dtype=torch.bfloat16)
     x, a = torch.zeros(64, 256, **meta), torch.zeros(32, 384, **meta)

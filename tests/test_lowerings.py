@@ -91,7 +91,7 @@ def test_row_gemm_template_renders(variables):
     assert ("bias_ptr" in signature) == variables["HAS_BIAS"]
     assert ("make_tensor_descriptor" in source) == variables["B_TMA"]
     # The template's call of the kernels' shared tile function passes each of its parameters.
-    from moeblaze_ops.kernels.triton_experts import gathered_gemm_tile
+    from moeblaze_ops.kernels.triton_backend.experts import gathered_gemm_tile
 
     call = next(node for node in ast.walk(ast.parse(source))
                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "gathered_gemm_tile")
@@ -146,7 +146,7 @@ def test_op_called_only_where_its_gluon_kernel_takes_the_shape(kind, out_cols, r
     run its ``tl`` kernel, and the template, as fast, lets consumers fuse. The GPU checks
     stand in (Hopper, the Gluon module chosen)."""
     pytest.importorskip("triton.experimental.gluon")
-    from moeblaze_ops.kernels import gluon_common
+    from moeblaze_ops.kernels.triton_backend.gluon import common as gluon_common
     from moeblaze_ops.lowerings import expert_ops
 
     monkeypatch.setattr(expert_ops.gg, "gluon_module", lambda kind, flop: object())
@@ -383,7 +383,7 @@ def test_compiled_training_writes_activation_beside_h(activation, seed, monkeypa
     (which takes the same route)."""
     from torch._inductor.utils import run_and_get_code
 
-    from moeblaze_ops.kernels import triton_experts
+    from moeblaze_ops.kernels.triton_backend import experts as triton_experts
 
     passes = []
     pass_kernel = triton_experts.launch_activation

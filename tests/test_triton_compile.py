@@ -20,7 +20,10 @@ SCRIPT = r'''
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moeblaze_ops.kernels import config, triton_dispatch as td, triton_experts as te, triton_experts_backward as tb
+from moeblaze_ops.kernels import config
+from moeblaze_ops.kernels.triton_backend import dispatch as td
+from moeblaze_ops.kernels.triton_backend import experts as te
+from moeblaze_ops.kernels.triton_backend import experts_backward as tb
 
 
 def compile_for_hopper(fn, types, constexprs, num_warps=4):

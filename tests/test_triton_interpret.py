@@ -60,7 +60,8 @@ def test_up_with_activation_always(activation, layout, sentinel_frac, seed):
     act(h) beside h calls; here, without a Gluon kernel, the GEMM then the activation pass):
     h and act(h) against the float64 portable kernels', where the rule
     (``config.activation_beside_h``) would not make act(h)."""
-    from moeblaze_ops.kernels import torch_experts, triton_experts
+    from moeblaze_ops.kernels.torch_backend import experts as torch_experts
+    from moeblaze_ops.kernels.triton_backend import experts as triton_experts
 
     layer = make_layer(40, 20, 12, 4, 2, seed=seed, activation=activation, layout=layout, bias=True,
                        sentinel_frac=sentinel_frac)
@@ -163,7 +164,7 @@ def _use_dispatch_family(monkeypatch, constants):
 
 def _check_id_flags(ids, E):
     """The id flags of the checked dispatch against a plain Python reading of the ids."""
-    from moeblaze_ops.kernels.triton_dispatch import invalid_id_flags
+    from moeblaze_ops.kernels.triton_backend.dispatch import invalid_id_flags
 
     rows = ids.tolist()
     expected = [int(any(i < 0 for r in rows for i in r)),
@@ -192,7 +193,8 @@ def test_invalid_id_flags(K, defect, family, seed, monkeypatch):
     _use_dispatch_family(monkeypatch, {**DISPATCH_FAMILIES, **ONE_PROGRAM}[family])
     _check_id_flags(ids, E)
     if defect == "repeated_sentinel":  # valid ids: the checked dispatch's arrays are the portable one's
-        from moeblaze_ops.kernels import torch_dispatch, triton_dispatch
+        from moeblaze_ops.kernels.torch_backend import dispatch as torch_dispatch
+        from moeblaze_ops.kernels.triton_backend import dispatch as triton_dispatch
 
         for got, want in zip(triton_dispatch.dispatch_checked(ids, E), torch_dispatch.dispatch(ids, E)):
             assert torch.equal(got, want)
@@ -209,7 +211,7 @@ def test_invalid_id_flags_straddling_token(K, dtype, defect, family, seed, monke
 
     from conftest import make_topk_ids
     from moeblaze_ops.checks import id_value_messages
-    from moeblaze_ops.kernels.triton_dispatch import _chunk_size, dispatch_checked
+    from moeblaze_ops.kernels.triton_backend.dispatch import _chunk_size, dispatch_checked
 
     E, L = 9, 70
     ids = make_topk_ids(L, K, E, generator=torch.Generator().manual_seed(seed), dtype=dtype)
@@ -232,7 +234,7 @@ def test_kernels_with_weight_tma(layout, weights, seed, monkeypatch):
     ``SMALL_GEMM_FLOP`` 0), or by pointer (small GEMMs, the rule's default at these sizes):
     forward and backward against the reference, with tiles running past each expert's
     weight edges."""
-    from moeblaze_ops.kernels import grouped_gemm
+    from moeblaze_ops.kernels.triton_backend import grouped_gemm
 
     if weights == "tma":
         monkeypatch.setattr(config, "SMALL_GEMM_FLOP", 0)
@@ -257,7 +259,7 @@ def test_live_h_sized_buffers(mode, most, seed, monkeypatch):
     one in the default and recompute modes (dH written over h), two with overwrite_h=False."""
     import weakref
 
-    from moeblaze_ops.kernels import grouped_gemm
+    from moeblaze_ops.kernels.triton_backend import grouped_gemm
 
     L, d, I, E, K = 40, 12, 8, 3, 2  # d != 2I: no other buffer has h's shape
     count = {"live": 0, "most": 0}
@@ -284,7 +286,7 @@ def test_up_weight_gradient_and_dx_scratch_never_coexist(layout, seed, monkeypat
     scratch is not part of the step's peak."""
     import weakref
 
-    from moeblaze_ops.kernels import grouped_gemm
+    from moeblaze_ops.kernels.triton_backend import grouped_gemm
 
     L, d, I, E, K = 40, 12, 8, 3, 2  # d != I, 2I: the scratch [L*K, d] has a shape of its own
     layer = make_layer(L, d, I, E, K, seed=seed, requires_grad=True, layout=layout)
@@ -314,7 +316,7 @@ def test_column_slabs(layout, seed, monkeypatch):
     slabs of 8, 8, 4: 200 routed rows over 2 experts leave the weight gradients' bytes no
     room to widen them): forward and every gradient against the reference, and the slabs
     the kernels made are those."""
-    from moeblaze_ops.kernels import triton_combine
+    from moeblaze_ops.kernels.triton_backend import combine as triton_combine
 
     made = []
     real = triton_combine.column_slabs
@@ -334,7 +336,7 @@ def test_widest_slab_bounds():
     ``column_slabs`` takes the fewest slabs of whole multiples of ``column_slab`` up to it,
     each as narrow as their count allows; none is wider than ``column_slab`` where nothing
     fits (``widest`` 0), and None makes one slab of every column."""
-    from moeblaze_ops.kernels.triton_combine import column_slabs, widest_slab
+    from moeblaze_ops.kernels.triton_backend.combine import column_slabs, widest_slab
 
     # down: 100 rows of act(h) 6 wide, down weights of 1000 elements: (2000 - 600) / 100,
     # or (3000 - 600) / 100 where gated.
@@ -362,8 +364,8 @@ def test_column_slabs_cover(d, slab, widest):
     whole multiple of ``column_slab`` within ``widest`` make (of ``column_slab`` where none
     is wider), none wider than that multiple, all but the last whole multiples of
     ``column_slab``, the last no wider than the first."""
-    from moeblaze_ops.kernels.grouped_gemm import cdiv
-    from moeblaze_ops.kernels.triton_combine import column_slabs
+    from moeblaze_ops.kernels.triton_backend.grouped_gemm import cdiv
+    from moeblaze_ops.kernels.triton_backend.combine import column_slabs
 
     with settings.override(column_slab=slab):
         slabs = column_slabs(d, widest)
@@ -379,7 +381,7 @@ def test_widened_slabs(layout, seed, monkeypatch):
     """Slabs widened by the layer's weights (d = 40, slabs of 8 widened to 24 and 16 by
     ``widest_slab`` at these shapes): the forward and every gradient against the
     reference, and the slabs the kernels made are the widened ones."""
-    from moeblaze_ops.kernels import triton_combine
+    from moeblaze_ops.kernels.triton_backend import combine as triton_combine
 
     made = []
     real = triton_combine.column_slabs
@@ -428,7 +430,8 @@ def test_dispatch_one_program_bitwise(L, K, E, routing, sentinel_frac, seed):
     by a histogram), up to a full chunk of 2048 rows and none at all: the same three arrays as
     the portable dispatch, bit for bit. The sizes are within the rule's bound, so the
     one-program kernel is what runs; the test fails if the multi-chunk kernels run instead."""
-    from moeblaze_ops.kernels import grouped_gemm, triton_dispatch
+    from moeblaze_ops.kernels.triton_backend import grouped_gemm
+    from moeblaze_ops.kernels.triton_backend import dispatch as triton_dispatch
 
     assert config.dispatch_family(L * K, grouped_gemm.next_power_of_2(E)) == "one_program"
     ran = []
@@ -497,7 +500,8 @@ def test_weight_gradient_gluon_launch_by_kind(kind, monkeypatch):
     override (None: the kernel's own) and the kind's rule for its MMA partitions
     (``config.wgrad_split_mma``: split for "wgrad_up" only). The Gluon module is a
     stand-in that records the launch (no GPU)."""
-    from moeblaze_ops.kernels import grouped_gemm, triton_experts_backward
+    from moeblaze_ops.kernels.triton_backend import grouped_gemm
+    from moeblaze_ops.kernels.triton_backend import experts_backward as triton_experts_backward
 
     calls = []
 
@@ -529,7 +533,9 @@ def test_small_gemms_run_tl(kind, monkeypatch):
     kind without one (the ``tl`` kernel's wide dH tile) never has one. Only the device
     matters here, so a CUDA-looking stand-in takes the tensor's place."""
     pytest.importorskip("triton.experimental.gluon")
-    from moeblaze_ops.kernels import gluon_row_gemm, gluon_wgrad, grouped_gemm
+    from moeblaze_ops.kernels.triton_backend.gluon import row_gemm as gluon_row_gemm
+    from moeblaze_ops.kernels.triton_backend.gluon import wgrad as gluon_wgrad
+    from moeblaze_ops.kernels.triton_backend import grouped_gemm
 
     class OnCuda:
         is_cuda = True
@@ -546,7 +552,7 @@ def test_small_gemms_read_weights_by_pointer(flop, monkeypatch):
     ``config.SMALL_GEMM_FLOP`` the weight itself, not a TMA descriptor; from that count on,
     a descriptor of the weight where its kind reads weights by TMA
     (``config.WEIGHT_TMA_KINDS``), and the weight itself for the down projection."""
-    from moeblaze_ops.kernels import grouped_gemm
+    from moeblaze_ops.kernels.triton_backend import grouped_gemm
 
     w = torch.randn(4, 64, 32, dtype=torch.bfloat16)
     tile = GemmTile(16, 16, 16, 4, 1)
@@ -560,7 +566,8 @@ def test_small_gemms_read_weights_by_pointer(flop, monkeypatch):
 def test_weight_gradient_counts_its_operations(monkeypatch):
     """The weight gradient asks for its kernel with its operation count (2 x rows x P x Q),
     and where no Gluon kernel comes back, runs tl: right against float64."""
-    from moeblaze_ops.kernels import grouped_gemm, triton_experts_backward
+    from moeblaze_ops.kernels.triton_backend import grouped_gemm
+    from moeblaze_ops.kernels.triton_backend import experts_backward as triton_experts_backward
 
     asked = []
     monkeypatch.setattr(grouped_gemm, "gluon_kernels", lambda kind, t, flop: asked.append(flop))
@@ -584,7 +591,7 @@ def test_host_index_math_matches_triton(n, b):
     constexpr functions, slow on the host) give Triton's values."""
     import triton
 
-    from moeblaze_ops.kernels import grouped_gemm
+    from moeblaze_ops.kernels.triton_backend import grouped_gemm
 
     assert grouped_gemm.cdiv(n, b) == triton.cdiv(n, b)
     assert grouped_gemm.next_power_of_2(n) == triton.next_power_of_2(n)

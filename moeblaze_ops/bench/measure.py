@@ -232,7 +232,7 @@ def bench_dispatch(ctx):
     ``grouped_mm`` runs, against moeblaze's dispatch kernels alone and its op (with id
     checks). At small sizes each call is bound by its launches on the host; with
     ``ctx.cuda_graphs`` the rows also time each replayed from a CUDA graph (device time)."""
-    from moeblaze_ops.kernels import triton_dispatch
+    from moeblaze_ops.kernels.triton_backend import dispatch as triton_dispatch
 
     rows = []
     for L, K, E in progress(DISPATCH_CASES, "dispatch"):

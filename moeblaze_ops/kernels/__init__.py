@@ -2,10 +2,10 @@
 
 Two backends implement every op:
 
-- ``TORCH``: portable vectorised PyTorch (``torch_dispatch``, ``torch_experts``): CPU
+- ``TORCH``: portable vectorised PyTorch (``torch_backend.dispatch``, ``torch_backend.experts``): CPU
   tensors, float64, and anywhere ``settings.backend == "torch"``.
-- ``TRITON``: Triton kernels (``triton_dispatch``, ``triton_experts``,
-  ``triton_experts_backward``, built on the grouped-GEMM core ``grouped_gemm``): CUDA
+- ``TRITON``: Triton kernels (``triton_backend.dispatch``, ``triton_backend.experts``,
+  ``triton_backend.experts_backward``, built on the grouped-GEMM core ``triton_backend.grouped_gemm``): CUDA
   tensors, and CPU tensors under ``TRITON_INTERPRET=1`` when ``settings.backend ==
   "triton"``. Triton is imported the first time this backend is chosen, never before:
   ``import moeblaze_ops`` and the CPU path run without Triton installed (it is a
@@ -28,7 +28,8 @@ from typing import Callable
 import torch
 
 from .. import checks, settings
-from . import torch_dispatch, torch_experts
+from .torch_backend import dispatch as torch_dispatch
+from .torch_backend import experts as torch_experts
 
 
 @dataclass(frozen=True)
@@ -104,11 +105,13 @@ def _trusted(op, expert_token_indices, expert_offsets, token_index_map, num_toke
 
 
 @functools.lru_cache(maxsize=None)
-def triton_backend() -> Backend:
+def load_triton_backend() -> Backend:
     """The Triton backend (imports Triton on the first call; raises ``TritonUnavailableError``,
     an ``ImportError``, when it is not installed)."""
     _import_triton()  # a clear error first, not a ModuleNotFoundError from inside a kernel module
-    from . import triton_dispatch, triton_experts, triton_experts_backward
+    from .triton_backend import dispatch as triton_dispatch
+    from .triton_backend import experts as triton_experts
+    from .triton_backend import experts_backward as triton_experts_backward
 
     return Backend(
         name="triton",
@@ -148,7 +151,7 @@ def _check_triton_device(t: torch.Tensor) -> None:
 
 def _triton_for(t: torch.Tensor) -> Backend:
     """The Triton backend, checked for tensors like ``t``."""
-    backend = triton_backend()
+    backend = load_triton_backend()
     _check_triton_device(t)
     return backend
 

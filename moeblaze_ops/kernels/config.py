@@ -199,7 +199,7 @@ def wgrad_split_mma(kind: str) -> bool:
 
 
 #: The row GEMMs' output tiles (up, down, dX, dH; eager kernels and templates) go in
-#: bands of this many row tiles, rows fastest inside a band (``grouped_gemm.banded``): the
+#: bands of this many row tiles, rows fastest inside a band (``triton_backend.grouped_gemm.banded``): the
 #: tiles in flight at once read fewer weight tiles, each from L2 for the whole band
 #: (see docs/performance.md).
 ROW_BAND = 4
@@ -221,7 +221,7 @@ def activation_beside_h(columns: int, rows: int, experts: int, *, interleaved: b
     rows over ``experts`` experts, which keeps h for backward, has the up GEMM write act(h)
     beside h for the down projection to read instead of running the activation pass;
     eager and compiled alike. Only where the Gluon up GEMM's gated epilogue can write both
-    (``gluon_row_gemm.applies_gated_epilogue``: gate and up halves concatenated, not
+    (``triton_backend.gluon.row_gemm.applies_gated_epilogue``: gate and up halves concatenated, not
     ``interleaved``, no ``up_bias``): elsewhere act(h) would come from the same activation
     pass, held longer."""
     return (not interleaved and not up_bias and columns <= ACTIVATION_BESIDE_H_MAX_COLUMNS

@@ -22,15 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import settings
-from ..activations import activation_code
-from ..layouts import in_feature_slice, linear_dims, linear_strides
-from . import config
+from ... import settings
+from ...activations import activation_code
+from ...layouts import in_feature_slice, linear_dims, linear_strides
+from .. import config
 from . import grouped_gemm as gg
-from . import triton_activations as acts
-from .launch import launch
-from .triton_combine import combine_in_slabs, row_combine_weights, widest_slab
-from .triton_experts import launch_gathered_gemm
+from . import activations as acts
+from ..launch import launch
+from .combine import combine_in_slabs, row_combine_weights, widest_slab
+from .experts import launch_gathered_gemm
 
 
 @triton.jit
@@ -64,7 +64,7 @@ def dh_outputs(g, w, hg, hu, rows, rmask, cols, cmask, n0, I, dh_ptr, wact_ptr, 
     ([n0, n0 + WIDTH)): from ``g`` = dL/da / w, the combine weights ``w`` ([rows, 1]) and
     the raw h tiles ``hg, hu`` (``grouped_gemm.load_h_pair``), it writes dH (and w *
     act(h) with WRITE_WACT) and returns each row's <g, act(h)> over these columns, for
-    the router gradient. Both dH kernels call it (``gluon_dh`` with its own layouts, never
+    the router gradient. Both dH kernels call it (``gluon.dh`` with its own layouts, never
     INTERLEAVED)."""
     smask = rmask[:, None] & cmask[None, :]
     dg, du, a = acts.backward(g * w, hg, hu, alpha, limit, ACT, FAST_ACT)
@@ -273,7 +273,7 @@ def dh_tile(h, I):
 
 
 def dh_gluon_module(grad_out, h, w_down, *, act, transposed, interleaved, has_bias):
-    """The kernel dH runs on for these operands: ``kernels.gluon_dh`` where
+    """The kernel dH runs on for these operands: ``gluon.dh`` where
     ``config.runs_gluon`` says so and it applies, else None (``_dh_kernel``, on
     ``dh_tile``)."""
     E, d, I = linear_dims(w_down, transposed)

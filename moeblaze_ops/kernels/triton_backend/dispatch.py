@@ -53,10 +53,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import id_value_messages, index_values_message
-from . import config
+from ...checks import id_value_messages, index_values_message
+from .. import config
 from . import grouped_gemm as gg
-from .launch import launch
+from ..launch import launch
 
 SUB = 64  # rows a one-hot step ranks at once
 #: Most elements of one ``_column_scan`` tile: 8 warps hold it, with each element's 64-bit

@@ -12,7 +12,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import config
+from ... import config
 
 # Builtins renamed after triton 3.6: the masked cp.async (``async_copy_global_to_shared``,
 # then ``async_load``), the CTA barrier (``thread_barrier``, then ``barrier``), the TMA

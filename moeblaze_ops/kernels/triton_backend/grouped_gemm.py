@@ -32,11 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import settings
-from . import config
-from .config import GemmTile
-from .launch import launch
-from .triton_activations import NUM_GATED
+from ... import settings
+from .. import config
+from ..config import GemmTile
+from ..launch import launch
+from .activations import NUM_GATED
 
 # --------------------------------------------------------------------------- schedules
 
@@ -259,11 +259,11 @@ def _import_gluon_module(kind: str):
     """The module of GEMM ``kind``'s Gluon kernel (imported here, not at the top: Gluon exists
     only in newer Triton releases, and only Hopper runs it)."""
     if kind == "dh":
-        from . import gluon_dh as module
+        from .gluon import dh as module
     elif kind in ("wgrad_down", "wgrad_up"):
-        from . import gluon_wgrad as module
+        from .gluon import wgrad as module
     else:
-        from . import gluon_row_gemm as module
+        from .gluon import row_gemm as module
     return module
 
 

@@ -1,6 +1,6 @@
 """dH on Hopper (sm_90), in Gluon.
 
-The product and epilogue of ``triton_experts_backward._dh_kernel`` (the portable path):
+The product and epilogue of ``experts_backward._dh_kernel`` (the portable path):
 for every routed row r of expert e, ``g = grad_out[token(r)] @ W_down_e^T`` over the
 [BLOCK_M, BLOCK_N] tiles of ``grouped_gemm.row_tile``'s schedule; then, from the h tiles
 behind the tile's columns, ``(dL/dgate, dL/dup, a) = triton_activations.backward(w * g, h)``
@@ -8,7 +8,7 @@ is written as dH (over h when asked), ``w * a`` (the down weight gradient's oper
 each row's router partial ``<g, a>``.
 
 The kernel (``_dh_kernel``) is the row GEMM's warp-specialised pipeline
-(``gluon_row_gemm._row_gemm_ws_kernel``: a copy warpgroup gathers the output-gradient rows
+(``row_gemm._row_gemm_ws_kernel``: a copy warpgroup gathers the output-gradient rows
 by cp.async and issues W_down's TMA, two MMA warpgroups run one 256-wide wgmma each on a
 128 x 256 tile) with dH's epilogue in the MMA warps after each tile's reduction
 (``_dh_tile_epilogue``), while the copy warps fill the ring with the next tile's first
@@ -23,7 +23,7 @@ them a CTA barrier, so one box a chunk rather than two. The stage is the W_down 
 the tile's last reduction step, held back from the copies until the epilogue is done with
 it, so the ring keeps its four slots.
 
-Applies where ``gluon_row_gemm`` applies to the GEMM (16-bit, Hopper, 16-element aligned
+Applies where ``row_gemm`` applies to the GEMM (16-bit, Hopper, 16-element aligned
 K, N and strides), the layout is concatenated (gate columns, then up) or the activation
 not gated, and the layer has no down bias; everything else takes the portable kernel.
 """
@@ -37,18 +37,18 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from ..layouts import linear_dims
-from . import config
-from . import grouped_gemm as gg
-from . import triton_activations as acts
-from .config import GemmTile
-from .gluon_common import (SPARE_SHARED_BYTES, cta_barrier, host_descriptor, on_hopper, reinterpret_shared,
+from ....layouts import linear_dims
+from ... import config
+from .. import grouped_gemm as gg
+from .. import activations as acts
+from ...config import GemmTile
+from .common import (SPARE_SHARED_BYTES, cta_barrier, host_descriptor, on_hopper, reinterpret_shared,
                            row_offsets_fit_32, slot_barriers, tma_load, wgmma_acc_layout)
-from .gluon_row_gemm import PRODUCER_GATHER, _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
-from .gluon_row_gemm import applies as row_gemm_applies
-from .launch import launch
-from .triton_combine import row_combine_weights
-from .triton_experts_backward import _column_slice, dh_outputs
+from .row_gemm import PRODUCER_GATHER, _row_tile, _schedule, _weight_view, _ws_producer, ws_tile_steps
+from .row_gemm import applies as row_gemm_applies
+from ...launch import launch
+from ..combine import row_combine_weights
+from ..experts_backward import _column_slice, dh_outputs
 
 #: Rows of an epilogue chunk: 8 of the accumulator's elements a thread in 8 warps.
 CHUNK = 32
@@ -241,7 +241,7 @@ def _dh_kernel(
     warpgroups, one wgmma BLOCK_N wide each) that also run the epilogue, and a copy
     warpgroup of ``PRODUCER_WARPS`` that gathers the output-gradient rows by cp.async and
     issues W_down's TMA: the row GEMM's warp-specialised pipeline
-    (``gluon_row_gemm._row_gemm_ws_kernel``) with dH's epilogue."""
+    (``row_gemm._row_gemm_ws_kernel``) with dH's epilogue."""
     dtype: gl.constexpr = go_ptr.dtype.element_ty
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
@@ -305,7 +305,7 @@ def applies(grad_out: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor, trans
 
 def launch_dh(grad_out, h, w_down, eti, topk_weights, tim, offsets, grad_h, wact, parts, *, act, transposed, alpha,
               limit, tile: Optional[GemmTile] = None, slots: Optional[int] = None):
-    """``triton_experts_backward.launch_dh`` without a bias, on ``_dh_kernel``: dH into
+    """``experts_backward.launch_dh`` without a bias, on ``_dh_kernel``: dH into
     ``grad_h`` (which may be ``h``), ``wact`` = w * act(h) unless None, the router
     partials into ``parts`` ([L*K, cdiv(I, PART_COLUMNS)]), the sigmoid the approximate
     one (16-bit tensors: ``grouped_gemm.fast_sigmoid``), the tiles in bands of

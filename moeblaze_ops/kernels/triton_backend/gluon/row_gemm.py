@@ -2,7 +2,7 @@
 
 ``out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e)`` for every routed row r, expert e owning
 rows ``[offsets[e], offsets[e+1])``, the rows past ``offsets[E]`` (sentinels) written as
-zeros: the product of ``triton_experts._gathered_gemm_kernel`` (the portable path), on the
+zeros: the product of ``experts._gathered_gemm_kernel`` (the portable path), on the
 same persistent schedule (``grouped_gemm.row_tile``'s tile numbering, the offsets read on
 the device). Each reduction step of an output tile loads A [BLOCK_M, BLOCK_K] by cp.async
 (16 bytes per thread, rows gathered through ``a_row_ids``, rows past the expert's end and
@@ -44,15 +44,15 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from ..layouts import linear_dims, linear_strides
-from . import config
-from . import grouped_gemm as gg
-from . import triton_activations as acts
-from .gluon_common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
+from ....layouts import linear_dims, linear_strides
+from ... import config
+from .. import grouped_gemm as gg
+from .. import activations as acts
+from .common import (async_load, banded, column_halves, copy_layout, copy_tma_ring, cta_barrier, host_descriptor,
                            on_hopper, output_buffer, reinterpret_shared, row_offsets_fit_32, slot_barriers,
                            store_by_tma, store_tile_by_tma, tma_load, tma_slot_shape, wgmma_acc_layout)
-from .config import GemmTile
-from .launch import launch
+from ...config import GemmTile
+from ...launch import launch
 
 #: The tile: 128 x 256 outputs per program (2 warpgroups of 64 rows each), 64 of K per
 #: step, 4 slots of 48 KB (2 steps in flight ahead of the MMA).
@@ -234,7 +234,7 @@ def _store_activated_tile(out_ptr, out_desc, out_buf, h_ptr, h_desc, h_buf, acc,
     half goes through ``h_buf``, a buffer of its own, so that no store waits for the copy
     just started. The sigmoid is the approximate one (16-bit outputs:
     ``grouped_gemm.fast_sigmoid``).
-    ``GATED`` is ``triton_activations.gated``, passed in: a ``tl`` function a kernel names
+    ``GATED`` is ``activations.gated``, passed in: a ``tl`` function a kernel names
     is one the JIT resolves on every compile, and under ``TRITON_INTERPRET=1`` Gluon cannot
     compile it."""
     gate, up = column_halves(acc)
@@ -613,7 +613,7 @@ def launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, tile: GemmT
                     h: Optional[torch.Tensor] = None):
     """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) over every routed row, B an expert
     weight stack in ``transposed`` layout (``layouts``), as
-    ``triton_experts.launch_gathered_gemm``; ``tile`` is (M, N, K block, warps, stages)
+    ``experts.launch_gathered_gemm``; ``tile`` is (M, N, K block, warps, stages)
     with M = 16 * warps; ``warp_specialize`` picks ``_row_gemm_ws_kernel``
     (``config.row_gemm_warp_specialized``). The tiles go in bands of ``config.ROW_BAND``
     m-tiles (``grouped_gemm.banded``); those whose rows are all inside their expert are

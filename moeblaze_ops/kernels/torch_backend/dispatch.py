@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_topk_id_values
+from ...checks import check_topk_id_values
 
 
 def dispatch(topk_ids: torch.Tensor, num_experts: int):

@@ -1,7 +1,7 @@
 """The weight gradients on Hopper (sm_90), in Gluon: an asynchronous pipeline ``tl`` cannot build.
 
 ``out[e] = sum over expert e's rows r of A[r]^T B[row_ids[r]]`` (the same product as
-``triton_experts_backward._wgrad_kernel``, the portable path): A row-ordered ([L*K, P]: dH,
+``experts_backward._wgrad_kernel``, the portable path): A row-ordered ([L*K, P]: dH,
 or w * act(h)), B gathered token rows ([*, Q]: x, or the output gradient), one [P, Q]
 block per expert. The reduction runs over the expert's own rows, so both operands are
 loaded along it into a ring of ``NUM_STAGES`` shared-memory slots, while the tensor cores
@@ -14,7 +14,7 @@ the row-ordered operand its right one (the 256-wide side), read by TMA in every 
 lies inside the expert, so two thirds of the bytes travel by the copy engine; the
 expert's last, partial step stays a masked cp.async, since the next expert's rows may
 hold anything and 0 * inf would reach this expert's sum. The MMA warps run the row
-GEMM's step loop (``gluon_row_gemm.ws_tile_steps``) and store each tile by TMA beside the
+GEMM's step loop (``row_gemm.ws_tile_steps``) and store each tile by TMA beside the
 next tile's MMAs. This is the variant that won every measured shape (see
 docs/performance.md).
 
@@ -33,13 +33,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from . import grouped_gemm as gg
-from .config import GemmTile
-from .gluon_common import (async_load, copy_layout, host_descriptor, on_hopper, partition_output,
+from .. import grouped_gemm as gg
+from ...config import GemmTile
+from .common import (async_load, copy_layout, host_descriptor, on_hopper, partition_output,
                            row_offsets_fit_32, slot_barriers, store_pieces, store_tile_by_tma, tma_load,
                            wgmma_acc_layout)
-from .gluon_row_gemm import ws_tile_steps
-from .launch import launch
+from .row_gemm import ws_tile_steps
+from ...launch import launch
 
 #: The tile: 256 P (the row-ordered operand's features, by TMA) x 128 Q (the gathered
 #: rows' features: 16 rows per MMA warp) per program, 64 rows of the reduction per step,
@@ -129,7 +129,7 @@ def _store_expert_tile(out_ptr, acc, e, m0, n0, M, N, stride_oe, stride_om, stri
 def _store_tile(out_ptr, out_desc, out_buf, acc, e, m0, n0, M, N, stride_oe, stride_om, stride_on,
                 TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr):
     """Stores expert ``e``'s [M, N] accumulator tile at (m0, n0): by TMA where
-    ``TMA_STORE`` (``gluon_common.store_by_tma``), whole or in ``STORE_PIECES`` = 2 column
+    ``TMA_STORE`` (``common.store_by_tma``), whole or in ``STORE_PIECES`` = 2 column
     halves, else from registers through the strides."""
     if TMA_STORE:
         store_tile_by_tma(out_desc, out_buf, acc, e, m0, n0, OUT_TRANSPOSED, STORE_PIECES)
@@ -201,7 +201,7 @@ def _wgrad_rows_tma_ws_consumer(g_ring, r_ring, ready, empty, offsets_ptr, out_p
                                 OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr, WARPS: gl.constexpr,
                                 GROUP: gl.constexpr = 0, GROUPS: gl.constexpr = 1):
     """MMA warps of ``_wgrad_rows_tma_ws_kernel``: each tile's steps
-    (``gluon_row_gemm.ws_tile_steps``, the gathered rows' slot as the transposed left
+    (``row_gemm.ws_tile_steps``, the gathered rows' slot as the transposed left
     operand), then the [Q, P] tile stored (``_store_tile``). With ``GROUPS`` MMA
     partitions (2: a warpgroup each), this one, number ``GROUP``, takes the tile's
     ``GROUP``-th part of its Q rows, its own output buffer, and releases each slot by its
@@ -287,10 +287,10 @@ def applies(rows: torch.Tensor, gathered: torch.Tensor) -> bool:
 
 
 def _output_descriptor(grad_w_pq: torch.Tensor, tile: GemmTile, pieces: int = 2, mma_groups: int = 1):
-    """``(descriptor, transposed)`` for ``gluon_common.store_by_tma``: the weight gradient as
+    """``(descriptor, transposed)`` for ``common.store_by_tma``: the weight gradient as
     the kernel's [E, Q, P] accumulator tiles lie in it, or as [E, P, Q] (``transposed``)
     where Q is the contiguous dimension, with a box of a tile's ``pieces``-th part
-    (``gluon_common.store_pieces``) of an MMA group's Q rows (``mma_groups``);
+    (``common.store_pieces``) of an MMA group's Q rows (``mma_groups``);
     ``(None, False)`` where TMA cannot write it (the kernel then stores from registers)."""
     acc_view = grad_w_pq.transpose(1, 2)
     m, n = tile.block_n // mma_groups, tile.block_m
@@ -310,8 +310,8 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
     ``tile`` is (P block, Q block = 16 * warps, R block, warps, stages), ``TILE`` by
     default; one program runs per SM whatever its ``programs_per_sm`` (the partitions'
     registers fill an SM's file). Each output tile is stored by TMA copies that run on
-    during the next tile (``gluon_common.store_by_tma``), whole where the tile fits beside
-    the ring, else in halves (``gluon_common.store_pieces``); from registers where TMA
+    during the next tile (``common.store_by_tma``), whole where the tile fits beside
+    the ring, else in halves (``common.store_pieces``); from registers where TMA
     cannot write the gradient or a program has no next tile. ``split_mma``
     (``config.wgrad_split_mma``): on 8 MMA warps, the two MMA warpgroups run as partitions
     of their own, each over half the tile, releasing the ring's slots without waiting for

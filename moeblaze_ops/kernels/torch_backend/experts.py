@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from ..activations import activation_backward, activation_forward
-from ..layouts import expert_matrix, linear_dims
+from ...activations import activation_backward, activation_forward
+from ...layouts import expert_matrix, linear_dims
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

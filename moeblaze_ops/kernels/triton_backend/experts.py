@@ -10,7 +10,7 @@
   the GEMM as they load: see docs/performance.md). Where no h
   is needed after the forward, the up projection writes act(h) instead of h
   (``expert_up_activated``); where ``config.activation_beside_h`` holds, beside it
-  (``expert_up_with_activation``). The rows are then combined per token (``triton_combine``).
+  (``expert_up_with_activation``). The rows are then combined per token (``combine``).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import settings
-from ..activations import activation_code, is_gated
-from ..layouts import linear_dims, linear_strides, out_feature_slice
-from . import config
+from ... import settings
+from ...activations import activation_code, is_gated
+from ...layouts import linear_dims, linear_strides, out_feature_slice
+from .. import config
 from . import grouped_gemm as gg
-from .launch import launch
-from .triton_activations import activate, is_gated_code
-from .triton_combine import combine_in_slabs, widest_slab
+from ..launch import launch
+from .activations import activate, is_gated_code
+from .combine import combine_in_slabs, widest_slab
 
 
 @triton.jit
@@ -132,7 +132,7 @@ def _gluon_tile(gluon, kind):
 def _launch_on_gluon(gluon, kind, a, a_row_ids, b, bias, offsets, out, transposed, epilogue=None, h=None):
     """``gluon.launch_row_gemm`` in the variant the rules pick for GEMM ``kind``: its tile,
     warp-specialised by rows per expert (``config.row_gemm_warp_specialized``). With an
-    ``epilogue`` (``gluon_row_gemm.GatedEpilogue``) ``out`` is act(h), and ``h``, where
+    ``epilogue`` (``gluon.row_gemm.GatedEpilogue``) ``out`` is act(h), and ``h``, where
     given, receives h beside it."""
     E = linear_dims(b, transposed)[0]
     gluon.launch_row_gemm(a, a_row_ids, b, bias, offsets, out, transposed, _gluon_tile(gluon, kind),
@@ -166,7 +166,7 @@ def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, toke
     """act(h) ([L*K, I] for a gated activation) of ``expert_up``'s rows, for
     ``expert_down_activated``. In one Gluon GEMM whose epilogue pairs each tile's gate and
     up columns and never stores h, where that applies
-    (``gluon_row_gemm.applies_gated_epilogue``), else the GEMM then the activation pass."""
+    (``gluon.row_gemm.applies_gated_epilogue``), else the GEMM then the activation pass."""
     _, N, _ = linear_dims(w_gate_up, transposed)
     act = activation_code(activation)
     LK = expert_token_indices.shape[0]
@@ -184,7 +184,7 @@ def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, toke
 def _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert_offsets, a, transposed, act,
                            interleaved, alpha, limit, h=None) -> bool:
     """The up GEMM on Gluon with the activation ``act`` in its epilogue (act(h) into ``a``,
-    h into ``h`` where given), where that applies (``gluon_row_gemm.applies_gated_epilogue``);
+    h into ``h`` where given), where that applies (``gluon.row_gemm.applies_gated_epilogue``);
     returns whether it launched."""
     _, N, K = linear_dims(w_gate_up, transposed)
     gluon = gg.gluon_kernels("up", x, 2 * a.shape[0] * N * K)

@@ -8,7 +8,7 @@ the codes below ``NUM_GATED`` are the gated ones.
 import triton
 import triton.language as tl
 
-from ..activations import ActivationCode
+from ...activations import ActivationCode
 
 SWIGLU = tl.constexpr(int(ActivationCode.SWIGLU))
 GEGLU = tl.constexpr(int(ActivationCode.GEGLU))

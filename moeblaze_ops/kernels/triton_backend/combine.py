@@ -15,9 +15,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import settings
+from ... import settings
 from . import grouped_gemm as gg
-from .launch import launch
+from ..launch import launch
 
 
 #: The combine's tile on CUDA (tokens, columns), the eager kernel's and the Inductor template's.
@@ -50,7 +50,7 @@ def row_combine_weights(weights_ptr, tim_ptr, toks, rows, mask, stride_w0, strid
     the token's K choices whose row (``token_index_map``) it is. Read where a kernel needs
     it, rather than scattered into an array first."""
     # Started from the first choice's load rather than tl.zeros, which needs a layout when a
-    # Gluon kernel calls this (gluon_dh).
+    # Gluon kernel calls this (gluon.dh).
     for k in tl.static_range(K):
         row_k = tl.load(tim_ptr + toks * K + k, mask=mask, other=-1)
         w_k = tl.load(weights_ptr + toks * stride_w0 + k * stride_w1, mask=mask & (row_k == rows),
