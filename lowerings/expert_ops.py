@@ -131,9 +131,10 @@ def _op_runs_gluon(kind, a, rows, out_cols, reduction, weight=None, gated=False)
 # --------------------------------------------------------------------------- configs
 
 
-def _row_gemm_tiles(kind, dtype, device):
-    """The eager kernels' tile; under max-autotune the table's other tiles that fit too."""
-    first = config.pick_tile(kind, dtype, device)
+def _row_gemm_tiles(kind, dtype, device, rows, experts):
+    """The eager kernels' tile (for the size hints); under max-autotune the table's other
+    tiles that fit too."""
+    first = config.pick_tile(kind, dtype, device, rows, experts)
     if not (inductor_config.max_autotune or inductor_config.max_autotune_gemm):
         return [first]
     others = config.candidate_tiles(("up", "down", "dx"), dtype, device)
@@ -190,7 +191,7 @@ def row_gemm(kind, a, b, a_row_ids, offsets, bias, transposed, out_rows):
     layout = compat.fixed_layout(device, dtype, [out_rows, n_out])
     kmajor = b.get_stride()[1 if transposed else 2] == 1
     choices = []
-    for tile in _row_gemm_tiles(kind, dtype, device):
+    for tile in _row_gemm_tiles(kind, dtype, device, compat.hint(out_rows), compat.static_int(E)):
         templates.row_gemm.maybe_append_choice(
             choices, input_nodes=inputs, layout=layout, num_stages=tile.num_stages, num_warps=tile.num_warps,
             GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None, TRANSPOSED=transposed,

@@ -97,9 +97,38 @@ def test_tiles_are_pruned_by_shared_memory(monkeypatch):
     candidates = config.candidate_tiles(("up", "down", "dx"), torch.bfloat16, cuda)
     assert len(candidates) == len(set(candidates)) > 0
     assert all(t.smem_bytes(2) <= limit for t in candidates)
-    every = {t for (kind, cls, _), tiles in config.TILE_TABLE.items()
+    every = {t for (kind, cls, *_), tiles in config.TILE_TABLE.items()
              if kind in ("up", "down", "dx") and cls == "16bit" for t in tiles}
     assert set(candidates) == {t for t in every if t.smem_bytes(2) <= limit}
+
+
+def test_forward_tiles_by_rows_per_expert(monkeypatch):
+    """The up and down GEMMs of a decode step (at most 8 routed rows per expert on average,
+    from the shapes) take the table's "few_rows" tile, of 8 to 24 rows its "some_rows" one,
+    of more the general Hopper tile; kinds without rows classes (dX) keep theirs at any
+    rows, and a ``tiles`` override wins everywhere (an H100's traits stubbed: no GPU needed)."""
+    from moeblaze_ops.kernels import config
+
+    monkeypatch.setattr(config, "_device_traits", lambda index: ("sm90", 227 * 1024))
+    cuda = torch.device("cuda", 0)
+    assert [config.rows_class(rows, 8) for rows in (0, 2, 64, 65, 192, 193)] == [
+        "few_rows", "few_rows", "few_rows", "some_rows", "some_rows", None]
+    config._table_tile.cache_clear()
+    try:
+        for kind in ("up", "down"):
+            few, some, general = (config.TILE_TABLE[key][0] for key in (
+                (kind, "16bit", "sm90", "few_rows"), (kind, "16bit", "sm90", "some_rows"), (kind, "16bit", "sm90")))
+            assert len({few, some, general}) == 3 and few.block_m < some.block_m < general.block_m
+            # T = 1, 8, 64, 512 tokens of a Mixtral-like layer (K = 2 of E = 8)
+            picks = [config.pick_tile(kind, torch.bfloat16, cuda, 2 * T, 8) for T in (1, 8, 64, 512)]
+            assert picks == [few, few, some, general]
+            assert config.pick_tile(kind, torch.bfloat16, cuda) == general  # rows unknown
+            tuned = config.GemmTile(64, 64, 32, 4, 2)
+            with settings.override(tiles={kind: tuned}):
+                assert config.pick_tile(kind, torch.bfloat16, cuda, 2, 8) == tuned
+        assert config.pick_tile("dx", torch.bfloat16, cuda, 2, 8) == config.TILE_TABLE[("dx", "16bit", "sm90")][0]
+    finally:
+        config._table_tile.cache_clear()
 
 
 def test_dh_tile_by_layer_width(monkeypatch):

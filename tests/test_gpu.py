@@ -617,3 +617,20 @@ def test_launch_plans_equal_the_jit_bitwise(aligned, seed, monkeypatch):
         for layer, expected in zip(layers, want):
             for got, ref in zip(step(layer), expected):
                 assert torch.equal(got, ref), f"seed={seed}"
+
+
+@pytest.mark.parametrize("T", [1, 3, 8, 37, 64])
+@pytest.mark.parametrize("case", ["swiglu", "clamped_swiglu_interleaved_bias", "gelu_sentinels"])
+def test_decode_forward(T, case, seed):
+    """Forwards of decode size (few routed rows per expert: the table's "few_rows" and
+    "some_rows" tiles of the up and down GEMMs, for T = 1..64 over 16 experts, top 4),
+    without and with gradients, against the float64 reference; outputs poisoned."""
+    rows_classes = {config.rows_class(t * 4, 16) for t in (1, 3, 8, 37, 64)}
+    assert rows_classes == {"few_rows", "some_rows"}
+    activation = case.split("_interleaved")[0].split("_sentinels")[0]
+    kwargs = dict(activation=activation, layout="interleaved" if "interleaved" in case else "concatenated",
+                  bias="bias" in case, sentinel_frac=0.25 if "sentinels" in case else 0.0)
+    with settings.override(poison=True):
+        for differentiated in (False, True):
+            check_forward(T, 256, 384, 16, 4, dtype=torch.bfloat16, device="cuda", seed=seed,
+                          tw_dtype=torch.float32, differentiated=differentiated, **kwargs)

@@ -11,7 +11,8 @@ The rules read the constants below when they are called, so a test may patch one
 a small shape on the other side of a rule.
 
 Tile shapes come from ``TILE_TABLE``, keyed by (GEMM kind, dtype class, architecture),
-each entry a list in order of preference; ``pick_tile`` takes the first one whose
+and for the forward GEMMs of few routed rows per expert (decode) also by that rows class
+(``rows_class``); each entry a list in order of preference; ``pick_tile`` takes the first one whose
 pipelined operand tiles fit in the device's shared memory (the arithmetic prune of
 Inductor's grouped-mm configs: no launch is tried and caught).
 """
@@ -80,7 +81,16 @@ TILE_TABLE: Mapping[tuple, tuple] = {
     **{(kind, "16bit", "any"): (GemmTile(128, 256, 64, 8, 3), GemmTile(128, 128, 64, 8, 3), GemmTile(64, 64, 32, 4, 3))
        for kind in GEMM_KINDS},
     **{(kind, "fp32", "any"): (GemmTile(64, 64, 32, 4, 3), GemmTile(32, 32, 32, 4, 2)) for kind in GEMM_KINDS},
+    # Decode: the up and down GEMMs stream their experts' weights past a few rows each. Tiles
+    # of 16 or 32 rows waste less of the MMA, and 64 columns split each expert's weight over
+    # more programs (two per SM) that keep more loads in flight (see docs/performance.md).
+    **{(kind, "16bit", "sm90", "few_rows"): (GemmTile(16, 64, 128, 4, 4, 2),) for kind in ("up", "down")},
+    **{(kind, "16bit", "sm90", "some_rows"): (GemmTile(32, 64, 128, 4, 4, 2),) for kind in ("up", "down")},
 }
+
+#: The rows classes of ``TILE_TABLE``: (routed rows per expert at most, class), in order.
+#: Past the last bound a GEMM takes its kind's general entry.
+ROWS_CLASSES = ((8, "few_rows"), (24, "some_rows"))
 
 #: Triton's interpreter (CPU tensors): small tiles keep the CPU tests quick.
 INTERPRETER_TILE = GemmTile(16, 16, 16, 4, 1)
@@ -118,29 +128,39 @@ def candidate_tiles(kinds, dtype: torch.dtype, device: torch.device) -> list:
     ``device``, without repeats, in table order: what autotuning may try."""
     cls = _dtype_class(dtype)
     tiles = []
-    for (kind, tile_cls, _), entries in TILE_TABLE.items():
+    for (kind, tile_cls, *_), entries in TILE_TABLE.items():
         if kind in kinds and tile_cls == cls:
             tiles += [t for t in entries if t not in tiles and tile_fits(t, dtype, device)]
     return tiles
 
 
-def pick_tile(kind: str, dtype: torch.dtype, device: torch.device) -> GemmTile:
-    """The tile of GEMM ``kind`` for tensors of ``dtype`` on ``device``: the override in
-    ``settings.current().tiles``, else the first table entry that fits the shared memory."""
+def rows_class(rows: int, experts: int):
+    """The rows class (``ROWS_CLASSES``) of a GEMM over ``rows`` routed rows of ``experts``
+    experts, from their average per expert (shapes only, never the routing), or None."""
+    per_expert = rows / max(experts, 1)
+    return next((name for bound, name in ROWS_CLASSES if per_expert <= bound), None)
+
+
+def pick_tile(kind: str, dtype: torch.dtype, device: torch.device, rows=None, experts=None) -> GemmTile:
+    """The tile of GEMM ``kind`` for tensors of ``dtype`` on ``device``, over ``rows`` routed
+    rows of ``experts`` experts where known: the override in ``settings.current().tiles``,
+    else the first table entry that fits the shared memory (the entry of the rows class
+    where the table has one)."""
     override_tile = settings.current().tiles.get(kind)
     if override_tile is not None:
         return override_tile
     if device.type != "cuda":
         return INTERPRETER_TILE
-    return _table_tile(kind, dtype, device)
+    return _table_tile(kind, dtype, device, None if rows is None else rows_class(rows, experts))
 
 
 @functools.lru_cache(maxsize=None)
-def _table_tile(kind: str, dtype: torch.dtype, device: torch.device) -> GemmTile:
+def _table_tile(kind: str, dtype: torch.dtype, device: torch.device, rows_cls=None) -> GemmTile:
     """``pick_tile`` without an override: a function of the (constant) table and the device,
     so each kernel launch after the first looks it up."""
-    cls = _dtype_class(dtype)
-    candidates = TILE_TABLE.get((kind, cls, _traits(device)[0])) or TILE_TABLE[(kind, cls, "any")]
+    cls, arch = _dtype_class(dtype), _traits(device)[0]
+    candidates = ((rows_cls is not None and TILE_TABLE.get((kind, cls, arch, rows_cls)))
+                  or TILE_TABLE.get((kind, cls, arch)) or TILE_TABLE[(kind, cls, "any")])
     return next((tile for tile in candidates if tile_fits(tile, dtype, device)), candidates[-1])
 
 

@@ -110,7 +110,7 @@ def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
         _launch_on_gluon(gluon, kind, a, a_row_ids, b, bias, offsets, out, transposed)
         return
     LK, N = out.shape
-    tile = gg.tile_config(kind, a)
+    tile = gg.tile_config(kind, a, LK, E)
     strides = linear_strides(b, transposed)
     b_src, b_tma, b_kmajor = gg.weight_operand(b, strides.reduction, tile, kind, flop)
     gg.launch_row_gemm(

@@ -225,9 +225,10 @@ def fast_sigmoid(t: torch.Tensor) -> bool:
     return t.is_cuda and t.dtype != torch.float32
 
 
-def tile_config(kind: str, t: torch.Tensor) -> GemmTile:
-    """The tile of GEMM ``kind`` on tensors like ``t`` (``config.pick_tile``)."""
-    return config.pick_tile(kind, t.dtype, t.device)
+def tile_config(kind: str, t: torch.Tensor, rows=None, experts=None) -> GemmTile:
+    """The tile of GEMM ``kind`` on tensors like ``t`` over ``rows`` routed rows of
+    ``experts`` experts where given (``config.pick_tile``)."""
+    return config.pick_tile(kind, t.dtype, t.device, rows, experts)
 
 
 @functools.lru_cache(maxsize=None)
