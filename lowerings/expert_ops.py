@@ -190,12 +190,16 @@ def row_gemm(kind, a, b, a_row_ids, offsets, bias, transposed, out_rows):
         inputs.append(compat.realized(bias))
     layout = compat.fixed_layout(device, dtype, [out_rows, n_out])
     kmajor = b.get_stride()[1 if transposed else 2] == 1
+    rows, experts = compat.hint(out_rows), compat.static_int(E)
+    # The eager kernel's rule on the weight's TMA reads, by the size hints: not for small GEMMs.
+    reduction = compat.hint(b.get_size()[1 if transposed else 2])
+    weight_tma = config.reads_weight_by_tma(kind, 2 * rows * compat.hint(n_out) * reduction)
     choices = []
-    for tile in _row_gemm_tiles(kind, dtype, device, compat.hint(out_rows), compat.static_int(E)):
+    for tile in _row_gemm_tiles(kind, dtype, device, rows, experts):
         templates.row_gemm.maybe_append_choice(
             choices, input_nodes=inputs, layout=layout, num_stages=tile.num_stages, num_warps=tile.num_warps,
             GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None, TRANSPOSED=transposed,
-            B_TMA=kind in config.WEIGHT_TMA_KINDS and _tma_ready(b, tile), B_KMAJOR=kmajor,
+            B_TMA=weight_tma and _tma_ready(b, tile), B_KMAJOR=kmajor,
             GROUPS=triton.next_power_of_2(compat.static_int(E) + 1), BAND=config.ROW_BAND,
             PRECISION=repr(gg.precision(dtype)),
             NUM_PROGRAMS=gg.num_programs(device, None, tile.programs_per_sm),
