@@ -25,6 +25,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 import moeblaze_ops.hf
+from moeblaze_ops.bench.cli import non_negative_int, positive_int
 from moeblaze_ops.hf import FAMILIES, model_config
 
 SIZES = {
@@ -119,20 +120,6 @@ def experts_backends():
     return ["eager"] + sorted(k for k in ExpertsInterface().keys() if k != "eager")
 
 
-def _positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
 def _device(text):
     try:
         device = torch.device(text)
@@ -160,11 +147,11 @@ def build_parser():
                         "kernels; also reports each backend's peak GPU memory)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the model's weights and activations")
-    p.add_argument("--steps", type=_positive_int, default=60, help="training steps per backend (at least 1)")
-    p.add_argument("--warmup", type=_non_negative_int, default=3,
+    p.add_argument("--steps", type=positive_int, default=60, help="training steps per backend (at least 1)")
+    p.add_argument("--warmup", type=non_negative_int, default=3,
                    help="first steps left out of tokens/s (compilation, allocator warm-up); less than --steps")
-    p.add_argument("--batch", type=_positive_int, default=8, help="sequences per step")
-    p.add_argument("--seq", type=_positive_int, default=64, help="tokens per sequence")
+    p.add_argument("--batch", type=positive_int, default=8, help="sequences per step")
+    p.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the synthetic batches")
     p.add_argument("--compile", nargs="?", const="default", choices=COMPILE_MODES, metavar="MODE",

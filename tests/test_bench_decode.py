@@ -170,7 +170,7 @@ def test_draw_count(weight_bytes, l2, free, expected):
     (["--configs", "smoke_decode"], "--configs: smoke_decode not measured in forward mode"),
     (["--mode", "decode", "--configs", "smoke_decode", "--skip", "hf_eager"], "--skip: hf_eager not a peer of decode"),
     (["--configs", "smoke", "--skip", "moeblaze_graph"], "--skip: moeblaze_graph not a peer of forward mode"),
-    (["--mode", "decode", "--tokens", "0"], "argument --tokens: expected a positive integer, got '0'"),
+    (["--mode", "decode", "--tokens", "0"], "argument --tokens: must be at least 1, got 0"),
 ])
 def test_names_of_another_mode_are_usage_errors(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exit_:

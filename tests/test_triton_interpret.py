@@ -88,6 +88,27 @@ def test_forward_routings(L, E, K, routing, sentinel_frac, seed):
                   sentinel_frac=sentinel_frac, bias=True)
 
 
+_SWIGLU = dict(activation="swiglu")
+_CLAMPED = dict(activation="clamped_swiglu", layout="transposed_interleaved", bias=True)
+_GELU_SENTINELS = dict(activation="gelu", sentinel_frac=0.25)
+
+
+@pytest.mark.parametrize("T,case,differentiated", [
+    (1, _SWIGLU, False), (2, _CLAMPED, True), (3, _GELU_SENTINELS, False), (13, _SWIGLU, True),
+    (37, _CLAMPED, False), (64, _GELU_SENTINELS, True)])
+@pytest.mark.parametrize("rows_class", ["few_rows", "some_rows"])
+def test_decode_tiles(T, case, differentiated, rows_class, seed):
+    """The decode tiles of the up and down GEMMs (``TILE_TABLE``'s rows classes; CPU tensors
+    take the interpreter's tile, so the test names them) on the interpreter at decode token
+    counts, powers of two or not: gated and plain activations, both layouts, biases and
+    sentinel ids, without and with gradients, against the float64 reference."""
+    tile = config.TILE_TABLE[("up", "16bit", "sm90", rows_class)][0]
+    assert tile == config.TILE_TABLE[("down", "16bit", "sm90", rows_class)][0]
+    with settings.override(tiles={"up": tile, "down": tile}):
+        check_forward(T, 20, 12, 8, 2, dtype=torch.float32, device="cpu", seed=seed, differentiated=differentiated,
+                      **case)
+
+
 def test_forward_half(seed):
     check_forward(24, 16, 16, 4, 2, dtype=torch.float16, device="cpu", seed=seed, tw_dtype=torch.float32)
 

@@ -55,7 +55,7 @@ from .implementations import PEER_NAMES
 from .measure import BenchContext, bench_dispatch, bench_forward, bench_train
 from .report import dispatch_table, forward_table, plot, title, train_table
 
-__all__ = ["add_peer_sites", "main", "parse_setting", "setting_changes"]
+__all__ = ["add_peer_sites", "main", "non_negative_int", "parse_setting", "positive_int", "setting_changes"]
 
 
 def parse_setting(text):
@@ -99,24 +99,32 @@ def _parser():
                         "SonicMoE into (repeatable)")
     p.add_argument("--out", default="bench_out")
     g = p.add_argument_group("decode mode")
-    g.add_argument("--tokens", nargs="+", type=_positive_int, default=list(DECODE_TOKENS), metavar="T",
+    g.add_argument("--tokens", nargs="+", type=positive_int, default=list(DECODE_TOKENS), metavar="T",
                    help="token counts to measure (default: %(default)s)")
     g.add_argument("--nominal-tbps", type=float, default=3.35,
                    help="the card's nominal memory bandwidth in TB/s, for the nominal floor (default: %(default)s, "
                         "H100 SXM)")
     g.add_argument("--bandwidth-mb", type=float, default=None,
                    help="MB of the buffer whose sum() measures the read bandwidth (default: 4096 on CUDA, 64 on CPU)")
-    g.add_argument("--calls", type=_positive_int, default=200, help="timed calls per repeat (default: %(default)s)")
-    g.add_argument("--repeats", type=_positive_int, default=5,
+    g.add_argument("--calls", type=positive_int, default=200, help="timed calls per repeat (default: %(default)s)")
+    g.add_argument("--repeats", type=positive_int, default=5,
                    help="repeats of the timed calls; the median is reported (default: %(default)s)")
     return p
 
 
-def _positive_int(text):
+def positive_int(text):
     """An argparse type: an integer of at least 1."""
     value = int(text)
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text):
+    """An argparse type: an integer of at least 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from .cli import non_negative_int, positive_int
 from .console import note, progress
 
 __all__ = ["BACKENDS", "REFERENCE", "QWEN3_30B_A3B", "TINY", "COMPILE_MODES", "TOLERANCE", "build_model",
@@ -209,20 +210,6 @@ def markdown(result):
     return "\n".join(lines) + "\n"
 
 
-def _positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """--help keeps the docstring's layout and shows every flag's default."""
 
@@ -232,19 +219,19 @@ def build_parser():
     p = argparse.ArgumentParser(prog="python -m moeblaze_ops.bench.generate", description=__doc__,
                                 formatter_class=_HelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch", type=_positive_int, nargs="+", default=[1, 32], help="batch sizes, each timed")
-    p.add_argument("--new-tokens", type=_positive_int, default=64, help="tokens generated per row")
-    p.add_argument("--prompt-len", type=_positive_int, default=32, help="tokens of each (random) prompt")
-    p.add_argument("--layers", type=_positive_int, default=4, help="decoder layers, every one an MoE layer")
+    p.add_argument("--batch", type=positive_int, nargs="+", default=[1, 32], help="batch sizes, each timed")
+    p.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per row")
+    p.add_argument("--prompt-len", type=positive_int, default=32, help="tokens of each (random) prompt")
+    p.add_argument("--layers", type=positive_int, default=4, help="decoder layers, every one an MoE layer")
     p.add_argument("--tiny", action="store_true", help="tiny widths instead of Qwen3-30B-A3B's (a CPU smoke check)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                    help="weights and activations (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--compile", choices=COMPILE_MODES, default=None,
                    help="how generate compiles the decode steps (default: reduce-overhead on cuda, none on cpu)")
-    p.add_argument("--warmup", type=_non_negative_int, default=1,
+    p.add_argument("--warmup", type=non_negative_int, default=1,
                    help="untimed generate calls after the first (which compiles and records the logits)")
-    p.add_argument("--repeats", type=_positive_int, default=3, help="timed generate calls; their median counts")
-    p.add_argument("--compare-steps", type=_positive_int, default=4,
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed generate calls; their median counts")
+    p.add_argument("--compare-steps", type=positive_int, default=4,
                    help="first decoding steps whose logits are compared between the backends")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
     p.add_argument("--out", default=None, help="folder for generate.md and generate.json (default: print only)")
