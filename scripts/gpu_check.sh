@@ -9,9 +9,13 @@
 # The call (the device tool's run): command `bash scripts/gpu_check.sh`, carry [".ab"]
 # (add ".whl" where wheels of test packages the machine lacks were downloaded: they are installed).
 # Results under $OUT (gpu_out here): log.txt (everything printed), summary.md (the table
-# printed last), bench/new1.json, bench/old1.json, ... (the benchmark's rows per side and round).
+# printed last), bench/new1.json, bench/old1.json, ... (the benchmark's rows per side and round),
+# decode_new/, decode_old/ (the decode benchmark's decode.md, .json, .png), generate/.
 #
-# Env: SKIP_TESTS=1, SKIP_BENCH=1, SKIP_HOST=1 leave parts out; AB_OLD=<dir> the older copy
+# Env: SKIP_TESTS=1, SKIP_BENCH=1, SKIP_HOST=1 leave parts out; DECODE=1 adds the decode
+# benchmark of both sides (DECODE_CONFIGS="qwen3_a3b_decode mixtral_decode", DECODE_TOKENS="1 8 64
+# 512"; the older side without compiled grouped_mm), GENERATE=1 HF generate's tokens/s of this tree
+# (GENERATE_ARGS="--batch 1 32"); AB_OLD=<dir> the older copy
 # (default .ab/old; without one, this tree alone); CONFIGS="olmoe mixtral conf4 deepseek_v3";
 # ROUNDS=1 (benchmark runs per side, old and new alternating, their order turning each round;
 # medians); TEST_WORKERS=6 (pytest-xdist processes sharing the GPU), TESTS_TIMEOUT=360 (s),
@@ -104,6 +108,23 @@ if [ "${SKIP_HOST:-0}" != 1 ]; then
       done
     done
   done
+fi
+
+if [ "${DECODE:-0}" = 1 ]; then
+  for side in $(order 1); do
+    say "bench decode, $side"
+    skip=(); [ "$side" = old ] && skip=(--skip grouped_mm_compiled)
+    (cd "$(root "$side")" && PYTHONPATH=$(pypath "$side") timeout "${BENCH_TIMEOUT:-300}" \
+      python3 -m moeblaze_ops.bench --mode decode --configs ${DECODE_CONFIGS:-qwen3_a3b_decode mixtral_decode} \
+      --tokens ${DECODE_TOKENS:-1 8 64 512} --calls 100 --repeats 3 "${skip[@]}" --out "$OUT/decode_$side") \
+      2>>"$LOG" | grep "^|" | tee -a "$LOG"
+  done
+fi
+
+if [ "${GENERATE:-0}" = 1 ]; then
+  say "HF generate, new"
+  PYTHONPATH=$(pypath new) timeout "${BENCH_TIMEOUT:-300}" python3 -m moeblaze_ops.bench.generate \
+    ${GENERATE_ARGS:---batch 1 32} --out "$OUT/generate" 2>>"$LOG" | tee -a "$LOG"
 fi
 
 python3 - "$OUT" "$WORK" "$TESTS" "$HOST_CONFIG" <<'EOF' | tee "$OUT/summary.md"
