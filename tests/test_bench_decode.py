@@ -12,6 +12,7 @@ import torch
 import moeblaze_ops
 from moeblaze_ops.bench import decode, main
 from moeblaze_ops.bench.configs import DECODE_SHAPES
+from moeblaze_ops.testing import rel_err
 
 TOKENS = (1, 3, 8)
 
@@ -178,3 +179,22 @@ def test_names_of_another_mode_are_usage_errors(tmp_path, capsys, args, message)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "decode.json").exists() and not (tmp_path / "bench.json").exists()
+
+
+def test_stacked_layers_run_every_draw_in_turn():
+    """A graph peer's stack (``--layers-per-graph``) runs its layer once per layer, on the
+    draws in turn, and returns every layer's output: each equals that draw's own layer."""
+    weights = decode.make_weights(16, 8, 4, 2, torch.float32, "cpu", 0)
+    draws = decode.build_draws(3, 2, weights, torch.float32, "cpu", 0)
+    seen = []
+
+    def layer(x, ids, w, w_gate_up, w_down):
+        seen.append(w_gate_up.data_ptr())
+        return moeblaze_ops.moe_experts(x, ids, w, w_gate_up, w_down)
+
+    model, args = decode.stacked_layers(layer, draws, 5)
+    outs = model(*args)
+    assert len(outs) == 5 and seen == [draws[i % 2].w_gate_up.data_ptr() for i in range(5)]
+    for i, out in enumerate(outs):
+        ref = moeblaze_ops.moe_experts(*draws[i % 2].inputs)
+        assert rel_err(out, ref) == 0

@@ -109,6 +109,9 @@ def _parser():
     g.add_argument("--calls", type=positive_int, default=200, help="timed calls per repeat (default: %(default)s)")
     g.add_argument("--repeats", type=positive_int, default=5,
                    help="repeats of the timed calls; the median is reported (default: %(default)s)")
+    g.add_argument("--layers-per-graph", type=positive_int, default=8,
+                   help="layers each CUDA graph peer's graph runs, the draws in turn, as a model step's graph does; "
+                        "a layer's time is the graph's over its layers (default: %(default)s)")
     return p
 
 
@@ -214,7 +217,8 @@ def _run_decode(args, changes):
     decode.json, decode.md and decode.png under ``--out`` and prints the table."""
     opts = decode.DecodeOptions(shapes=tuple(args.configs), tokens=tuple(args.tokens), device=args.device,
                                 nominal_tbps=args.nominal_tbps, bandwidth_mb=args.bandwidth_mb, calls=args.calls,
-                                repeats=args.repeats, skip=frozenset(args.skip))
+                                repeats=args.repeats, skip=frozenset(args.skip),
+                                layers_per_graph=args.layers_per_graph)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

@@ -22,6 +22,13 @@ inputs, enough that the weights' bytes exceed four L2s (at least two, at most 40
 memory), and each timed call uses the next draw. A graph's inputs are fixed addresses, and
 copying weights into them would itself cost bandwidth, so each draw has its own graph.
 
+A server replays a whole model step as one graph, not a graph a layer. So on CUDA each
+graph peer runs a stack of ``--layers-per-graph`` layers (default 8) in one graph, the draws
+in turn, and a layer's time is the stack's over its layers: the host's work per replay
+(CUDA-graph trees check their inputs in Python on every call) is spread over the stack as
+over a model's layers, where one graph a layer would charge all of it to one layer at the
+smallest T. ``--layers-per-graph 1`` times one layer a graph.
+
 Before timing, every peer's output on every draw is compared with eager ``grouped_mm``'s
 (HF's eager loop without transformers); a difference beyond ``TOLERANCE`` raises
 ``OutputMismatch``: a wrong layer's time is no result.
@@ -38,16 +45,18 @@ from pathlib import Path
 
 import torch
 
+import moeblaze_ops
+
 from ..testing import rel_err
 from .configs import DECODE_SHAPES, DECODE_TOKENS
 from .console import emit, note, progress
-from .implementations import peers
+from .implementations import HFExpertsModule, peers
 from .report import title
 
 __all__ = ["CPU_PEERS", "CUDA_PEERS", "DECODE_PEER_NAMES", "DEFAULT_SHAPES", "DecodeOptions", "Draw",
            "OutputMismatch", "TOLERANCE", "bench_decode", "build_draws", "capture_graph", "decode_table",
            "distinct_experts", "draw_count", "expert_bytes", "floor_bytes", "make_weights", "plot_decode",
-           "read_bandwidth", "run_decode", "time_per_call_us"]
+           "read_bandwidth", "run_decode", "stacked_layers", "time_per_call_us"]
 
 #: The peers timed on CUDA, in the tables' order.
 CUDA_PEERS = ("moeblaze_cudagraphs", "moeblaze_graph", "grouped_mm_compiled")
@@ -80,7 +89,8 @@ class OutputMismatch(RuntimeError):
 class DecodeOptions:
     """What one decode run measures and how: shapes, token counts, device, the nominal
     bandwidth of the floor, the bandwidth buffer's size (None: 4096 MB on CUDA, 64 MB on
-    CPU), timed calls per repeat and repeats, peers left out, and the inputs' seed."""
+    CPU), timed calls per repeat and repeats, peers left out, the inputs' seed, and the
+    layers each graph peer's graph runs (``stacked_layers``)."""
 
     shapes: tuple = DEFAULT_SHAPES
     tokens: tuple = DECODE_TOKENS
@@ -91,6 +101,7 @@ class DecodeOptions:
     repeats: int = 5
     skip: frozenset = frozenset()
     seed: int = 0
+    layers_per_graph: int = 8
 
     @property
     def on_cuda(self) -> bool:
@@ -262,6 +273,59 @@ def _mark_static(draws):
             torch._dynamo.mark_static_address(t)
 
 
+def _stack_layer(peer):
+    """The plain layer function ``(x, ids, w, w_gate_up, w_down) -> out`` of graph peer
+    ``peer``, which its stack repeats."""
+    if peer in ("moeblaze_cudagraphs", "moeblaze_graph"):
+        return moeblaze_ops.moe_experts
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    return lambda x, ids, w, w_gate_up, w_down: grouped_mm_experts_forward(
+        HFExpertsModule(w_gate_up, w_down), x, ids, w)
+
+
+def stacked_layers(layer, draws, layers):
+    """``(model, args)``: ``model(*args)`` runs ``layer`` ``layers`` times, on the draws in
+    turn (layer i on draw i mod len(draws)), and returns every layer's output (so that no
+    compiler drops a layer whose output nothing reads)."""
+    order = [draws[i % len(draws)] for i in range(layers)]
+    width = len(order[0].inputs)
+
+    def model(*args):
+        return tuple(layer(*args[i * width:(i + 1) * width]) for i in range(layers))
+
+    return model, [t for draw in order for t in draw.inputs]
+
+
+def _stack_call(peer, draws, layers):
+    """The one call of graph peer ``peer`` that replays a stack of ``layers`` layers."""
+    model, args = stacked_layers(_stack_layer(peer), draws, layers)
+    if peer == "moeblaze_graph":
+        return capture_graph(lambda: model(*args))
+    compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+
+    def call():
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args)
+
+    return call
+
+
+def _checked_stack(peer, draws, refs, layers, tolerance, where):
+    """``_checked_calls`` for a stack of ``layers`` layers in one graph: ([its call], the
+    largest relative error of its layers' outputs against their draws' ``refs``)."""
+    call = _stack_call(peer, draws, layers)
+    for _ in range(3):
+        call()
+    outs = call()
+    errors = [rel_err(out, refs[i % len(draws)]) for i, out in enumerate(outs)]
+    bad = [i for i, error in enumerate(errors) if not error <= tolerance]
+    if bad:
+        raise OutputMismatch(f"{where}: {peer}'s output differs from grouped_mm's by {errors[bad[0]]:.3g} "
+                             f"(relative; tolerance {tolerance:g}) at layer {bad[0]} of its stack: not timed")
+    return [call], max(errors)
+
+
 def _peer_call(peer, fns):
     """The call of decode peer ``peer`` on one draw, from that draw's ``peers()`` callables."""
     source = _SOURCE[peer]
@@ -336,9 +400,15 @@ def _measure_tokens(opts, shape, T, weights, bandwidth):
     for peer in opts.peer_names:
         row = dict(base, peer=peer)
         try:
-            calls, row["rel_err_vs_grouped_mm"] = _checked_calls(peer, fns_per_draw, refs, tolerance,
-                                                                 f"{shape} T={T}")
-            row["us"] = time_per_call_us(calls, opts.calls, opts.repeats, opts.on_cuda)
+            layers = opts.layers_per_graph if peer in CUDA_PEERS else 1
+            if layers > 1:
+                calls, row["rel_err_vs_grouped_mm"] = _checked_stack(peer, draws, refs, layers, tolerance,
+                                                                     f"{shape} T={T}")
+            else:
+                calls, row["rel_err_vs_grouped_mm"] = _checked_calls(peer, fns_per_draw, refs, tolerance,
+                                                                     f"{shape} T={T}")
+            row["layers_per_graph"] = layers
+            row["us"] = time_per_call_us(calls, math.ceil(opts.calls / layers), opts.repeats, opts.on_cuda) / layers
         except OutputMismatch:
             raise
         except Exception as e:  # noqa: BLE001 - one peer that cannot run leaves the others' rows
@@ -374,7 +444,7 @@ def bench_decode(opts):
     l2, _ = _device_memory(opts.device)
     result = dict(mode="decode", dtype=str(opts.dtype).removeprefix("torch."), nominal_tbps=opts.nominal_tbps,
                   measured_tbps=bandwidth / 1e12, bandwidth_buffer_bytes=opts.buffer_bytes, l2_bytes=l2,
-                  calls=opts.calls, repeats=opts.repeats, rows=[])
+                  calls=opts.calls, repeats=opts.repeats, layers_per_graph=opts.layers_per_graph, rows=[])
     work = [(shape, T) for shape in opts.shapes for T in opts.tokens]
     weights, weights_of = None, None
     # A compiled peer may compile once per draw (where Dynamo guards on the identity of what
@@ -484,7 +554,8 @@ def run_decode(opts, out, record):
     text = [title("decode", device_name, torch.__version__, record.get("settings") or {}), "",
             f"{result['dtype']}, SwiGLU, uniform routing; read bandwidth measured {result['measured_tbps']:.3f} TB/s "
             f"(buf.sum() over {opts.buffer_bytes / 2**20:.0f} MB), nominal {opts.nominal_tbps} TB/s; median "
-            f"us per call of {opts.repeats} runs of {opts.calls} calls round the draws", "",
+            f"us per layer call of {opts.repeats} runs of {opts.calls} calls round the draws"
+            + (f"; CUDA-graph peers replay {opts.layers_per_graph} layers a graph" if opts.on_cuda else ""), "",
             decode_table(result["rows"])]
     out = Path(out)
     (out / "decode.json").write_text(json.dumps(result, indent=1, default=repr))
