@@ -114,8 +114,10 @@ def _cuda_layer(seed, L=1024):
     return {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in layer.items()}
 
 
-def test_forward_without_host_sync(seed):
-    layer = _cuda_layer(seed)
+@pytest.mark.parametrize("L", [1, 7, 1024])
+def test_forward_without_host_sync(L, seed):
+    """No host sync in the forward, at decode sizes (the decode tiles) and above."""
+    layer = _cuda_layer(seed, L)
     moe_experts(**layer)  # compile the kernels first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -126,8 +128,11 @@ def test_forward_without_host_sync(seed):
     assert rel_err(out, _reference(layer)) <= 1e-2, f"seed={seed}"
 
 
-def test_forward_in_cuda_graph(seed):
-    static = _cuda_layer(seed)
+@pytest.mark.parametrize("L", [1, 5, 1024])
+def test_forward_in_cuda_graph(L, seed):
+    """The forward captured once replays with new inputs and new routing of the same shapes,
+    at decode sizes (the decode tiles) and above."""
+    static = _cuda_layer(seed, L)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -137,7 +142,7 @@ def test_forward_in_cuda_graph(seed):
     with torch.cuda.graph(graph):
         out = moe_experts(**static)
     for step in range(3):  # new inputs, new routing, same shapes
-        fresh = _cuda_layer(seed + 1 + step)
+        fresh = _cuda_layer(seed + 1 + step, L)
         for k in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down"):
             static[k].copy_(fresh[k])
         graph.replay()
