@@ -7,11 +7,18 @@
     python scripts/profile_step.py --model 100m [--impl moeblaze grouped_mm] [--compile [MODE]]
         [--batch 8] [--seq 64] [...]
 
+    python scripts/profile_step.py --decode T [T ...] [--decode-configs qwen3_a3b_decode mixtral_decode]
+        [--decode-peers moeblaze_graph moeblaze_cudagraphs grouped_mm_compiled] [--layers 8] [...]
+
 The first form profiles forward + backward of one experts layer: the benchmark's shapes
 (``--configs``) and peers (``--peers``, the names ``python -m moeblaze_ops.bench --skip``
 takes). ``--model SIZE`` profiles instead a training step (forward, backward, AdamW) of the
 example's HuggingFace model (``examples/finetune_hf_moe.py --size SIZE``), once per experts
 backend ``--impl``; ``--compile`` compiles the model as the example does.
+
+``--decode`` profiles instead the decode benchmark's forward at T tokens (``--mode decode``
+of ``python -m moeblaze_ops.bench``): a step is one replay of a peer's stack of ``--layers``
+layers in one graph, on two copies of the weights in turn, under ``torch.inference_mode``.
 
 Small layers (the 100M example) are where the host side shows: compare "host ms per
 step" with "device ms per step". ``--host-rows`` adds a table sorted by host (self CPU)
@@ -35,8 +42,9 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from moeblaze_ops import settings
-from moeblaze_ops.bench import CONFIGS, make_inputs, peers
-from moeblaze_ops.bench.cli import add_peer_sites, parse_setting, setting_changes
+from moeblaze_ops.bench import CONFIGS, decode, make_inputs, peers
+from moeblaze_ops.bench.cli import add_peer_sites, parse_setting, positive_int, setting_changes
+from moeblaze_ops.bench.configs import DECODE_SHAPES
 from moeblaze_ops.bench.implementations import PEER_NAMES
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "finetune_hf_moe.py"
@@ -53,6 +61,13 @@ def parser():
                    help="with --model: the experts backends (experts_implementation) to profile")
     p.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
                    help="with --model: the model under torch.compile(fullgraph=True, mode=MODE)")
+    p.add_argument("--decode", nargs="+", type=positive_int, default=None, metavar="T",
+                   help="profile the decode forward at these token counts instead of a training step")
+    p.add_argument("--decode-configs", nargs="+", default=["qwen3_a3b_decode"], choices=list(DECODE_SHAPES),
+                   help="with --decode: the decode shapes")
+    p.add_argument("--decode-peers", nargs="+", default=list(decode.CUDA_PEERS), choices=list(decode.CUDA_PEERS),
+                   help="with --decode: the graph peers whose stacks are profiled")
+    p.add_argument("--layers", type=positive_int, default=8, help="with --decode: layers in a step's graph")
     p.add_argument("--batch", type=int, default=8, help="with --model: sequences per step")
     p.add_argument("--seq", type=int, default=64, help="with --model: tokens per sequence")
     p.add_argument("--steps", type=int, default=5, help="steps profiled (after 3 untimed ones)")
@@ -78,7 +93,8 @@ def main(argv=None):
     changes = setting_changes(p, a.settings)
     add_peer_sites(p, a.peer_site)
     with settings.override(**changes):
-        for label, step in (model_steps(p, a) if a.model else layer_steps(a)):
+        steps = model_steps(p, a) if a.model else decode_steps(a) if a.decode else layer_steps(a)
+        for label, step in steps:
             profile_step(a, label, step)
 
 
@@ -112,6 +128,33 @@ def layer_steps(a):
 
             yield f"{name} {peer}", step
         del fns, x, ids, w, w_gate_up, w_down, params, grad
+        _release(a.device)
+
+
+def decode_steps(a):
+    """(label, step) per decode shape, T and graph peer: one replay of the peer's stack of
+    ``a.layers`` layers (the decode benchmark's ``stack_call``) without gradients."""
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    for shape in a.decode_configs:
+        d, I, E, K = DECODE_SHAPES[shape]
+        weights = decode.make_weights(d, I, E, 2, dtype, a.device, 0)
+        for T in a.decode:
+            draws = decode.build_draws(T, K, weights, dtype, a.device, 0)
+            if a.device == "cuda":
+                decode.mark_static(draws)
+            for peer in a.decode_peers:
+                torch._dynamo.reset()
+                with torch.inference_mode():
+                    call = decode.stack_call(peer, draws, a.layers)
+
+                def step(call=call):
+                    with torch.inference_mode():
+                        call()
+
+                yield f"{shape} T={T} {peer} ({a.layers} layers a step)", step
+                del call
+                _release(a.device)
+        del weights
         _release(a.device)
 
 

@@ -335,6 +335,11 @@ def test_host_overhead_and_profile_step_run_on_cpu(capsys):
     _script("profile_step").main(["--device", "cpu", "--configs", "smoke", "--peers", "moeblaze", "--steps", "1",
                                   "--rows", "3"])
     assert "## smoke moeblaze: host ms per step" in capsys.readouterr().out
+    _script("profile_step").main(["--device", "cpu", "--decode", "3", "--decode-configs", "smoke_decode",
+                                  "--decode-peers", "moeblaze_graph", "--layers", "2", "--steps", "1", "--rows", "3"])
+    printed = capsys.readouterr().out
+    assert "## smoke_decode T=3 moeblaze_graph (2 layers a step): host ms per step" in printed
+    assert "moeblaze::expert_layer" in printed  # the profiled stack ran the layer
 
 
 def test_gpu_check_parses_and_skips_only_peer_names():

@@ -56,7 +56,7 @@ from .report import title
 __all__ = ["CPU_PEERS", "CUDA_PEERS", "DECODE_PEER_NAMES", "DEFAULT_SHAPES", "DecodeOptions", "Draw",
            "OutputMismatch", "TOLERANCE", "bench_decode", "build_draws", "capture_graph", "decode_table",
            "distinct_experts", "draw_count", "expert_bytes", "floor_bytes", "make_weights", "plot_decode",
-           "read_bandwidth", "run_decode", "stacked_layers", "time_per_call_us"]
+           "mark_static", "read_bandwidth", "run_decode", "stack_call", "stacked_layers", "time_per_call_us"]
 
 #: The peers timed on CUDA, in the tables' order.
 CUDA_PEERS = ("moeblaze_cudagraphs", "moeblaze_graph", "grouped_mm_compiled")
@@ -263,7 +263,7 @@ def capture_graph(fn):
     return replay
 
 
-def _mark_static(draws):
+def mark_static(draws):
     """Marks every tensor of the draws a static address for ``torch.compile``, so
     ``reduce-overhead`` reads them where they are (re-recording one graph per draw) instead
     of copying them into the graph's own input buffers on every call, which for the weights
@@ -297,11 +297,12 @@ def stacked_layers(layer, draws, layers):
     return model, [t for draw in order for t in draw.inputs]
 
 
-def _stack_call(peer, draws, layers):
-    """The one call of graph peer ``peer`` that replays a stack of ``layers`` layers."""
+def stack_call(peer, draws, layers):
+    """The one call of graph peer ``peer`` that replays a stack of ``layers`` layers (on CPU
+    tensors, ``moeblaze_graph`` runs the stack eagerly: no CUDA graphs there)."""
     model, args = stacked_layers(_stack_layer(peer), draws, layers)
     if peer == "moeblaze_graph":
-        return capture_graph(lambda: model(*args))
+        return capture_graph(lambda: model(*args)) if args[0].is_cuda else (lambda: model(*args))
     compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
 
     def call():
@@ -314,7 +315,7 @@ def _stack_call(peer, draws, layers):
 def _checked_stack(peer, draws, refs, layers, tolerance, where):
     """``_checked_calls`` for a stack of ``layers`` layers in one graph: ([its call], the
     largest relative error of its layers' outputs against their draws' ``refs``)."""
-    call = _stack_call(peer, draws, layers)
+    call = stack_call(peer, draws, layers)
     for _ in range(3):
         call()
     outs = call()
@@ -387,7 +388,7 @@ def _measure_tokens(opts, shape, T, weights, bandwidth):
     d, I, E, K = DECODE_SHAPES[shape]
     draws = build_draws(T, K, weights, opts.dtype, opts.device, opts.seed)
     if opts.on_cuda:
-        _mark_static(draws)
+        mark_static(draws)
     element_size = draws[0].x.element_size()
     counts, moved = floor_bytes(draws, d, I, element_size)
     base = dict(shape=shape, T=T, d=d, I=I, E=E, K=K, draws=len(draws), distinct_experts=statistics.fmean(counts),
