@@ -14,7 +14,8 @@
 #
 # Env: SKIP_TESTS=1, SKIP_BENCH=1, SKIP_HOST=1 leave parts out; DECODE=1 adds the decode
 # benchmark of both sides (DECODE_CONFIGS="qwen3_a3b_decode mixtral_decode", DECODE_TOKENS="1 8 64
-# 512"; the older side without compiled grouped_mm), GENERATE=1 HF generate's tokens/s of this tree
+# 512"; DECODE_LAYERS=8 layers a graph, so the older side needs --layers-per-graph, c58f04e or
+# later; the older side without compiled grouped_mm), GENERATE=1 HF generate's tokens/s of this tree
 # (GENERATE_ARGS="--batch 1 32"); AB_OLD=<dir> the older copy
 # (default .ab/old; without one, this tree alone); CONFIGS="olmoe mixtral conf4 deepseek_v3";
 # ROUNDS=1 (benchmark runs per side, old and new alternating, their order turning each round;
@@ -116,7 +117,8 @@ if [ "${DECODE:-0}" = 1 ]; then
     skip=(); [ "$side" = old ] && skip=(--skip grouped_mm_compiled)
     (cd "$(root "$side")" && PYTHONPATH=$(pypath "$side") timeout "${BENCH_TIMEOUT:-300}" \
       python3 -m moeblaze_ops.bench --mode decode --configs ${DECODE_CONFIGS:-qwen3_a3b_decode mixtral_decode} \
-      --tokens ${DECODE_TOKENS:-1 8 64 512} --calls 100 --repeats 3 "${skip[@]}" --out "$OUT/decode_$side") \
+      --tokens ${DECODE_TOKENS:-1 8 64 512} --layers-per-graph "${DECODE_LAYERS:-8}" --calls 100 --repeats 3 \
+      "${skip[@]}" --out "$OUT/decode_$side") \
       2>>"$LOG" | grep "^|" | tee -a "$LOG"
   done
 fi
