@@ -287,7 +287,7 @@ def test_double_backward_is_refused_clearly(mode, seed):
         grad_x.sum().backward()
 
 
-@pytest.mark.parametrize("op", ["expert_up_backward", "expert_down_backward"])
+@pytest.mark.parametrize("op", ["expert_up_backward", "expert_down_backward", "expert_down_backward_"])
 def test_backward_ops_refuse_their_own_differentiation(op, seed):
     """A backward op called directly on tensors that require grad: differentiating its
     outputs raises, rather than returning a gradient no formula computed."""
@@ -301,7 +301,7 @@ def test_backward_ops_refuse_their_own_differentiation(op, seed):
         outputs = ops.expert_up_backward(grad, x, w_gate_up, eti, offsets, tim, False, False)
     else:
         grad = torch.randn_like(x).requires_grad_(True)
-        outputs = ops.expert_down_backward(grad, h, w_down, eti, offsets, tim, layer["topk_weights"], None,
-                                           "swiglu", False, False, 1.702, 7.0)
+        outputs = getattr(ops, op)(grad, h.contiguous(), w_down, eti, offsets, tim, layer["topk_weights"], None,
+                                   "swiglu", False, False, 1.702, 7.0)
     with pytest.raises(NotImplementedError, match="double backward"):
         outputs[0].sum().backward()

@@ -177,7 +177,7 @@ for _name, _formula, _setup in (("expert_up", _up_formula, _up_setup_context),
                                 ("expert_down", _down_formula, _down_setup_context),
                                 ("expert_layer", _layer_formula, _layer_setup_context)):
     torch.library.register_autograd(f"moeblaze::{_name}", _formula, setup_context=_setup)
-for _name in ("expert_up_backward", "expert_down_backward", "expert_down_backward_recompute"):
+for _name in ("expert_up_backward", "expert_down_backward", "expert_down_backward_", "expert_down_backward_recompute"):
     LIB.impl(_name, _refusing_autograd_kernel(_name), "Autograd", with_keyset=True)
 
 
