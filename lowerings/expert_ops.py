@@ -200,7 +200,7 @@ def row_gemm(kind, a, b, a_row_ids, offsets, bias, transposed, out_rows):
             choices, input_nodes=inputs, layout=layout, num_stages=tile.num_stages, num_warps=tile.num_warps,
             GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None, TRANSPOSED=transposed,
             B_TMA=weight_tma and _tma_ready(b, tile), B_KMAJOR=kmajor,
-            GROUPS=triton.next_power_of_2(compat.static_int(E) + 1), BAND=config.ROW_BAND,
+            GROUPS=triton.next_power_of_2(experts + 1), BAND=config.ROW_BAND,
             PRECISION=repr(gg.precision(dtype)),
             NUM_PROGRAMS=gg.num_programs(device, None, tile.programs_per_sm),
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)

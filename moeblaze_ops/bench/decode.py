@@ -312,21 +312,6 @@ def stack_call(peer, draws, layers):
     return call
 
 
-def _checked_stack(peer, draws, refs, layers, tolerance, where):
-    """``_checked_calls`` for a stack of ``layers`` layers in one graph: ([its call], the
-    largest relative error of its layers' outputs against their draws' ``refs``)."""
-    call = stack_call(peer, draws, layers)
-    for _ in range(3):
-        call()
-    outs = call()
-    errors = [rel_err(out, refs[i % len(draws)]) for i, out in enumerate(outs)]
-    bad = [i for i, error in enumerate(errors) if not error <= tolerance]
-    if bad:
-        raise OutputMismatch(f"{where}: {peer}'s output differs from grouped_mm's by {errors[bad[0]]:.3g} "
-                             f"(relative; tolerance {tolerance:g}) at layer {bad[0]} of its stack: not timed")
-    return [call], max(errors)
-
-
 def _peer_call(peer, fns):
     """The call of decode peer ``peer`` on one draw, from that draw's ``peers()`` callables."""
     source = _SOURCE[peer]
@@ -366,20 +351,25 @@ def time_per_call_us(calls, n_calls, repeats, on_cuda):
     return statistics.median(samples)
 
 
-def _checked_calls(peer, fns_per_draw, refs, tolerance, where):
-    """(the peer's call per draw, the largest relative error of its outputs against ``refs``).
-    Each call runs three times first (a reduce-overhead peer warms up, records, then
-    replays), so the output compared is the one the timed calls make. Raises
-    ``OutputMismatch`` beyond ``tolerance``."""
-    calls = [_peer_call(peer, fns) for fns in fns_per_draw]
+def _as_outputs(result) -> tuple:
+    """A call's outputs: a stack's tuple, or one layer's tensor alone."""
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _checked(peer, calls, refs, tolerance, where):
+    """``(calls, the largest relative error of their outputs against refs)``. Each call runs
+    three times first (a reduce-overhead peer warms up, records, then replays), so the
+    outputs compared are the ones the timed calls make: one per call, or one per layer of
+    a stacked call, in ``refs``' order. Raises ``OutputMismatch`` beyond ``tolerance``."""
     for call in calls:
         for _ in range(3):
             call()
-    errors = [rel_err(call(), ref) for call, ref in zip(calls, refs)]
+    outputs = [out for call in calls for out in _as_outputs(call())]
+    errors = [rel_err(out, ref) for out, ref in zip(outputs, refs, strict=True)]
     bad = [i for i, error in enumerate(errors) if not error <= tolerance]  # NaN is bad too
     if bad:
         raise OutputMismatch(f"{where}: {peer}'s output differs from grouped_mm's by {errors[bad[0]]:.3g} "
-                             f"(relative; tolerance {tolerance:g}) on draw {bad[0]}: not timed")
+                             f"(relative; tolerance {tolerance:g}) at output {bad[0]} (a draw's, or a stack's layer's): not timed")
     return calls, max(errors)
 
 
@@ -402,12 +392,11 @@ def _measure_tokens(opts, shape, T, weights, bandwidth):
         row = dict(base, peer=peer)
         try:
             layers = opts.layers_per_graph if peer in CUDA_PEERS else 1
-            if layers > 1:
-                calls, row["rel_err_vs_grouped_mm"] = _checked_stack(peer, draws, refs, layers, tolerance,
-                                                                     f"{shape} T={T}")
+            if layers > 1:  # one call, layer i on draw i mod len(draws)
+                calls, refs_of = [stack_call(peer, draws, layers)], [refs[i % len(draws)] for i in range(layers)]
             else:
-                calls, row["rel_err_vs_grouped_mm"] = _checked_calls(peer, fns_per_draw, refs, tolerance,
-                                                                     f"{shape} T={T}")
+                calls, refs_of = [_peer_call(peer, fns) for fns in fns_per_draw], refs
+            calls, row["rel_err_vs_grouped_mm"] = _checked(peer, calls, refs_of, tolerance, f"{shape} T={T}")
             row["layers_per_graph"] = layers
             row["us"] = time_per_call_us(calls, math.ceil(opts.calls / layers), opts.repeats, opts.on_cuda) / layers
         except OutputMismatch:
