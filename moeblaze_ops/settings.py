@@ -46,7 +46,7 @@ BACKENDS = ("auto", "triton", "torch")
 #: never won, or a rule of ``moeblaze_ops.kernels.config``.
 REMOVED = {
     "triton_backward": 'the backward runs on the forward\'s backend; backend="torch" for the portable kernels',
-    "weight_tma": "weight tiles come through TMA wherever it fits: kernels.config.reads_weight_by_tma",
+    "weight_tma": "weight tiles come through TMA where it fits, not in small GEMMs: kernels.config.reads_weight_by_tma",
     "gluon": "every GEMM with a Gluon kernel runs it where it applies: kernels.config.runs_gluon",
     "small_gemm_flop": "the rule kernels.config.SMALL_GEMM_FLOP",
     "gluon_warp_specialize": "the rule kernels.config.row_gemm_warp_specialized",

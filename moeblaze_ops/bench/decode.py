@@ -369,7 +369,8 @@ def _checked(peer, calls, refs, tolerance, where):
     bad = [i for i, error in enumerate(errors) if not error <= tolerance]  # NaN is bad too
     if bad:
         raise OutputMismatch(f"{where}: {peer}'s output differs from grouped_mm's by {errors[bad[0]]:.3g} "
-                             f"(relative; tolerance {tolerance:g}) at output {bad[0]} (a draw's, or a stack's layer's): not timed")
+                             f"(relative; tolerance {tolerance:g}) at output {bad[0]} (a draw's, or a stack's "
+                             "layer's): not timed")
     return calls, max(errors)
 
 
