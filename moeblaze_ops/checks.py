@@ -4,7 +4,7 @@ Shape, dtype and device checks run in the fake functions too, so a bad call fail
 ``torch.compile`` traces it, with the same message as in eager mode. Nothing here
 launches a kernel. Checks that read tensor data (negative or duplicate expert ids) are
 the dispatch kernels' own: the portable backend raises at once (``check_topk_id_values``);
-the Triton backend writes two flags on the device that ``torch._assert_async`` reads: no
+the Triton backend writes a flag on the device that ``torch._assert_async`` reads: no
 sort, no host sync.
 
 Every error is a ``ValueError`` whose message names the op and the argument.
@@ -157,6 +157,13 @@ def id_value_messages(op: str) -> tuple[str, str]:
     repeated in one token's row (sentinels >= E may repeat)."""
     return (f"moeblaze.{op}: argument 'topk_ids' has a negative expert id",
             f"moeblaze.{op}: argument 'topk_ids' has an expert id repeated in one token's row")
+
+
+def id_values_message(op: str) -> str:
+    """The message of the Triton backend's one device-side assertion on ``topk_ids``: either
+    data error of ``id_value_messages`` (the portable backend, on the CPU, says which)."""
+    return (f"moeblaze.{op}: argument 'topk_ids' has a negative expert id or an expert id repeated in "
+            "one token's row")
 
 
 def check_topk_id_values(op: str, topk_ids: torch.Tensor, num_experts: int) -> None:

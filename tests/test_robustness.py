@@ -202,9 +202,9 @@ def test_index_arrays_checked_by_the_triton_backend(defect, seed):
 @pytest.mark.parametrize("op", OPS)
 def test_device_check_messages_fit_a_cuda_assert(op):
     """CUDA's torch._assert_async refuses messages of 255 characters or more."""
-    from moeblaze_ops.checks import id_value_messages, index_values_message
+    from moeblaze_ops.checks import id_value_messages, id_values_message, index_values_message
 
-    assert all(len(m) < 255 for m in (index_values_message(op), *id_value_messages(op)))
+    assert all(len(m) < 255 for m in (index_values_message(op), id_values_message(op), *id_value_messages(op)))
 
 
 # --------------------------------------------------------------------------- sentinels

@@ -40,8 +40,9 @@ the launches cost more than the work) is one sorted chunk in one program:
 also checks the tokens whose first row ``i*K`` lies in its chunk (each token once, also
 when its K rows straddle a chunk edge) and writes two more columns, a negative id and a
 real expert id repeated in one token's row (``[chunks, BINS + 3]``); the column scan sums
-them with the counts, and the scatter's program 0 turns the totals into ``ok`` flags that
-``torch._assert_async`` reads on the device: no host sync, no extra reduction. Sorted
+them with the counts, and the scatter's program 0 turns the totals into ``ok`` flags, and
+one flag of both that ``torch._assert_async`` reads on the device: no host sync, no extra
+reduction, one assertion. Sorted
 chunks that hold whole tokens (chunk rows a multiple of K; the one-program chunk always)
 read both flags off their sorted runs instead (``_run_flags``): a token's repeated
 expert puts two of its rows side by side in that expert's run.
@@ -53,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...checks import id_value_messages, index_values_message
+from ...checks import id_values_message, index_values_message
 from .. import config
 from . import grouped_gemm as gg
 from ..launch import launch
@@ -177,7 +178,9 @@ def _expert_starts(totals_ptr, offsets_ptr, ok_ptr, E, chunk, BINS: tl.constexpr
         tl.store(offsets_ptr + E, real_rows)
         if CHECK_IDS:
             flags = tl.arange(0, 2)
-            tl.store(ok_ptr + flags, (tl.load(totals_ptr + BINS + 1 + flags) == 0).to(tl.int32))
+            ok = (tl.load(totals_ptr + BINS + 1 + flags) == 0).to(tl.int32)
+            tl.store(ok_ptr + flags, ok)
+            tl.store(ok_ptr + 2, tl.min(ok, axis=0))
     return expert_start, real_rows
 
 
@@ -326,6 +329,7 @@ def _one_program_dispatch(ids_ptr, offsets_ptr, ok_ptr, eti_ptr, tim_ptr, LK, E,
         negative, repeated = _run_flags(col, rows, rank, LK, K, CHUNK, BINS)
         tl.store(ok_ptr, 1 - negative)
         tl.store(ok_ptr + 1, 1 - repeated)
+        tl.store(ok_ptr + 2, (1 - negative) * (1 - repeated))
 
 
 @triton.jit
@@ -424,9 +428,9 @@ def _chunk_size(LK: int) -> int:
 
 
 def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool, scan_tile: int = SCAN_TILE):
-    """``(expert_token_indices, expert_offsets, token_index_map, ok)``; ``ok`` (int32 ``[2]``,
+    """``(expert_token_indices, expert_offsets, token_index_map, ok)``; ``ok`` (int32 ``[3]``,
     None without ``check_ids``) is 1 where no id is negative, where no token's row repeats
-    a real expert id. ``scan_tile``: the column scan's largest tile (``_scan_tile``)."""
+    a real expert id, and where both hold. ``scan_tile``: the column scan's largest tile (``_scan_tile``)."""
     L, K = topk_ids.shape
     LK = L * K
     dev = topk_ids.device
@@ -447,7 +451,7 @@ def _dispatch(topk_ids: torch.Tensor, num_experts: int, check_ids: bool, scan_ti
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     eti = torch.empty(LK, dtype=torch.int32, device=dev)
     tim = torch.empty(LK, dtype=torch.int32, device=dev)
-    ok = torch.empty(2, dtype=torch.int32, device=dev) if check_ids else None
+    ok = torch.empty(3, dtype=torch.int32, device=dev) if check_ids else None
     # K == 0 has no rows and no tokens to check; K is a constexpr (the unrolled pairs, the
     # chunks that hold whole tokens).
     check = dict(K=max(K, 1), CHECK_IDS=check_ids)
@@ -486,14 +490,14 @@ def dispatch(topk_ids: torch.Tensor, num_experts: int):
 def invalid_id_flags(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``[negative, repeated]`` (int32, on the ids' device): 1 where some id is negative, where
     some token's row repeats a real expert id, as the checked dispatch finds them."""
-    return 1 - _dispatch(topk_ids, num_experts, check_ids=True)[3]
+    return 1 - _dispatch(topk_ids, num_experts, check_ids=True)[3][:2]
 
 
 def dispatch_checked(topk_ids: torch.Tensor, num_experts: int):
     """``dispatch`` with the data checks of the ids made on the device, in the same launches:
-    a bad id fails the next synchronizing call with the op's message."""
-    negative, repeated = id_value_messages("dispatch")
+    a bad id fails the next synchronizing call with the op's message. One assertion reads
+    the flag of both checks (each is a kernel of its own in a decode step's graph);
+    ``invalid_id_flags`` or the portable backend tell which failed."""
     eti, offsets, tim, ok = _dispatch(topk_ids, num_experts, check_ids=True)
-    torch._assert_async(ok[0], negative)
-    torch._assert_async(ok[1], repeated)
+    torch._assert_async(ok[2], id_values_message("dispatch"))
     return eti, offsets, tim
