@@ -8,8 +8,10 @@
   lowered to the down projection of act(h) (``_expert_down_activated`` or the
   templates), with no activation pass.
 - ``expert_layer`` (the layer without gradients): the op itself where its up GEMM runs
-  on Gluon (its epilogue writes act(h), no h); elsewhere ``expert_up``'s and
-  ``expert_down``'s templates.
+  on Gluon (its epilogue writes act(h), no h); elsewhere, where
+  ``config.activates_in_up_epilogue`` says so (small GEMMs: decode), the up GEMM with the
+  activation in its epilogue (``activated_row_gemm``, no h) and the down projection of
+  act(h); else ``expert_up``'s and ``expert_down``'s templates.
 - ``expert_down``: ``activation`` writes a = act(h) once; then, one column slab of the
   output at a time (``settings.column_slab``, as the eager kernels make their [L*K, d]
   scratch), a ``row_gemm`` on a writes the slab of every routed row and ``combine`` sums
@@ -50,6 +52,7 @@ from moeblaze_ops import settings
 from moeblaze_ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, activation_code, is_gated
 from moeblaze_ops.kernels import config
 from moeblaze_ops.kernels.triton_backend import grouped_gemm as gg
+from moeblaze_ops.kernels.triton_backend.activations import is_gated_code
 from moeblaze_ops.kernels.triton_backend.combine import COMBINE_TILE, column_slabs, widest_slab
 from moeblaze_ops.kernels.triton_backend.experts import ACTIVATION_TILE
 
@@ -210,6 +213,36 @@ def row_gemm(kind, a, b, a_row_ids, offsets, bias, transposed, out_rows):
     return compat.select_algorithm(f"moeblaze_{kind}", choices, inputs, layout, input_gen_fns=gens)
 
 
+def activated_row_gemm(x, w, a_row_ids, offsets, bias, transposed, out_rows, act, interleaved, alpha, limit):
+    """a[r] = act(x[a_row_ids[r]] @ W_e + bias_e) for ``out_rows`` routed rows: the up
+    projection with its activation in the epilogue, the chosen template node ([L*K, I] for
+    a gated ``act``, an ``ActivationCode``)."""
+    E = w.get_size()[0]
+    n_out = w.get_size()[2 if transposed else 1]
+    gated = is_gated_code(act)
+    columns = n_out // 2 if gated else n_out
+    dtype, device = x.get_dtype(), x.get_device()
+    x, w = compat.realized(x), compat.realized(w)
+    inputs = [x, w, compat.contiguous(a_row_ids), compat.contiguous(offsets)]
+    if bias is not None:
+        inputs.append(compat.realized(bias))
+    layout = compat.fixed_layout(device, dtype, [out_rows, columns])
+    rows, experts = compat.hint(out_rows), compat.static_int(E)
+    choices = []
+    for tile in _row_gemm_tiles("up", dtype, device, rows, experts):
+        templates.activated_row_gemm.maybe_append_choice(
+            choices, input_nodes=inputs, layout=layout, num_stages=tile.num_stages, num_warps=tile.num_warps,
+            HAS_BIAS=bias is not None, TRANSPOSED=transposed, ACT=int(act), INTERLEAVED=interleaved,
+            ALPHA=float(alpha), LIMIT=float(limit), FAST_ACT=dtype != torch.float32,
+            GROUPS=triton.next_power_of_2(experts + 1), BAND=config.ROW_BAND, PRECISION=repr(gg.precision(dtype)),
+            NUM_PROGRAMS=gg.num_programs(device, None, tile.programs_per_sm),
+            # A gated tile's columns are activation columns, each reading two of B's.
+            BLOCK_M=tile.block_m, BLOCK_N=max(16, tile.block_n // 2) if gated else tile.block_n,
+            BLOCK_K=tile.block_k)
+    gens = {2: _random_ids(x.get_size()[0]), 3: _even_offsets(out_rows)}
+    return compat.select_algorithm("moeblaze_up_activated", choices, inputs, layout, input_gen_fns=gens)
+
+
 def activation_pass(h, I, act, interleaved, alpha, limit):
     """a = act(h) over every routed row: [L*K, I] in h's dtype."""
     h = compat.contiguous(h)
@@ -366,17 +399,26 @@ def _down_projection(h, w_down, expert_token_indices, expert_offsets, token_inde
 
 def _down_projection_of_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                                   b_down, transposed):
-    """The down GEMM and the combine of rows activated already (act(h) beside h: a gated
-    activation's): the op where its GEMM runs on Gluon or no template applies, else the
-    templates in column slabs."""
-    out_dim = 2 if transposed else 1
-    if not _templates_apply(a, index_positions=_DOWN_INDEX_ARRAYS) \
-            or _op_runs_gluon("down", a, a.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim],
-                              w_down, gated=True):
+    """``expert_down`` of act(h) made beside h (a gated activation's): the op where no
+    template applies, else ``_down_of_activated``."""
+    if not _templates_apply(a, index_positions=_DOWN_INDEX_ARRAYS):
         return compat.fallback(_ops._expert_down_activated.default, a, w_down, expert_token_indices, expert_offsets,
                                token_index_map, topk_weights, b_down, transposed, True)
+    return _down_of_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
+                              transposed, gated=True)
+
+
+def _down_of_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
+                       transposed, gated):
+    """The down GEMM and the combine of rows activated already (``gated``: by a gated
+    activation): the op where its GEMM runs on Gluon, else the templates in column slabs."""
+    out_dim = 2 if transposed else 1
+    if _op_runs_gluon("down", a, a.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim],
+                      w_down, gated=gated):
+        return compat.fallback(_ops._expert_down_activated.default, a, w_down, expert_token_indices, expert_offsets,
+                               token_index_map, topk_weights, b_down, transposed, gated)
     return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],
-                         transposed, out_dim, topk_weights, b_down, gated=True)
+                         transposed, out_dim, topk_weights, b_down, gated=gated)
 
 
 @compat.register_lowering(_ops.expert_layer.default, type_promotion_kind=None)
@@ -392,6 +434,12 @@ def expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, tok
         return compat.fallback(_ops.expert_layer.default, x, w_gate_up, w_down, expert_token_indices,
                                expert_offsets, token_index_map, topk_weights, b_gate_up, b_down, activation,
                                transposed, interleaved, alpha, limit, validate)
+    n_out, reduction = w_gate_up.get_size()[2 if transposed else 1], x.get_size()[1]
+    if config.activates_in_up_epilogue(2 * compat.hint(rows) * compat.hint(n_out) * compat.hint(reduction)):
+        a = activated_row_gemm(x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed, rows,
+                               activation_code(activation), interleaved, alpha, limit)
+        return _down_of_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
+                                  b_down, transposed, is_gated(activation))
     h = row_gemm("up", x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed, rows)
     return _down_projection(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
                             activation, transposed, interleaved, alpha, limit, validate)

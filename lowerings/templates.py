@@ -5,6 +5,8 @@ kernels' own ``@triton.jit`` tile functions, ending in Inductor's ``store_output
   ``triton_backend.experts.gathered_gemm_tile``: the up projection (A rows gathered from x) and
   the down projection (A = act(h), in expert order), and the dX rows of backward (A =
   dH, B the up projection's weight read the other way round).
+- ``activated_row_gemm``: a[r] = act(x[a_row_ids[r]] @ B_e + bias_e), the up projection with
+  its activation in the epilogue (h never stored), from ``triton_backend.experts.activated_gemm_tile``.
 - ``activation``: a = act(h), from ``triton_backend.grouped_gemm.load_h_pair`` and ``activate``.
 - ``combine``: out[i] = sum_k w[i, k] * rows[token_index_map[i*K + k]] in the order
   k = 0..K-1, from ``triton_backend.combine.combine_tile``; unit weights without ``WEIGHTED``
@@ -65,6 +67,30 @@ from moeblaze_ops.kernels.triton_backend.experts import gathered_gemm_tile
         {{store_output(("idx_m", "idx_n"), "acc", "mask", indent_width=8, val_shape=("BLOCK_M", "BLOCK_N"))}}
 """
 
+_ACTIVATED_ROW_GEMM = r"""
+from moeblaze_ops.kernels.triton_backend import grouped_gemm as gg
+from moeblaze_ops.kernels.triton_backend.experts import activated_gemm_tile
+
+{%- set inputs = ["a_ptr", "b_ptr", "a_row_ids_ptr", "offsets_ptr"] + (["bias_ptr"] if HAS_BIAS else []) %}
+{{def_kernel(*inputs)}}
+    LK = {{size(None, 0)}}
+    I = {{size(None, 1)}}
+    E = {{size("b_ptr", 0)}}
+    REDUCTION = {{size("a_ptr", 1)}}
+    total = gg.num_row_tiles(offsets_ptr, E, LK, I, BLOCK_M, BLOCK_N, GROUPS)
+    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
+        rows, rmask, cols, cmask, acc = activated_gemm_tile(
+            tile, a_ptr, b_ptr, {{"bias_ptr" if HAS_BIAS else "None"}}, a_row_ids_ptr, offsets_ptr, LK, E, I, REDUCTION,
+            {{stride("a_ptr", 0)}}, {{stride("a_ptr", 1)}}, {{stride("b_ptr", 0)}},
+            {{stride("b_ptr", 1 if TRANSPOSED else 2)}}, {{stride("b_ptr", 2 if TRANSPOSED else 1)}},
+            {{stride("bias_ptr", 0) if HAS_BIAS else 0}}, ALPHA, LIMIT, ACT, INTERLEAVED, FAST_ACT, True, HAS_BIAS,
+            GROUPS, BAND, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        idx_m = rows.to(INDEX_DTYPE)[:, None]
+        idx_n = cols[None, :]
+        mask = rmask[:, None] & cmask[None, :]
+        {{store_output(("idx_m", "idx_n"), "acc", "mask", indent_width=8, val_shape=("BLOCK_M", "BLOCK_N"))}}
+"""
+
 _ACTIVATION = r"""
 from moeblaze_ops.kernels.triton_backend import grouped_gemm as gg
 from moeblaze_ops.kernels.triton_backend.activations import activate
@@ -113,5 +139,7 @@ from moeblaze_ops.kernels.triton_backend.combine import combine_tile
 """
 
 row_gemm = TritonTemplate(name="moeblaze_row_gemm", grid=persistent_grid, source=_ROW_GEMM)
+activated_row_gemm = TritonTemplate(name="moeblaze_activated_row_gemm", grid=persistent_grid,
+                                    source=_ACTIVATED_ROW_GEMM)
 activation = TritonTemplate(name="moeblaze_activation", grid=persistent_grid, source=_ACTIVATION)
 combine = TritonTemplate(name="moeblaze_combine", grid=persistent_grid, source=_COMBINE)

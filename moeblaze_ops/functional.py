@@ -82,8 +82,8 @@ def moe_experts(
             themselves: Inductor's lowering writes dH over h where AOTAutograd donated
             h to the backward.
 
-    With a gated activation and nothing to differentiate (``torch.no_grad()``, inference),
-    and in ``recompute=True``'s forward, no h is made: the layer runs as the op
+    With nothing to differentiate (``torch.no_grad()``, inference), and in
+    ``recompute=True``'s forward, no h is made: the layer runs as the op
     ``expert_layer``, whose up GEMM writes act(h) for the down GEMM to read.
 
     Not supported, with a clear error: ``torch.func`` transforms (``grad``, ``vmap``,
@@ -123,9 +123,8 @@ def moe_experts(
     # The arguments were checked above and the layer's own dispatch makes the index arrays:
     # the ops check nothing again (validate=False), which small layers would pay every step.
     eti, offsets, tim = ops.dispatch(ids, E)
-    gated = is_gated(activation)
     differentiates = _differentiates(x2, w_gate_up, w_down, b_gate_up, b_down, tw)
-    if recompute or (gated and not differentiates):
+    if recompute or not differentiates:
         # With nothing to record, eager calls go past the op's autograd kernel (its
         # formula's wrapper, host time).
         unrecorded = not differentiates and not torch.compiler.is_compiling()
@@ -139,7 +138,7 @@ def moe_experts(
         h = ops.expert_up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed, False)
         out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args, False)
     else:
-        beside = gated and config.activation_beside_h(linear_dims(w_gate_up, transposed)[1] // 2, eti.shape[0], E,
+        beside = is_gated(activation) and config.activation_beside_h(linear_dims(w_gate_up, transposed)[1] // 2, eti.shape[0], E,
                                                       interleaved=interleaved, up_bias=b_gate_up is not None)
         h, a = UpProjection.apply(x2, w_gate_up, b_gate_up, eti, offsets, tim, args, beside)
         # Eager autograd may write dH over h, the layer's own.

@@ -16,7 +16,8 @@ from moeblaze_ops.testing import make_layer, rel_err
 LAYER_ARGS = ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")
 GRAD_ARGS = ("x", "topk_weights", "w_gate_up", "w_down")
 #: What each template's kernel source imports: the eager kernels' tile functions.
-TEMPLATE_HELPERS = ("import gathered_gemm_tile", "import activate", "import combine_tile")
+# A layer without gradients: the up GEMM with its activation, the down GEMM, the combine.
+TEMPLATE_HELPERS = ("import activated_gemm_tile", "import gathered_gemm_tile", "import combine_tile")
 
 
 def gpu(test):
@@ -96,6 +97,25 @@ def test_row_gemm_template_renders(variables):
     call = next(node for node in ast.walk(ast.parse(source))
                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "gathered_gemm_tile")
     assert len(call.args) == len(gathered_gemm_tile.arg_names)
+
+
+@pytest.mark.parametrize("variables", [dict(HAS_BIAS=b, TRANSPOSED=t) for b in (False, True) for t in (False, True)],
+                         ids=str)
+def test_activated_row_gemm_template_renders(variables):
+    """The up GEMM template with its activation renders to Python that parses, takes the
+    bias only where it has one, and passes every parameter of the kernels' shared tile
+    function."""
+    import ast
+
+    from moeblaze_ops.kernels.triton_backend.experts import activated_gemm_tile
+    from moeblaze_ops.lowerings import templates
+
+    source = _render(templates.activated_row_gemm, **variables)
+    signature = re.search(r"def kernel\((.*)\):", source).group(1).split(", ")
+    assert ("bias_ptr" in signature) == variables["HAS_BIAS"]
+    call = next(node for node in ast.walk(ast.parse(source))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "activated_gemm_tile")
+    assert len(call.args) == len(activated_gemm_tile.arg_names)
 
 
 @pytest.mark.parametrize("weighted", [True, False])
@@ -312,8 +332,8 @@ def _gluon_from_any_size(monkeypatch):
 @gpu
 @pytest.mark.parametrize("column_slab,row_band", [(None, 1), (128, 1), (16, 1), (128, 3)])
 def test_templates_run_the_layer(column_slab, row_band, seed, monkeypatch):
-    """The compiled layer is made of the moeblaze templates (up GEMM, activation, down GEMM,
-    combine), with nothing falling back to the ops, and matches the float64 layer. With
+    """The compiled layer is made of the moeblaze templates (up GEMM with its activation,
+    down GEMM, combine), with nothing falling back to the ops, and matches the float64 layer. With
     16 slabs (more than Inductor fuses into a pointwise cat) the slabs meet in a concat
     kernel, which Inductor's cat lowering makes when called from inside our lowering. With
     a band of 3 the row GEMM templates number their tiles in bands."""
@@ -327,6 +347,26 @@ def test_templates_run_the_layer(column_slab, row_band, seed, monkeypatch):
         assert helper in code
     for op in ("expert_up", "expert_down", "expert_layer"):
         assert f"torch.ops.moeblaze.{op}.default(" not in code, op
+    assert rel_err(out, _reference(layer)) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("up_epilogue", [True, False])
+@pytest.mark.parametrize("case", ["swiglu", "clamped_interleaved_bias", "gelu_transposed"])
+def test_layer_without_gradients_activates_in_the_up_template(case, up_epilogue, seed, monkeypatch):
+    """Without gradients, where ``config.activates_in_up_epilogue`` says so the compiled
+    layer's up GEMM template applies the activation (no h, no activation pass); elsewhere
+    the up GEMM writes h and the activation template reads it. Both match the float64 layer."""
+    kwargs = {"swiglu": {}, "clamped_interleaved_bias": dict(activation="clamped_swiglu", interleaved=True, bias=True),
+              "gelu_transposed": dict(activation="gelu", transposed=True)}[case]
+    layer = _gpu_layer(seed, **kwargs)
+    _tl_kernels_only(monkeypatch)
+    monkeypatch.setattr(config, "activates_in_up_epilogue", lambda flop: up_epilogue)
+    with settings.override(poison=True):
+        out, code = _compiled_code(lambda layer: moe_experts(**layer), layer)
+    assert ("import activated_gemm_tile" in code) == up_epilogue
+    assert ("activations import activate\n" in code) == (not up_epilogue)
+    assert "torch.ops.moeblaze.expert_layer.default(" not in code
     assert rel_err(out, _reference(layer)) < 1e-2
 
 

@@ -41,15 +41,29 @@ def test_forward_kernels(activation, layout, seed):
                   layout=layout, bias=layout != "concatenated")
 
 
-@pytest.mark.parametrize("differentiated", [False, True], ids=["no_grad", "training"])
-@pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved")])
-def test_forward_activation_routes(activation, layout, differentiated, seed):
-    """The forward's two routes: without gradients the up projection returns act(h) (on
-    the Triton backend the up GEMM then the activation pass, where no Gluon kernel runs);
-    for training it returns h, kept for backward, and the down projection activates it;
-    against the reference."""
+@pytest.mark.parametrize("differentiated,up_epilogue", [(False, True), (False, False), (True, False)],
+                         ids=["no_grad", "no_grad_activation_pass", "training"])
+@pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),
+                                               ("geglu", "interleaved"), ("gelu", "transposed")])
+def test_forward_activation_routes(activation, layout, differentiated, up_epilogue, seed, monkeypatch):
+    """The forward's routes: without gradients the up projection returns act(h), from the
+    ``tl`` up GEMM's activation epilogue (small GEMMs, ``config.activates_in_up_epilogue``;
+    the activation pass must not run) or from the up GEMM then the activation pass (larger
+    ones, where no Gluon kernel runs); for training it returns h, kept for backward, and the
+    down projection activates it; against the reference."""
+    from moeblaze_ops.kernels.triton_backend import experts as triton_experts
+
+    monkeypatch.setattr(config, "activates_in_up_epilogue", lambda flop: up_epilogue)
+    if up_epilogue:
+        monkeypatch.setattr(triton_experts, "launch_activation", _must_not_run("the activation pass"))
     check_forward(24, 20, 12, 4, 2, dtype=torch.float32, device="cpu", seed=seed, activation=activation,
                   layout=layout, bias=layout != "concatenated", differentiated=differentiated)
+
+
+def _must_not_run(what):
+    def fail(*args, **kwargs):
+        raise AssertionError(f"{what} ran")
+    return fail
 
 
 @pytest.mark.parametrize("activation,layout", [("swiglu", "concatenated"), ("clamped_swiglu", "transposed_interleaved"),

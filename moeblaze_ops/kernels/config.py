@@ -196,6 +196,15 @@ def reads_weight_by_tma(kind: str, flop: int) -> bool:
     return kind in WEIGHT_TMA_KINDS and not is_small_gemm(flop)
 
 
+def activates_in_up_epilogue(flop: int) -> bool:
+    """Whether an up GEMM of ``flop`` operations whose h nobody keeps (inference: act(h)
+    alone is needed) runs as the ``tl`` kernel that applies the activation in its epilogue
+    (``triton_backend.experts.activated_gemm_tile``), where the Gluon gated epilogue does not
+    apply: for small GEMMs (decode), which read their weights by pointer as that kernel does.
+    Elsewhere the up GEMM writes h and the activation pass reads it (see docs/performance.md)."""
+    return is_small_gemm(flop)
+
+
 # --------------------------------------------------------------------------- Gluon variants
 
 #: The row GEMMs' (up, down, dX) Gluon kernel is the warp-specialised one from this many

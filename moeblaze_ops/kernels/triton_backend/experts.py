@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import triton
 import triton.language as tl
 
@@ -24,7 +26,7 @@ from ...layouts import linear_dims, linear_strides, out_feature_slice
 from .. import config
 from . import grouped_gemm as gg
 from ..launch import launch
-from .activations import activate, is_gated_code
+from .activations import NUM_GATED, activate, is_gated_code
 from .combine import combine_in_slabs, widest_slab
 
 
@@ -72,6 +74,68 @@ def _gathered_gemm_kernel(
             tile, a_ptr, b_src, bias_ptr, a_row_ids_ptr, offsets_ptr, LK, E, N, REDUCTION, stride_am, stride_ak,
             stride_be, stride_bk, stride_bn, stride_bias, GATHER_A, HAS_BIAS, B_TMA, B_KMAJOR, GROUPS, BAND,
             PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        gg.store_tile(out_ptr, rows, cols, stride_om, acc, rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def activated_gemm_tile(
+    tile, a_ptr, b_ptr, bias_ptr, a_row_ids_ptr, offsets_ptr, LK, E, I, REDUCTION,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_bias, alpha, limit,
+    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, FAST_ACT: tl.constexpr, GATHER_A: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, BAND: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """(rows, row mask, columns, column mask, fp32 tile) of output tile ``tile`` of
+    a[r] = act(A[a_row_ids[r] or r] @ B_e + bias_e), over the I activation columns: the
+    up projection with its activation in the epilogue, h never stored. A gated activation's
+    tile multiplies A by the B columns of its gate and of its up halves (I columns apart,
+    or side by side with INTERLEAVED) into two accumulators. B is read by pointer
+    [E, REDUCTION, 2I or I]; the sentinel group's tiles are act(0) = 0."""
+    e, row0, rows, rmask, n0, cols, cmask = gg.row_tile(tile, offsets_ptr, E, LK, I, BLOCK_M, BLOCK_N, GROUPS, BAND)
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Activation column j reads B column j * STEP (gate) and up_col + j * STEP (up); a plain
+    # activation's h has no halves to interleave.
+    GATED: tl.constexpr = ACT < NUM_GATED
+    STEP: tl.constexpr = 2 if INTERLEAVED and GATED else 1
+    up_col = 1 if INTERLEAVED else I
+    if e < E:
+        if GATHER_A:
+            a_rows = tl.load(a_row_ids_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            a_rows = rows.to(tl.int64)
+        for k0 in range(0, REDUCTION, BLOCK_K):
+            a = gg.load_rows(a_ptr, a_rows, rmask, k0, REDUCTION, stride_am, stride_ak, BLOCK_K)
+            b = gg.load_weight_tile(b_ptr, e, k0, n0, stride_be, stride_bk, stride_bn * STEP, REDUCTION, I, False,
+                                    False, BLOCK_K, BLOCK_N)
+            gate = tl.dot(a, b, gate, input_precision=PRECISION)
+            if GATED:
+                b = gg.load_weight_tile(b_ptr + up_col * stride_bn, e, k0, n0, stride_be, stride_bk, stride_bn * STEP,
+                                        REDUCTION, I, False, False, BLOCK_K, BLOCK_N)
+                up = tl.dot(a, b, up, input_precision=PRECISION)
+        if HAS_BIAS:
+            gate = gg.add_bias(gate, bias_ptr, e, stride_bias, cols * STEP, cmask)
+            if GATED:
+                up = gg.add_bias(up, bias_ptr + up_col, e, stride_bias, cols * STEP, cmask)
+    return rows, rmask, cols, cmask, activate(gate, up, alpha, limit, ACT, FAST_ACT)
+
+
+@triton.jit
+def _activated_gemm_kernel(
+    a_ptr, b_ptr, bias_ptr, a_row_ids_ptr, offsets_ptr, out_ptr,
+    LK, E, I, REDUCTION,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_bias, stride_om, alpha, limit,
+    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, FAST_ACT: tl.constexpr, GATHER_A: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, BAND: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out = act(A @ B_e + bias_e) over every routed row (``activated_gemm_tile``)."""
+    total = gg.num_row_tiles(offsets_ptr, E, LK, I, BLOCK_M, BLOCK_N, GROUPS)
+    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
+        rows, rmask, cols, cmask, acc = activated_gemm_tile(
+            tile, a_ptr, b_ptr, bias_ptr, a_row_ids_ptr, offsets_ptr, LK, E, I, REDUCTION, stride_am, stride_ak,
+            stride_be, stride_bk, stride_bn, stride_bias, alpha, limit, ACT, INTERLEAVED, FAST_ACT, GATHER_A,
+            HAS_BIAS, GROUPS, BAND, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         gg.store_tile(out_ptr, rows, cols, stride_om, acc, rmask[:, None] & cmask[None, :])
 
 
@@ -123,6 +187,28 @@ def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
     )
 
 
+def launch_activated_gemm(a, a_row_ids, b, bias, offsets, out, transposed, act, interleaved, alpha, limit):
+    """out = act(A[a_row_ids[r]] @ B_e + bias_e) over every routed row in one ``tl`` GEMM
+    (``_activated_gemm_kernel``), B the up projection's weight stack in ``transposed``
+    layout; ``act`` an ``ActivationCode``. A gated activation's tile is half the up tile's
+    width in activation columns: the same B columns a tile."""
+    E, _, reduction = linear_dims(b, transposed)
+    LK, I = out.shape
+    tile = gg.tile_config("up", a, LK, E)
+    if is_gated_code(act):
+        tile = dataclasses.replace(tile, block_n=max(16, tile.block_n // 2))
+    strides = linear_strides(b, transposed)
+    gg.launch_row_gemm(
+        _activated_gemm_kernel, tile, a.dtype, a.device, I,
+        a_ptr=a, b_ptr=b, bias_ptr=bias, a_row_ids_ptr=a_row_ids, offsets_ptr=offsets, out_ptr=out,
+        LK=LK, E=E, I=I, REDUCTION=reduction, stride_am=a.stride(0), stride_ak=a.stride(1),
+        stride_be=strides.expert, stride_bk=strides.reduction, stride_bn=strides.output,
+        stride_bias=bias.stride(0) if bias is not None else 0, stride_om=out.stride(0), alpha=float(alpha),
+        limit=float(limit), ACT=int(act), INTERLEAVED=interleaved, FAST_ACT=gg.fast_sigmoid(out),
+        GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None,
+    )
+
+
 def _gluon_tile(gluon, kind):
     """The tile of GEMM ``kind`` on the Gluon row GEMM module ``gluon``: ``settings.tiles``'
     override, else the kernel's own."""
@@ -164,9 +250,10 @@ def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_ma
 def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed,
                         activation, interleaved, alpha, limit):
     """act(h) ([L*K, I] for a gated activation) of ``expert_up``'s rows, for
-    ``expert_down_activated``. In one Gluon GEMM whose epilogue pairs each tile's gate and
-    up columns and never stores h, where that applies
-    (``gluon.row_gemm.applies_gated_epilogue``), else the GEMM then the activation pass."""
+    ``expert_down_activated``, h never stored: in one Gluon GEMM whose epilogue pairs each
+    tile's gate and up columns, where that applies (``gluon.row_gemm.applies_gated_epilogue``),
+    else in the ``tl`` GEMM with the activation in its epilogue where
+    ``config.activates_in_up_epilogue`` says so, else the GEMM then the activation pass."""
     _, N, _ = linear_dims(w_gate_up, transposed)
     act = activation_code(activation)
     LK = expert_token_indices.shape[0]
@@ -175,6 +262,11 @@ def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, toke
         return a
     if _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert_offsets, a, transposed, act,
                               interleaved, alpha, limit):
+        return a
+    _, _, reduction = linear_dims(w_gate_up, transposed)
+    if config.activates_in_up_epilogue(2 * LK * N * reduction):
+        launch_activated_gemm(x, expert_token_indices, w_gate_up, b_gate_up, expert_offsets, a, transposed, act,
+                              interleaved, alpha, limit)
         return a
     h = expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed)
     launch_activation(h, a, act, interleaved, alpha, limit)
