@@ -65,10 +65,10 @@ def test_rule_dh_epilogue_and_wide_tile():
 
 
 @pytest.mark.parametrize("rows,bins,family", [
-    (0, 1, "one_program"), (4096, 256, "one_program"), (4097, 8, "one_hot"), (4097, 16, "sorted"),
+    (0, 1, "one_program"), (1024, 256, "one_program"), (1025, 8, "one_hot"), (1025, 16, "sorted"),
     (10**6, 15, "one_hot"), (10**6, 256, "sorted")])
 def test_rule_dispatch_family(rows, bins, family):
-    """Routings of up to 4096 rows go to one program; larger ones are ranked by sorted
+    """Routings of up to 1024 rows go to one program; larger ones are ranked by sorted
     chunks of 512 rows from 16 bins, by one-hot tiles below; one program never takes more
     than it can sort (``MAX_ONE_PROGRAM_ROWS``)."""
     from moeblaze_ops.kernels import config

@@ -554,7 +554,7 @@ def test_hf_decoder_layer_compiles_to_templates(seed):
     compiled = torch.compile(model, fullgraph=True)
     (loss, grads), codes = run_and_get_code(lambda: loss_and_grads(compiled))
     code = "\n".join(codes)
-    assert TEMPLATE_HELPERS[0] in code and TEMPLATE_HELPERS[2] in code
+    assert TEMPLATE_HELPERS[1] in code and TEMPLATE_HELPERS[2] in code  # training: the up GEMM writes h
     assert rel_err(loss, eager_loss) < 1e-2
     assert len(grads) == len(eager_grads)
     for g, ref in zip(grads, eager_grads):

@@ -287,8 +287,10 @@ def dh_tile_kind(columns: int) -> str:
 # --------------------------------------------------------------------------- dispatch
 
 #: Routings of at most this many rows (L*K) are dispatched by one program, in one launch
-#: instead of three: small layers, whose time is the host's launches (see docs/performance.md) ...
-DISPATCH_ONE_PROGRAM_MAX_ROWS = 4096
+#: instead of three: up to where its device time stops beating the three kernels' (one
+#: program sorts every row alone, so its time grows faster than the rows), which is what
+#: a CUDA graph's replay pays; one launch also costs the host less (see docs/performance.md) ...
+DISPATCH_ONE_PROGRAM_MAX_ROWS = 1024
 #: ... and never more than one program can sort: a chunk of that many keys in its registers.
 MAX_ONE_PROGRAM_ROWS = 8192
 #: Dispatch ranks rows by sorted chunks from this many bins (E rounded up to a power of
