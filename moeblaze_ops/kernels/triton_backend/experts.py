@@ -44,10 +44,7 @@ def gathered_gemm_tile(
     e, row0, rows, rmask, n0, cols, cmask = gg.row_tile(tile, offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS, BAND)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if e < E:
-        if GATHER_A:
-            a_rows = tl.load(a_row_ids_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        else:
-            a_rows = rows.to(tl.int64)
+        a_rows = gg.a_rows_of(a_row_ids_ptr, rows, rmask, GATHER_A)
         for k0 in range(0, REDUCTION, BLOCK_K):
             a = gg.load_rows(a_ptr, a_rows, rmask, k0, REDUCTION, stride_am, stride_ak, BLOCK_K)
             b = gg.load_weight_tile(b_src, e, k0, n0, stride_be, stride_bk, stride_bn, REDUCTION, N, B_TMA,
@@ -100,10 +97,7 @@ def activated_gemm_tile(
     STEP: tl.constexpr = 2 if INTERLEAVED and GATED else 1
     up_col = 1 if INTERLEAVED else I
     if e < E:
-        if GATHER_A:
-            a_rows = tl.load(a_row_ids_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        else:
-            a_rows = rows.to(tl.int64)
+        a_rows = gg.a_rows_of(a_row_ids_ptr, rows, rmask, GATHER_A)
         for k0 in range(0, REDUCTION, BLOCK_K):
             a = gg.load_rows(a_ptr, a_rows, rmask, k0, REDUCTION, stride_am, stride_ak, BLOCK_K)
             b = gg.load_weight_tile(b_ptr, e, k0, n0, stride_be, stride_bk, stride_bn * STEP, REDUCTION, I, False,

@@ -118,6 +118,17 @@ def expert_tile(tile, offsets_ptr, P, Q, BLOCK_P: tl.constexpr, BLOCK_Q: tl.cons
 
 
 @triton.jit
+def a_rows_of(a_row_ids_ptr, rows, rmask, GATHER_A: tl.constexpr):
+    """The A rows (int64) of routed rows ``rows``: ``a_row_ids[rows]`` (token rows of x,
+    gathered) with GATHER_A, else the routed rows themselves."""
+    if GATHER_A:
+        a_rows = tl.load(a_row_ids_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        a_rows = rows.to(tl.int64)
+    return a_rows
+
+
+@triton.jit
 def load_rows(a_ptr, row_ids, rmask, k0, K, stride_am, stride_ak, BLOCK_K: tl.constexpr):
     """A [rows, BLOCK_K] tile of A at columns [k0, k0 + BLOCK_K): rows ``row_ids`` (int64:
     gathered token rows, or the routed rows themselves); masked rows and columns read 0."""
