@@ -459,14 +459,16 @@ def test_dispatch_sorted_kernels_bitwise(L, K, E, routing, sentinel_frac, chunk,
     [(33, 2, 8, "uniform", 0.0), (1, 1, 1, "uniform", 0.0), (0, 4, 8, "uniform", 0.0), (256, 8, 256, "skewed", 0.1),
      (50, 3, 6, "first", 0.4), (12, 2, 4, "uniform", 1.0), (1024, 2, 3, "no_last", 0.0)],
 )
-def test_dispatch_one_program_bitwise(L, K, E, routing, sentinel_frac, seed):
+def test_dispatch_one_program_bitwise(L, K, E, routing, sentinel_frac, seed, monkeypatch):
     """A routing dispatched by one program (one launch: its rows one sorted chunk, counted
-    by a histogram), up to a full chunk of 2048 rows and none at all: the same three arrays as
-    the portable dispatch, bit for bit. The sizes are within the rule's bound, so the
-    one-program kernel is what runs; the test fails if the multi-chunk kernels run instead."""
+    by a histogram), up to a chunk of 2048 rows and none at all: the same three arrays as
+    the portable dispatch, bit for bit. The rule's bound raised to all one program can
+    sort, the one-program kernel is what runs; the test fails if the multi-chunk kernels
+    run instead."""
     from moeblaze_ops.kernels.triton_backend import grouped_gemm
     from moeblaze_ops.kernels.triton_backend import dispatch as triton_dispatch
 
+    monkeypatch.setattr(config, "DISPATCH_ONE_PROGRAM_MAX_ROWS", config.MAX_ONE_PROGRAM_ROWS)
     assert config.dispatch_family(L * K, grouped_gemm.next_power_of_2(E)) == "one_program"
     ran = []
     kernel = triton_dispatch._one_program_dispatch
