@@ -6,9 +6,12 @@ import json
 import math
 
 import pytest
+import torch
 
 from moeblaze_ops import settings
-from moeblaze_ops.bench import CONFIGS, cli, main, measure
+from moeblaze_ops.bench import CONFIGS, cli, main, make_inputs, measure
+from moeblaze_ops.bench.configs import DECODE_TOKENS, load_imbalance
+from moeblaze_ops.bench.implementations import PEER_NAMES
 
 
 def run(tmp_path, *args):
@@ -17,10 +20,37 @@ def run(tmp_path, *args):
     return json.loads((tmp_path / "bench.json").read_text()), (tmp_path / "bench.md").read_text()
 
 
-def table_rows(markdown, config):
-    """peer -> cells of each markdown table row of ``config``."""
+def table_rows(markdown, config, key=3):
+    """cells[key] (the peer's, after config, T and max/mean load) -> cells of each markdown
+    table row of ``config``."""
     rows = [line.strip("|").split("|") for line in markdown.splitlines() if line.startswith(f"| {config} |")]
-    return {cells[1].strip(): [c.strip() for c in cells] for cells in rows}
+    return {cells[key].strip(): [c.strip() for c in cells] for cells in rows}
+
+
+def only(*kept):
+    """``--skip`` of every peer but ``kept``: quick runs, nothing compiled unless kept."""
+    return ["--skip", *(name for name in PEER_NAMES if name not in kept)]
+
+
+def bincount_imbalance(ids, E):
+    """The busiest expert's routed rows over the mean, counted here by ``torch.bincount``."""
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    assert counts.numel() == E and int(counts.sum()) == ids.numel()
+    return float(counts.max()) / float(counts.double().mean())
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The (T, tilt, ids) of every ``make_inputs`` call the measurements make."""
+    seen = []
+
+    def make_inputs_spy(T, d, I, E, K, **kwargs):
+        inputs = make_inputs(T, d, I, E, K, **kwargs)
+        seen.append((T, kwargs.get("tilt", 0.0), inputs[1].clone()))
+        return inputs
+
+    monkeypatch.setattr(measure, "make_inputs", make_inputs_spy)
+    return seen
 
 
 def assert_timed(rows):
@@ -34,7 +64,8 @@ def test_forward_smoke_rows_agree_with_hf(tmp_path):
     rows = {r["peer"]: r for r in result["forward"]}
     # hf_eager first: the reference the others are compared with
     assert list(rows) == ["hf_eager", "hf_grouped_mm", "moeblaze", "moeblaze_compiled"]
-    assert all(r["config"] == "smoke" for r in rows.values())
+    assert all(r["config"] == "smoke" and r["T"] == CONFIGS["smoke"][0] and r["tilt"] == 0 for r in rows.values())
+    assert result["tilt"] == 0 and result["tokens"] is None
     assert_timed(rows.values())
     assert rows["hf_eager"]["rel_diff_vs_first"] == 0
     for peer in ("hf_grouped_mm", "moeblaze", "moeblaze_compiled"):
@@ -42,7 +73,8 @@ def test_forward_smoke_rows_agree_with_hf(tmp_path):
     assert all(math.isnan(r["peak_gb"]) and math.isnan(r["train_fwd_peak_gb"]) for r in rows.values())
     table = table_rows(md, "smoke")
     assert set(table) == set(rows)
-    assert table["moeblaze"][2] == f"{rows['moeblaze']['ms']:.3f}"
+    assert table["moeblaze"][1:5] == ["512", f"{rows['moeblaze']['load_imbalance']:.2f}x", "moeblaze",
+                                      f"{rows['moeblaze']['ms']:.3f}"]
     assert "## forward (fp32, SwiGLU, uniform routing)" in md
 
 
@@ -65,7 +97,7 @@ def test_train_smoke_measures_what_backward_keeps(tmp_path):
     assert rows["moeblaze_recompute_compiled"]["activation_bytes"] == expected - LK * 2 * I * f32
     table = table_rows(md, "smoke")
     assert set(table) == set(rows)
-    assert table["moeblaze"][4] == f"{expected / 1e9:.3f}"  # the activation GB column
+    assert table["moeblaze"][6] == f"{expected / 1e9:.3f}"  # the activation GB column
 
 
 def test_settings_are_in_force_and_recorded(tmp_path, monkeypatch):
@@ -207,7 +239,7 @@ def test_cuda_graph_peers_are_timed_without_memory_columns():
         assert rows[peer]["rel_diff_vs_first"] < 1e-3, peer
         assert math.isnan(rows[peer]["peak_gb"]) and math.isnan(rows[peer]["train_fwd_peak_gb"])
     table = table_rows(report.forward_table(list(rows.values())), "smoke")
-    assert table["moeblaze_cudagraphs"][4:6] == ["-", "-"]
+    assert table["moeblaze_cudagraphs"][6:8] == ["-", "-"]
     rows = {r["peer"]: r for r in measure.bench_train(ctx, ["smoke"])}
     assert set(CUDA_GRAPH_PEERS) <= set(rows)
     assert_timed(rows.values())
@@ -223,9 +255,9 @@ def test_dispatch_table_shows_graph_times_where_measured():
                speedup_kernels=3.0, speedup_op=2.0)
     graphed = dict(row, sort_histc_cumsum_graph_ms=0.2, moeblaze_kernels_graph_ms=0.04, moeblaze_op_graph_ms=0.05,
                    speedup_kernels_graph=5.0, speedup_op_graph=4.0)
-    plain = table_rows(dispatch_table([row]), "64")["2"]
+    plain = table_rows(dispatch_table([row]), "64", key=1)["2"]
     assert plain[-1] == "3.0x / 2.0x" and len(plain) == 7
-    cells = table_rows(dispatch_table([graphed]), "64")["2"]
+    cells = table_rows(dispatch_table([graphed]), "64", key=1)["2"]
     assert cells[3:7] == ["0.300", "0.100", "0.150", "3.0x / 2.0x"]
     assert cells[7:] == ["0.200", "0.040", "0.050", "5.0x / 4.0x"]
 
@@ -298,6 +330,137 @@ def test_cuda_graph_peers_train_from_no_gradients(monkeypatch):
     measure.bench_train(ctx, ["smoke"])
     assert seen["moeblaze_cudagraphs"][:4] == [False] * 4
     assert seen["plain"][1:4] == [True] * 3  # the stand-in timer does accumulate
+
+
+def test_tilt_skews_routing_toward_expert_0_and_nothing_else():
+    """``make_inputs(tilt=...)`` changes the routing alone (same seed: same x and weights),
+    makes the low experts busiest, and ``load_imbalance`` counts what bincount counts."""
+    T, d, I, E, K = CONFIGS["smoke"]
+    uniform = make_inputs(T, d, I, E, K, device="cpu")
+    tilted = make_inputs(T, d, I, E, K, device="cpu", tilt=2.0)
+    for i in (0, 3, 4):  # x, w_gate_up, w_down
+        assert torch.equal(uniform[i], tilted[i])
+    assert torch.equal(make_inputs(T, d, I, E, K, device="cpu", tilt=0.0)[1], uniform[1])
+    counts = torch.bincount(tilted[1].reshape(-1), minlength=E)
+    assert int(counts.argmax()) == 0 and counts[0] > counts[-1] * 4
+    flipped = torch.bincount(make_inputs(T, d, I, E, K, device="cpu", tilt=-2.0)[1].reshape(-1), minlength=E)
+    assert int(flipped.argmax()) == E - 1
+    even, skewed = float(load_imbalance(uniform[1], E)), float(load_imbalance(tilted[1], E))
+    assert even == pytest.approx(bincount_imbalance(uniform[1], E), rel=1e-12)
+    assert skewed == pytest.approx(bincount_imbalance(tilted[1], E), rel=1e-12)
+    assert 1 <= even < 1.5 and skewed > even + 0.75
+
+
+@pytest.mark.parametrize("mode", ["forward", "train"])
+def test_tilt_rows_report_the_load_imbalance_of_their_routing(tmp_path, drawn, mode):
+    """Every row gives its tilt and the max/mean expert load of the ids the peers were given
+    (recounted here with bincount); a tilt makes it measurably larger than tilt 0's, on the
+    same seed; the table shows it, and its heading the routing."""
+    E = CONFIGS["smoke"][3]
+    imbalance = {}
+    for tilt in (0.0, 2.0):
+        result, md = run(tmp_path / str(tilt), "--mode", mode, "--configs", "smoke", "--no-dispatch",
+                         "--tilt", str(tilt), *only("hf_grouped_mm", "moeblaze"))
+        rows = result[mode]
+        assert [r["peer"] for r in rows] == ["hf_grouped_mm", "moeblaze"]
+        (T, drawn_tilt, ids), = drawn[-1:]
+        assert drawn_tilt == tilt and len(drawn) == (1 if tilt == 0 else 2)
+        imbalance[tilt] = bincount_imbalance(ids, E)
+        assert result["tilt"] == tilt
+        for r in rows:
+            assert r["tilt"] == tilt and r["T"] == T
+            assert r["load_imbalance"] == pytest.approx(imbalance[tilt], rel=1e-12)
+        table = table_rows(md, "smoke")
+        assert {cells[2] for cells in table.values()} == {f"{imbalance[tilt]:.2f}x"}
+        heading = "uniform routing" if tilt == 0 else "router logits + 2*linspace(1, 0, E)"
+        assert f"SwiGLU, {heading})" in md, md
+    assert imbalance[0.0] < 1.5 and imbalance[2.0] > imbalance[0.0] + 0.75
+
+
+def test_tokens_runs_each_config_at_each_token_count(tmp_path, drawn):
+    """``--tokens`` in place of the config's own T: one row per token count and peer, each
+    with its T and time per token, on inputs of that T and the config's other dimensions;
+    the table tells the token counts apart."""
+    result, md = run(tmp_path, "--configs", "smoke", "--no-dispatch", "--tokens", "16", "48", "16",
+                     *only("moeblaze"))
+    assert result["tokens"] == [16, 48]  # a count given twice is measured once
+    assert [T for T, _, _ in drawn] == [16, 48]
+    _, d, I, E, K = CONFIGS["smoke"]
+    assert all(ids.shape == (T, K) and int(ids.max()) < E for T, _, ids in drawn)
+    rows = result["forward"]
+    assert [(r["config"], r["T"], r["peer"]) for r in rows] == [("smoke", 16, "moeblaze"), ("smoke", 48, "moeblaze")]
+    assert_timed(rows)
+    for r, (T, _, ids) in zip(rows, drawn):
+        assert r["us_per_token"] == pytest.approx(r["ms"] * 1e3 / T)
+        assert r["tflops"] == pytest.approx(6 * T * K * d * I / r["ms"] / 1e9)
+        assert r["load_imbalance"] == pytest.approx(bincount_imbalance(ids, E), rel=1e-12)
+    cells = [line.split("|")[1:-1] for line in md.splitlines() if line.startswith("| smoke |")]
+    assert [(c[1].strip(), c[3].strip(), c[4].strip()) for c in cells] == [
+        (str(r["T"]), "moeblaze", f"{r['ms']:.3f}") for r in rows]
+
+
+def test_tokens_in_train_mode(tmp_path, drawn):
+    result, _ = run(tmp_path, "--mode", "train", "--configs", "smoke", "--no-dispatch", "--tokens", "24",
+                    *only("moeblaze"))
+    assert [(r["T"], r["peer"]) for r in result["train"]] == [(24, "moeblaze")]
+    assert [T for T, _, _ in drawn] == [24]
+    # moeblaze keeps h, the index arrays and topk_weights of 24 tokens (test_train_smoke's count)
+    _, d, I, E, K = CONFIGS["smoke"]
+    LK = 24 * K
+    assert result["train"][0]["activation_bytes"] == LK * 2 * I * 4 + LK * 4 + (E + 1) * 4 + LK * 4 + LK * 4
+
+
+def test_tables_compare_peers_at_the_same_token_count():
+    """The speed column's base is the compiled grouped_mm row of the same config and T."""
+    from moeblaze_ops.bench.report import forward_table, train_table
+
+    def row(T, peer, ms):
+        return dict(config="c", T=T, tilt=0.0, load_imbalance=1.0 + T / 1000, peer=peer, ms=ms, tflops=1.0,
+                    peak_gb=1.0, train_fwd_peak_gb=1.0, activation_gb=1.0)
+
+    rows = [row(8, "hf_grouped_mm_compiled", 1.0), row(8, "moeblaze", 0.5),
+            row(64, "hf_grouped_mm_compiled", 6.0), row(64, "moeblaze", 2.0), row(512, "moeblaze", 9.0)]
+    for table, speed in ((forward_table(rows), 8), (train_table(rows), 8)):
+        cells = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()
+                 if line.startswith("| c |")]
+        assert [(c[1], c[2], c[3], c[speed]) for c in cells] == [
+            ("8", "1.01x", "hf_grouped_mm_compiled", "1.00x"), ("8", "1.01x", "moeblaze", "2.00x"),
+            ("64", "1.06x", "hf_grouped_mm_compiled", "1.00x"), ("64", "1.06x", "moeblaze", "3.00x"),
+            ("512", "1.51x", "moeblaze", "-")]
+
+
+def test_tokens_default_per_mode(tmp_path, monkeypatch):
+    """No ``--tokens``: forward and train modes keep each config's T, decode mode its grid;
+    the measurements get the tokens and tilt given."""
+    seen = []
+    monkeypatch.setattr(cli, "bench_forward", lambda ctx, names: seen.append(ctx) or [])
+    monkeypatch.setattr(cli, "bench_train", lambda ctx, names: seen.append(ctx) or [])
+    monkeypatch.setattr(cli.decode, "run_decode", lambda opts, out, record: seen.append(opts) or (None, []))
+    run(tmp_path, "--configs", "smoke", "--no-dispatch")
+    _, md = run(tmp_path, "--mode", "train", "--configs", "smoke", "--no-dispatch", "--tokens", "7", "--tilt", "-1.5")
+    assert "## forward + backward (SwiGLU, router logits - 1.5*linspace(1, 0, E))" in md
+    main(["--device", "cpu", "--out", str(tmp_path), "--mode", "decode", "--configs", "smoke_decode"])
+    main(["--device", "cpu", "--out", str(tmp_path), "--mode", "decode", "--configs", "smoke_decode", "--tokens", "5"])
+    assert (seen[0].tokens, seen[0].tilt) == (None, 0.0)
+    assert (seen[1].tokens, seen[1].tilt) == ((7,), -1.5)
+    assert seen[2].tokens == DECODE_TOKENS and seen[3].tokens == (5,)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tokens", "-5"], "argument --tokens: must be at least 1, got -5"),
+    (["--tokens", "0"], "argument --tokens: must be at least 1, got 0"),
+    (["--mode", "train", "--tokens", "64", "-3"], "argument --tokens: must be at least 1, got -3"),
+    (["--tokens", "1.5"], "argument --tokens: invalid positive_int value: '1.5'"),
+    (["--tilt", "inf"], "argument --tilt: must be finite, got inf"),
+    (["--tilt", "nan"], "argument --tilt: must be finite, got nan"),
+    (["--tilt=-inf"], "argument --tilt: must be finite, got -inf"),
+    (["--tilt", "steep"], "argument --tilt: invalid finite_float value: 'steep'"),
+    (["--mode", "decode", "--configs", "smoke_decode", "--tilt", "1"], "--tilt is for forward and train modes"),
+])
+def test_bad_tokens_and_tilt_are_usage_errors(tmp_path, capsys, args, message):
+    err = usage_error(tmp_path, capsys, *(["--configs", "smoke"] if "--configs" not in args else []), *args)
+    assert message in err, err
+    assert not (tmp_path / "decode.json").exists()
 
 
 def _script(name):

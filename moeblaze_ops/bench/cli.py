@@ -5,11 +5,15 @@ and ``grouped_mm`` under ``torch.compile``; moeblaze eager and compiled. Forward
 the experts' forward (bf16, SwiGLU, uniform routing) and measures its peak memory above the
 inputs; train mode times forward + backward and measures the activation memory kept for
 backward (the unique storages autograd saves, parameters and the layer input excluded) and
-the peak memory of one step. A dispatch micro-benchmark compares moeblaze's dispatch with
-the sort + histc + cumsum that ``grouped_mm`` runs. ``--cudagraphs`` adds ``grouped_mm``
-and moeblaze compiled with ``mode="reduce-overhead"`` (time only), and times the dispatch
-calls replayed from CUDA graphs too (device time, without the host's launches). Writes
-bench.md (tables), bench.json and forward.png (bar charts, with matplotlib) under ``--out``.
+the peak memory of one step. ``--tokens T ...`` runs each config at those token counts in
+place of its own T (a row each); ``--tilt X`` adds ``X * linspace(1, 0, E)`` to the router
+logits (expert 0 busiest), the same routing for every peer. Each row gives its T, time per
+token and its routing's load imbalance (the busiest expert's routed rows over the mean).
+A dispatch micro-benchmark compares moeblaze's dispatch with the sort + histc + cumsum that
+``grouped_mm`` runs. ``--cudagraphs`` adds ``grouped_mm`` and moeblaze compiled with
+``mode="reduce-overhead"`` (time only), and times the dispatch calls replayed from CUDA
+graphs too (device time, without the host's launches). Writes bench.md (tables), bench.json
+and forward.png (bar charts, with matplotlib) under ``--out``.
 
 ``--peer-site DIR`` (repeatable) adds DIR as a site directory (its ``.pth`` files
 processed) before the peers are imported: where a peer's wheels were installed with
@@ -41,6 +45,7 @@ import argparse
 import ast
 import dataclasses
 import json
+import math
 import site
 import time
 from pathlib import Path
@@ -53,9 +58,10 @@ from .configs import CONFIGS, DECODE_SHAPES, DECODE_TOKENS
 from .console import note
 from .implementations import PEER_NAMES
 from .measure import BenchContext, bench_dispatch, bench_forward, bench_train
-from .report import dispatch_table, forward_table, plot, title, train_table
+from .report import dispatch_table, forward_table, plot, routing, title, train_table
 
-__all__ = ["add_peer_sites", "main", "non_negative_int", "parse_setting", "positive_int", "setting_changes"]
+__all__ = ["add_peer_sites", "finite_float", "main", "non_negative_int", "parse_setting", "positive_int",
+           "setting_changes"]
 
 
 def parse_setting(text):
@@ -87,6 +93,14 @@ def _parser():
     p.add_argument("--configs", nargs="*", default=None, choices=[*CONFIGS, *DECODE_SHAPES],
                    help="layer shapes to measure (none: the dispatch micro-benchmark alone); decode mode takes "
                         f"{', '.join(DECODE_SHAPES)} (default {' '.join(decode.DEFAULT_SHAPES)})")
+    # None: the mode's own default (each config's T; decode: DECODE_TOKENS), filled in by _check_names.
+    p.add_argument("--tokens", nargs="+", type=positive_int, default=None, metavar="T",
+                   help="token counts: forward and train modes run each config at each, in place of its own T "
+                        "(default: the config's T); decode mode measures each (default: "
+                        f"{' '.join(map(str, DECODE_TOKENS))})")
+    p.add_argument("--tilt", type=finite_float, default=0.0, metavar="X",
+                   help="forward and train modes: imbalanced routing, X * linspace(1, 0, E) added to the router "
+                        "logits (expert 0 busiest; default: 0, uniform)")
     p.add_argument("--skip", nargs="*", default=[], choices=list(dict.fromkeys(PEER_NAMES + decode.DECODE_PEER_NAMES)),
                    metavar="PEER", help=f"peers to leave out, of: {', '.join(PEER_NAMES)}; in decode mode, of: "
                                         f"{', '.join(decode.DECODE_PEER_NAMES)}")
@@ -99,8 +113,6 @@ def _parser():
                         "SonicMoE into (repeatable)")
     p.add_argument("--out", default="bench_out")
     g = p.add_argument_group("decode mode")
-    g.add_argument("--tokens", nargs="+", type=positive_int, default=list(DECODE_TOKENS), metavar="T",
-                   help="token counts to measure (default: %(default)s)")
     g.add_argument("--nominal-tbps", type=float, default=3.35,
                    help="the card's nominal memory bandwidth in TB/s, for the nominal floor (default: %(default)s, "
                         "H100 SXM)")
@@ -123,6 +135,14 @@ def positive_int(text):
     return value
 
 
+def finite_float(text):
+    """An argparse type: a float that is neither infinite nor NaN."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {value}")
+    return value
+
+
 def non_negative_int(text):
     """An argparse type: an integer of at least 0."""
     value = int(text)
@@ -132,11 +152,16 @@ def non_negative_int(text):
 
 
 def _check_names(parser, args):
-    """Fills in the mode's default ``--configs`` and makes a shape or peer another mode
+    """Fills in the mode's default ``--configs`` and ``--tokens`` (a token count given twice
+    counts once: its rows would be one case's) and makes a shape or peer another mode
     measures a usage error: decode shapes and peers are decode mode's alone."""
     decoding = args.mode == "decode"
     if args.configs is None:
         args.configs = list(decode.DEFAULT_SHAPES if decoding else CONFIGS)
+    if args.tokens is not None:
+        args.tokens = list(dict.fromkeys(args.tokens))
+    elif decoding:
+        args.tokens = list(DECODE_TOKENS)
     shapes = DECODE_SHAPES if decoding else CONFIGS
     wrong = [name for name in args.configs if name not in shapes]
     if wrong:
@@ -184,7 +209,8 @@ def _versions():
 def _measure(args, ctx, changes):
     """Runs the measurements (under the settings in force) -> (bench.json's dict, bench.md's lines)."""
     device_name = torch.cuda.get_device_name() if ctx.on_cuda else "CPU"
-    result = dict(device=device_name, torch=torch.__version__, mode=args.mode, settings=changes, **_versions())
+    result = dict(device=device_name, torch=torch.__version__, mode=args.mode, settings=changes, tilt=args.tilt,
+                  tokens=args.tokens, **_versions())
     text = [title(args.mode, device_name, torch.__version__, changes)]
     if not args.no_dispatch:
         if ctx.on_cuda:
@@ -196,10 +222,10 @@ def _measure(args, ctx, changes):
     if args.mode == "forward":
         result["forward"] = bench_forward(ctx, args.configs)
         dtype = "bf16" if ctx.on_cuda else "fp32"  # make_inputs' default dtype
-        text += ["", f"## forward ({dtype}, SwiGLU, uniform routing)", "", forward_table(result["forward"])]
+        text += ["", f"## forward ({dtype}, SwiGLU, {routing(args.tilt)})", "", forward_table(result["forward"])]
     else:
         result["train"] = bench_train(ctx, args.configs)
-        text += ["", "## forward + backward (SwiGLU, uniform routing)", "", train_table(result["train"])]
+        text += ["", f"## forward + backward (SwiGLU, {routing(args.tilt)})", "", train_table(result["train"])]
     return result, text
 
 
@@ -244,8 +270,11 @@ def main(argv=None):
     if args.mode == "decode":
         if args.cudagraphs:
             parser.error("--cudagraphs is for forward and train modes: decode mode replays CUDA graphs on CUDA anyway")
+        if args.tilt:
+            parser.error("--tilt is for forward and train modes: decode mode draws uniform routing")
         return _run_decode(args, changes)
-    ctx = BenchContext(device=args.device, skip=frozenset(args.skip), cuda_graphs=args.cudagraphs)
+    ctx = BenchContext(device=args.device, skip=frozenset(args.skip), cuda_graphs=args.cudagraphs, tilt=args.tilt,
+                       tokens=tuple(args.tokens) if args.tokens else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

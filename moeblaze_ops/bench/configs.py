@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CONFIGS", "DECODE_SHAPES", "DECODE_TOKENS", "DISPATCH_CASES", "make_inputs"]
+__all__ = ["CONFIGS", "DECODE_SHAPES", "DECODE_TOKENS", "DISPATCH_CASES", "load_imbalance", "make_inputs"]
 
 #: name -> (T tokens, d hidden, I intermediate, E experts, K chosen per token).
 CONFIGS = {
@@ -38,9 +38,14 @@ DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 DISPATCH_CASES = [(65536, 8, 128), (262144, 4, 16), (1048576, 8, 256)]
 
 
-def make_inputs(T, d, I, E, K, dtype=None, device="cuda", seed=0):
-    """Random inputs of a SwiGLU experts layer with uniform routing:
+def make_inputs(T, d, I, E, K, dtype=None, device="cuda", seed=0, tilt=0.0):
+    """Random inputs of a SwiGLU experts layer:
     ``(x [T, d], topk_ids [T, K], topk_weights [T, K], w_gate_up [E, 2I, d], w_down [E, d, I])``.
+
+    Routing is the top-K of the softmax of random logits: uniform for ``tilt`` 0, and with
+    ``tilt * linspace(1, 0, E)`` added to the logits otherwise, so that the low experts get
+    more rows (expert 0 the most for a positive tilt), as a trained router's skew does.
+    The tilt draws nothing from the generator: ``x`` and the weights stay those of tilt 0.
 
     ``dtype`` defaults to bf16 on CUDA and fp32 elsewhere (CPU matmuls in bf16 are slow
     and would make the smoke check's comparison between peers loose).
@@ -49,7 +54,20 @@ def make_inputs(T, d, I, E, K, dtype=None, device="cuda", seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(T, d, device=device, dtype=dtype, generator=g)
     logits = torch.randn(T, E, device=device, generator=g)
+    if tilt:
+        logits += tilt * torch.linspace(1, 0, E, device=device)
     w, ids = logits.softmax(-1).topk(K, dim=-1)
     w_gate_up = torch.randn(E, 2 * I, d, device=device, dtype=dtype, generator=g) * d ** -0.5
     w_down = torch.randn(E, d, I, device=device, dtype=dtype, generator=g) * I ** -0.5
     return x, ids, w, w_gate_up, w_down
+
+
+def load_imbalance(ids, E):
+    """The routing's load imbalance: the busiest expert's routed rows over the mean of the
+    ``E`` experts', as a 0-dim fp64 tensor on ``ids``' device (1.0 for perfectly even
+    routing). Counted with ``index_add_``, not ``bincount``, whose CUDA kernel reads the
+    ids' maximum on the host: nothing here waits for the device."""
+    flat = ids.reshape(-1)
+    ones = torch.ones(flat.numel(), dtype=torch.int64, device=ids.device)
+    counts = torch.zeros(E, dtype=torch.int64, device=ids.device).index_add_(0, flat, ones)
+    return counts.max() / counts.double().mean()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .configs import CONFIGS, DISPATCH_CASES, make_inputs
+from .configs import CONFIGS, DISPATCH_CASES, load_imbalance, make_inputs
 from .console import emit, note, progress
 from .implementations import CUDA_GRAPH_PEERS, peers
 
@@ -26,12 +26,16 @@ __all__ = ["BenchContext", "time_ms", "peak_bytes", "activation_bytes", "bench_f
 
 @dataclass(frozen=True)
 class BenchContext:
-    """Where the benchmark runs, which peers it leaves out, and whether it adds the peers
-    that replay CUDA graphs (``CUDA_GRAPH_PEERS``: time only)."""
+    """Where the benchmark runs, which peers it leaves out, whether it adds the peers that
+    replay CUDA graphs (``CUDA_GRAPH_PEERS``: time only), the routing's tilt
+    (``make_inputs``; 0 is uniform) and the token counts each config runs at (None: the
+    config's own T; else one row per token count, the config's d, I, E, K kept)."""
 
     device: str = "cuda"
     skip: frozenset = frozenset()
     cuda_graphs: bool = False
+    tilt: float = 0.0
+    tokens: tuple | None = None
 
     @property
     def on_cuda(self) -> bool:
@@ -121,14 +125,34 @@ def _release_cached(ctx):
         torch.cuda.empty_cache()
 
 
-def bench_forward(ctx, names):
-    """Rows of the forward benchmark: per config and peer, its time, TFLOP/s, peak memory
-    without grad and in a training forward, and its output's difference from the first peer's."""
-    rows = []
-    for name in progress(names, "forward"):
+def _cases(ctx, names):
+    """(config, T, d, I, E, K) of each config at each of ``ctx.tokens`` (its own T if none)."""
+    cases = []
+    for name in names:
         T, d, I, E, K = CONFIGS[name]
-        torch._dynamo.reset()  # each config compiles its peers afresh: no recompile limit across configs
-        inputs = make_inputs(T, d, I, E, K, device=ctx.device)
+        cases += [(name, t, d, I, E, K) for t in (ctx.tokens or (T,))]
+    return cases
+
+
+def _row(ctx, case, imbalance, peer, ms, flops, **measured):
+    """One measured row: the case (config, T, the routing's tilt and max/mean expert load,
+    ``imbalance`` read here, after the peer's timing), the peer, its time (per call and per
+    token, to compare token counts) and TFLOP/s, then ``measured``."""
+    name, T = case[:2]
+    return emit(dict(config=name, T=T, tilt=ctx.tilt, load_imbalance=float(imbalance), peer=peer, ms=ms,
+                     us_per_token=ms * 1e3 / T, tflops=flops / ms / 1e9, **measured))
+
+
+def bench_forward(ctx, names):
+    """Rows of the forward benchmark: per config (at each token count) and peer, its time,
+    TFLOP/s, peak memory without grad and in a training forward, and its output's difference
+    from the first peer's."""
+    rows = []
+    for case in progress(_cases(ctx, names), "forward"):
+        _, T, d, I, E, K = case
+        torch._dynamo.reset()  # each case compiles its peers afresh: no recompile limit across cases
+        inputs = make_inputs(T, d, I, E, K, device=ctx.device, tilt=ctx.tilt)
+        imbalance = load_imbalance(inputs[1], E)  # queued on the device; read after timing (_row)
         flops = 6 * T * K * d * I  # forward: 2*LK*d*2I + 2*LK*I*d
         fns = peers(*inputs, cuda_graphs=ctx.cuda_graphs)
         ref = None
@@ -139,8 +163,8 @@ def bench_forward(ctx, names):
                 err = float((out.float() - ref).norm() / ref.norm())
                 ms = time_ms(fn, ctx.device)
             if peer in CUDA_GRAPH_PEERS:
-                rows.append(emit(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=NAN,
-                                      train_fwd_peak_gb=NAN, rel_diff_vs_first=err)))
+                rows.append(_row(ctx, case, imbalance, peer, ms, flops, peak_gb=NAN, train_fwd_peak_gb=NAN,
+                                 rel_diff_vs_first=err))
                 continue
             with torch.no_grad():
                 mem = peak_bytes(fn, ctx.device)
@@ -153,22 +177,24 @@ def bench_forward(ctx, names):
             train_mem = peak_bytes(fn, ctx.device)
             for t in trainable:
                 t.requires_grad_(False)
-            rows.append(emit(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=mem / 1e9,
-                                   train_fwd_peak_gb=train_mem / 1e9, rel_diff_vs_first=err)))
-        del fns, inputs, ref
+            rows.append(_row(ctx, case, imbalance, peer, ms, flops, peak_gb=mem / 1e9,
+                             train_fwd_peak_gb=train_mem / 1e9, rel_diff_vs_first=err))
+        del fns, inputs, ref, imbalance
         _release_cached(ctx)
     return rows
 
 
 def bench_train(ctx, names):
-    """Rows of the train benchmark: per config and peer, the time and TFLOP/s of forward +
-    backward, the peak memory of one step and the activation memory kept for backward."""
+    """Rows of the train benchmark: per config (at each token count) and peer, the time and
+    TFLOP/s of forward + backward, the peak memory of one step and the activation memory
+    kept for backward."""
     rows = []
-    for name in progress(names, "train"):
-        T, d, I, E, K = CONFIGS[name]
+    for case in progress(_cases(ctx, names), "train"):
+        _, T, d, I, E, K = case
         torch._dynamo.reset()
-        inputs = make_inputs(T, d, I, E, K, device=ctx.device)
+        inputs = make_inputs(T, d, I, E, K, device=ctx.device, tilt=ctx.tilt)
         x, ids, w, w_gate_up, w_down = inputs
+        imbalance = load_imbalance(ids, E)  # queued on the device; read after timing (_row)
         for t in (x, w, w_gate_up, w_down):
             t.requires_grad_(True)
         flops = 18 * T * K * d * I  # the backward's GEMMs (dX and dW of each) are twice the forward's 6*T*K*d*I
@@ -192,8 +218,8 @@ def bench_train(ctx, names):
             timed = fresh_step if peer in CUDA_GRAPH_PEERS else step
             ms = time_ms(lambda fn=fn, timed=timed: timed(fn), ctx.device, grad_to_none=(x, w, w_gate_up, w_down))
             if peer in CUDA_GRAPH_PEERS:
-                rows.append(emit(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=NAN,
-                                      activation_gb=NAN, activation_bytes=NAN)))
+                rows.append(_row(ctx, case, imbalance, peer, ms, flops, peak_gb=NAN, activation_gb=NAN,
+                                 activation_bytes=NAN))
                 continue
             # From no gradients, as a training step starts after zero_grad(set_to_none=True):
             # the gradients' allocation counts, whichever peer ran before.
@@ -204,9 +230,9 @@ def bench_train(ctx, names):
             del out
             for t in (x, w, w_gate_up, w_down):
                 t.grad = None
-            rows.append(emit(dict(config=name, peer=peer, ms=ms, tflops=flops / ms / 1e9, peak_gb=mem / 1e9,
-                                   activation_gb=act / 1e9, activation_bytes=act)))
-        del inputs, x, w, w_gate_up, w_down
+            rows.append(_row(ctx, case, imbalance, peer, ms, flops, peak_gb=mem / 1e9, activation_gb=act / 1e9,
+                             activation_bytes=act))
+        del inputs, x, w, w_gate_up, w_down, imbalance
         _release_cached(ctx)
     return rows
 

@@ -1,14 +1,15 @@
 """What a run writes: markdown tables of the measured rows and the forward bar charts.
 
-Each table compares every peer of a config with that config's ``hf_grouped_mm_compiled``
-row (HF's fastest backend); a config without that row shows "-" there.
+Each table compares every peer of a config at a token count T with that config's
+``hf_grouped_mm_compiled`` row at the same T (HF's fastest backend); one without that row
+shows "-" there. Each row shows its T and its routing's max/mean expert load beside the config.
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["BASE_PEER", "title", "forward_table", "train_table", "dispatch_table", "plot"]
+__all__ = ["BASE_PEER", "title", "routing", "forward_table", "train_table", "dispatch_table", "plot"]
 
 BASE_PEER = "hf_grouped_mm_compiled"
 
@@ -21,15 +22,24 @@ def title(mode, device, torch_version, changes):
     return text
 
 
+def routing(tilt):
+    """The routing of a run with ``tilt`` (``make_inputs``), for a table's heading."""
+    if not tilt:
+        return "uniform routing"
+    return f"router logits {'+' if tilt > 0 else '-'} {abs(tilt):g}*linspace(1, 0, E)"
+
+
 def _against_base(rows, base_peer=BASE_PEER):
-    """(config, peer, row, the config's base row or None, speed vs base as text), per row."""
+    """(the row's first cells: config, T, max/mean expert load; peer, row, the base row of
+    its config and T or None, speed vs base as text), per row."""
     by = {}
     for r in rows:
-        by.setdefault(r["config"], {})[r["peer"]] = r
-    for cfg, peers_ in by.items():
+        by.setdefault((r["config"], r["T"]), {})[r["peer"]] = r
+    for (cfg, T), peers_ in by.items():
         base = peers_.get(base_peer)
         for peer, r in peers_.items():
-            yield cfg, peer, r, base, (f"{base['ms'] / r['ms']:.2f}x" if base else "-")
+            case = [cfg, str(T), f"{r['load_imbalance']:.2f}x"]
+            yield case, peer, r, base, (f"{base['ms'] / r['ms']:.2f}x" if base else "-")
 
 
 def _markdown(header, body):
@@ -48,25 +58,29 @@ def _num(value, digits):
     return "-" if math.isnan(value) else f"{value:.{digits}f}"
 
 
+#: The cells ``_against_base`` gives each row before its peer's.
+_CASE_HEADER = ["config", "T", "max/mean expert load"]
+
+
 def forward_table(rows):
     """Markdown table of ``bench_forward``'s rows."""
-    header = ["config", "peer", "ms", "TFLOP/s", "peak GB (no grad)", "peak GB (training fwd)",
+    header = [*_CASE_HEADER, "peer", "ms", "TFLOP/s", "peak GB (no grad)", "peak GB (training fwd)",
               "speed vs compiled grouped_mm", "peak vs compiled grouped_mm (no grad / training fwd)"]
     return _markdown(header, (
-        [cfg, peer, f"{r['ms']:.3f}", f"{r['tflops']:.0f}", _num(r['peak_gb'], 2), _num(r['train_fwd_peak_gb'], 2),
+        [*case, peer, f"{r['ms']:.3f}", f"{r['tflops']:.0f}", _num(r['peak_gb'], 2), _num(r['train_fwd_peak_gb'], 2),
          speed, f"{_ratio(r, base, 'peak_gb')} / {_ratio(r, base, 'train_fwd_peak_gb')}" if base and base["peak_gb"] > 0
          else "-"]
-        for cfg, peer, r, base, speed in _against_base(rows)))
+        for case, peer, r, base, speed in _against_base(rows)))
 
 
 def train_table(rows):
     """Markdown table of ``bench_train``'s rows."""
-    header = ["config", "peer", "fwd+bwd ms", "TFLOP/s", "activation GB", "peak GB", "speed vs compiled grouped_mm",
-              "activation vs compiled grouped_mm", "peak vs compiled grouped_mm"]
+    header = [*_CASE_HEADER, "peer", "fwd+bwd ms", "TFLOP/s", "activation GB", "peak GB",
+              "speed vs compiled grouped_mm", "activation vs compiled grouped_mm", "peak vs compiled grouped_mm"]
     return _markdown(header, (
-        [cfg, peer, f"{r['ms']:.3f}", f"{r['tflops']:.0f}", _num(r['activation_gb'], 3), _num(r['peak_gb'], 2), speed,
+        [*case, peer, f"{r['ms']:.3f}", f"{r['tflops']:.0f}", _num(r['activation_gb'], 3), _num(r['peak_gb'], 2), speed,
          _ratio(r, base, "activation_gb"), _ratio(r, base, "peak_gb")]
-        for cfg, peer, r, base, speed in _against_base(rows)))
+        for case, peer, r, base, speed in _against_base(rows)))
 
 
 def dispatch_table(rows):
@@ -89,7 +103,7 @@ def dispatch_table(rows):
 
 
 def plot(rows, path):
-    """Bar charts of the forward rows' TFLOP/s and peak memory per config and peer, saved
+    """Bar charts of the forward rows' TFLOP/s and peak memory per config, T and peer, saved
     to ``path``; False (nothing written) where matplotlib is not importable."""
     try:
         import matplotlib
@@ -98,17 +112,18 @@ def plot(rows, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    cfgs = list(dict.fromkeys(r["config"] for r in rows))
+    cases = list(dict.fromkeys((r["config"], r["T"]) for r in rows))
     peers_ = list(dict.fromkeys(r["peer"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
     width = 0.8 / len(peers_)
     for i, p in enumerate(peers_):
-        vals = {r["config"]: r for r in rows if r["peer"] == p}
-        xs = [j + i * width for j in range(len(cfgs))]
-        axes[0].bar(xs, [vals[c]["tflops"] if c in vals else 0 for c in cfgs], width, label=p)
-        axes[1].bar(xs, [vals[c]["peak_gb"] if c in vals else 0 for c in cfgs], width, label=p)
+        vals = {(r["config"], r["T"]): r for r in rows if r["peer"] == p}
+        xs = [j + i * width for j in range(len(cases))]
+        axes[0].bar(xs, [vals[c]["tflops"] if c in vals else 0 for c in cases], width, label=p)
+        axes[1].bar(xs, [vals[c]["peak_gb"] if c in vals else 0 for c in cases], width, label=p)
     for ax, name in zip(axes, ["forward TFLOP/s", "forward peak memory (GB)"]):
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cfgs))], cfgs, rotation=30)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))],
+                      [f"{cfg} T={T}" for cfg, T in cases], rotation=30)
         ax.set_title(name)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
