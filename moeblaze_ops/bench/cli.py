@@ -127,28 +127,26 @@ def _parser():
     return p
 
 
-def positive_int(text):
-    """An argparse type: an integer of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _argument_type(name, convert, holds, requirement, doc):
+    """An argparse type called ``name`` (argparse names it in its errors): ``convert(text)``,
+    refused with "must be ``requirement``" unless ``holds`` of it."""
+    def parse(text):
+        value = convert(text)
+        if not holds(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {value}")
+        return value
+
+    parse.__name__ = parse.__qualname__ = name
+    parse.__doc__ = doc
+    return parse
 
 
-def finite_float(text):
-    """An argparse type: a float that is neither infinite nor NaN."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be finite, got {value}")
-    return value
-
-
-def non_negative_int(text):
-    """An argparse type: an integer of at least 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+positive_int = _argument_type("positive_int", int, lambda v: v >= 1, "at least 1",
+                              "An argparse type: an integer of at least 1.")
+non_negative_int = _argument_type("non_negative_int", int, lambda v: v >= 0, "at least 0",
+                                  "An argparse type: an integer of at least 0.")
+finite_float = _argument_type("finite_float", float, math.isfinite, "finite",
+                              "An argparse type: a float that is neither infinite nor NaN.")
 
 
 def _check_names(parser, args):
