@@ -54,7 +54,7 @@ from moeblaze_ops.kernels import config
 from moeblaze_ops.kernels.triton_backend import grouped_gemm as gg
 from moeblaze_ops.kernels.triton_backend.activations import is_gated_code
 from moeblaze_ops.kernels.triton_backend.combine import COMBINE_TILE, column_slabs, widest_slab
-from moeblaze_ops.kernels.triton_backend.experts import ACTIVATION_TILE
+from moeblaze_ops.kernels.triton_backend.experts import ACTIVATION_TILE, activated_tile
 
 from . import compat, templates
 
@@ -181,16 +181,40 @@ def _random_ids(high):
 # --------------------------------------------------------------------------- the template calls
 
 
+def _row_gemm_operands(a, b, a_row_ids, offsets, bias, out_rows):
+    """``(input nodes, input_gen_fns)`` of a row GEMM template: A, B, the row ids where A is
+    gathered, the offsets, the bias where there is one; autotuning's stand-ins make the
+    offsets and row ids valid."""
+    inputs = [compat.realized(a), compat.realized(b)]
+    gens = {}
+    if a_row_ids is not None:
+        gens[len(inputs)] = _random_ids(a.get_size()[0])
+        inputs.append(compat.contiguous(a_row_ids))
+    gens[len(inputs)] = _even_offsets(out_rows)
+    inputs.append(compat.contiguous(offsets))
+    if bias is not None:
+        inputs.append(compat.realized(bias))
+    return inputs, gens
+
+
+def _row_schedule(tile, dtype, device, experts) -> dict:
+    """The launch parameters every row GEMM template takes from its tile: the persistent
+    grid over the ``row_tile`` schedule of ``experts`` experts (columns: ``BLOCK_N``, the
+    template's own)."""
+    return dict(num_stages=tile.num_stages, num_warps=tile.num_warps, GROUPS=triton.next_power_of_2(experts + 1),
+                BAND=config.ROW_BAND, PRECISION=repr(gg.precision(dtype)),
+                NUM_PROGRAMS=gg.num_programs(device, None, tile.programs_per_sm), BLOCK_M=tile.block_m,
+                BLOCK_K=tile.block_k)
+
+
 def row_gemm(kind, a, b, a_row_ids, offsets, bias, transposed, out_rows):
     """out[r] = A[a_row_ids[r] or r] @ B_e (+ bias_e) for ``out_rows`` routed rows, B an
     expert weight stack in ``transposed`` layout: the chosen template node."""
     E = b.get_size()[0]
     n_out = b.get_size()[2 if transposed else 1]
     dtype, device = a.get_dtype(), a.get_device()
-    a, b = compat.realized(a), compat.realized(b)
-    inputs = [a, b] + ([compat.contiguous(a_row_ids)] if a_row_ids is not None else []) + [compat.contiguous(offsets)]
-    if bias is not None:
-        inputs.append(compat.realized(bias))
+    inputs, gens = _row_gemm_operands(a, b, a_row_ids, offsets, bias, out_rows)
+    b = inputs[1]  # realized: its layout is the one the kernel reads
     layout = compat.fixed_layout(device, dtype, [out_rows, n_out])
     kmajor = b.get_stride()[1 if transposed else 2] == 1
     rows, experts = compat.hint(out_rows), compat.static_int(E)
@@ -200,16 +224,9 @@ def row_gemm(kind, a, b, a_row_ids, offsets, bias, transposed, out_rows):
     choices = []
     for tile in _row_gemm_tiles(kind, dtype, device, rows, experts):
         templates.row_gemm.maybe_append_choice(
-            choices, input_nodes=inputs, layout=layout, num_stages=tile.num_stages, num_warps=tile.num_warps,
-            GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None, TRANSPOSED=transposed,
-            B_TMA=weight_tma and _tma_ready(b, tile), B_KMAJOR=kmajor,
-            GROUPS=triton.next_power_of_2(experts + 1), BAND=config.ROW_BAND,
-            PRECISION=repr(gg.precision(dtype)),
-            NUM_PROGRAMS=gg.num_programs(device, None, tile.programs_per_sm),
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
-    gens = {len(inputs) - (2 if bias is not None else 1): _even_offsets(out_rows)}
-    if a_row_ids is not None:
-        gens[2] = _random_ids(a.get_size()[0])
+            choices, input_nodes=inputs, layout=layout, GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None,
+            TRANSPOSED=transposed, B_TMA=weight_tma and _tma_ready(b, tile), B_KMAJOR=kmajor,
+            BLOCK_N=tile.block_n, **_row_schedule(tile, dtype, device, experts))
     return compat.select_algorithm(f"moeblaze_{kind}", choices, inputs, layout, input_gen_fns=gens)
 
 
@@ -219,27 +236,18 @@ def activated_row_gemm(x, w, a_row_ids, offsets, bias, transposed, out_rows, act
     a gated ``act``, an ``ActivationCode``)."""
     E = w.get_size()[0]
     n_out = w.get_size()[2 if transposed else 1]
-    gated = is_gated_code(act)
-    columns = n_out // 2 if gated else n_out
+    columns = n_out // 2 if is_gated_code(act) else n_out
     dtype, device = x.get_dtype(), x.get_device()
-    x, w = compat.realized(x), compat.realized(w)
-    inputs = [x, w, compat.contiguous(a_row_ids), compat.contiguous(offsets)]
-    if bias is not None:
-        inputs.append(compat.realized(bias))
+    inputs, gens = _row_gemm_operands(x, w, a_row_ids, offsets, bias, out_rows)
     layout = compat.fixed_layout(device, dtype, [out_rows, columns])
     rows, experts = compat.hint(out_rows), compat.static_int(E)
     choices = []
     for tile in _row_gemm_tiles("up", dtype, device, rows, experts):
         templates.activated_row_gemm.maybe_append_choice(
-            choices, input_nodes=inputs, layout=layout, num_stages=tile.num_stages, num_warps=tile.num_warps,
-            HAS_BIAS=bias is not None, TRANSPOSED=transposed, ACT=int(act), INTERLEAVED=interleaved,
-            ALPHA=float(alpha), LIMIT=float(limit), FAST_ACT=dtype != torch.float32,
-            GROUPS=triton.next_power_of_2(experts + 1), BAND=config.ROW_BAND, PRECISION=repr(gg.precision(dtype)),
-            NUM_PROGRAMS=gg.num_programs(device, None, tile.programs_per_sm),
-            # A gated tile's columns are activation columns, each reading two of B's.
-            BLOCK_M=tile.block_m, BLOCK_N=max(16, tile.block_n // 2) if gated else tile.block_n,
-            BLOCK_K=tile.block_k)
-    gens = {2: _random_ids(x.get_size()[0]), 3: _even_offsets(out_rows)}
+            choices, input_nodes=inputs, layout=layout, HAS_BIAS=bias is not None, TRANSPOSED=transposed,
+            ACT=int(act), INTERLEAVED=interleaved, ALPHA=float(alpha), LIMIT=float(limit),
+            FAST_ACT=dtype != torch.float32, BLOCK_N=activated_tile(tile, act).block_n,
+            **_row_schedule(tile, dtype, device, experts))
     return compat.select_algorithm("moeblaze_up_activated", choices, inputs, layout, input_gen_fns=gens)
 
 

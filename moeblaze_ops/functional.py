@@ -138,8 +138,9 @@ def moe_experts(
         h = ops.expert_up(x2, w_gate_up, eti, offsets, tim, b_gate_up, transposed, False)
         out = ops.expert_down(h, w_down, eti, offsets, tim, tw, b_down, *args, False)
     else:
-        beside = is_gated(activation) and config.activation_beside_h(linear_dims(w_gate_up, transposed)[1] // 2, eti.shape[0], E,
-                                                      interleaved=interleaved, up_bias=b_gate_up is not None)
+        beside = is_gated(activation) and config.activation_beside_h(
+            linear_dims(w_gate_up, transposed)[1] // 2, eti.shape[0], E, interleaved=interleaved,
+            up_bias=b_gate_up is not None)
         h, a = UpProjection.apply(x2, w_gate_up, b_gate_up, eti, offsets, tim, args, beside)
         # Eager autograd may write dH over h, the layer's own.
         up = (x2, w_gate_up, b_gate_up) if overwrite_h else None

@@ -181,16 +181,20 @@ def launch_gathered_gemm(a, a_row_ids, b, bias, offsets, out, transposed, kind):
     )
 
 
+def activated_tile(up_tile, act):
+    """``_activated_gemm_kernel``'s tile from the up GEMM's: for a gated ``act`` half as
+    many (activation) columns, each reading two of the weight's, so that a tile reads as
+    many weight columns as the plain GEMM's."""
+    return dataclasses.replace(up_tile, block_n=max(16, up_tile.block_n // 2)) if is_gated_code(act) else up_tile
+
+
 def launch_activated_gemm(a, a_row_ids, b, bias, offsets, out, transposed, act, interleaved, alpha, limit):
     """out = act(A[a_row_ids[r]] @ B_e + bias_e) over every routed row in one ``tl`` GEMM
-    (``_activated_gemm_kernel``), B the up projection's weight stack in ``transposed``
-    layout; ``act`` an ``ActivationCode``. A gated activation's tile is half the up tile's
-    width in activation columns: the same B columns a tile."""
+    (``_activated_gemm_kernel``, its tile ``activated_tile``), B the up projection's weight
+    stack in ``transposed`` layout; ``act`` an ``ActivationCode``."""
     E, _, reduction = linear_dims(b, transposed)
     LK, I = out.shape
-    tile = gg.tile_config("up", a, LK, E)
-    if is_gated_code(act):
-        tile = dataclasses.replace(tile, block_n=max(16, tile.block_n // 2))
+    tile = activated_tile(gg.tile_config("up", a, LK, E), act)
     strides = linear_strides(b, transposed)
     gg.launch_row_gemm(
         _activated_gemm_kernel, tile, a.dtype, a.device, I,
