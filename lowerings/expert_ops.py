@@ -94,17 +94,17 @@ def _index_arrays_from_dispatch(index_positions) -> bool:
     return all(_from_dispatch(args[i] if i < len(args) else None) for i in index_positions)
 
 
-def _widest_slab(kind, rows, reduction, weight, gated=False) -> int:
+def _widest_slab(kind, rows, reduction, weight, gated=False, backward_follows=True) -> int:
     """``triton_backend.combine.widest_slab`` of GEMM ``kind`` over ``rows`` routed rows
     ``reduction`` deep with the weight stack ``weight`` (``gated``: the down projection
-    of a gated activation), by the size hints."""
+    of a gated activation; ``backward_follows``: in training), by the size hints."""
     numel = 1
     for size in weight.get_size():
         numel *= compat.hint(size)
-    return widest_slab(kind, compat.hint(rows), compat.hint(reduction), numel, gated)
+    return widest_slab(kind, compat.hint(rows), compat.hint(reduction), numel, gated, backward_follows)
 
 
-def _op_runs_gluon(kind, a, rows, out_cols, reduction, weight=None, gated=False) -> bool:
+def _op_runs_gluon(kind, a, rows, out_cols, reduction, weight=None, gated=False, backward_follows=True) -> bool:
     """Whether the op's own kernels would run GEMM ``kind`` (A = ``a`` over ``rows`` routed
     rows, ``out_cols`` output columns, ``reduction`` deep) on its Gluon kernel: the
     decision of ``triton_backend.grouped_gemm.gluon_module`` on each launch's operations (a column slab
@@ -114,13 +114,13 @@ def _op_runs_gluon(kind, a, rows, out_cols, reduction, weight=None, gated=False)
     multiples of 16; its stride and alignment rules hold for the contiguous operands the
     graph makes). Those kernels are faster than the ``tl`` templates, so the graph calls
     the op there; elsewhere the op's ``tl`` kernel would run, and the template, as fast,
-    lets consumers fuse. ``gated``: as ``_widest_slab``'s."""
+    lets consumers fuse. ``gated``, ``backward_follows``: as ``_widest_slab``'s."""
     device = a.get_device()
     if a.get_dtype() not in (torch.float16, torch.bfloat16) or device is None or device.type != "cuda":
         return False
     out_cols, reduction = compat.hint(out_cols), compat.hint(reduction)
     if kind != "up":
-        slabs = column_slabs(out_cols, _widest_slab(kind, rows, reduction, weight, gated))
+        slabs = column_slabs(out_cols, _widest_slab(kind, rows, reduction, weight, gated, backward_follows))
         out_cols = slabs[0][1] - slabs[0][0] if slabs else 0
     if out_cols % 16 or reduction % 16:
         return False
@@ -288,13 +288,14 @@ def combine(rows, token_index_map, offsets, num_tokens, topk_weights=None):
 
 
 def combined_rows(kind, a, b, offsets, token_index_map, num_tokens, transposed, out_dim, topk_weights=None,
-                  bias=None, gated=False):
+                  bias=None, gated=False, backward_follows=True):
     """``combine`` of the routed rows A_r @ B_e (+ bias_e), made one column slab at a time
     (``triton_backend.combine.column_slabs``, as the eager kernels make their [L*K, d] scratch): the
-    forward's down projection (A = act(h); ``gated``: of a gated activation) and backward's
-    dX (A = dH). ``out_dim`` is the dimension of B that holds the output columns."""
+    forward's down projection (A = act(h); ``gated``: of a gated activation;
+    ``backward_follows``: in training) and backward's dX (A = dH). ``out_dim`` is the
+    dimension of B that holds the output columns."""
     slabs = []
-    widest = _widest_slab(kind, a.get_size()[0], a.get_size()[1], b, gated)
+    widest = _widest_slab(kind, a.get_size()[0], a.get_size()[1], b, gated, backward_follows)
     for c0, c1 in column_slabs(compat.static_int(b.get_size()[out_dim]), widest):
         w = compat.slice_view(b, out_dim, c0, c1)
         bias_slab = compat.slice_view(bias, 1, c0, c1) if bias is not None else None
@@ -390,19 +391,20 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
 
 
 def _down_projection(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-                     activation, transposed, interleaved, alpha, limit, validate):
+                     activation, transposed, interleaved, alpha, limit, validate, backward_follows=True):
     """``expert_down`` of h where the templates apply: the op where its GEMM runs on Gluon,
-    else the activation pass, then the down GEMM and the combine in column slabs."""
+    else the activation pass, then the down GEMM and the combine in column slabs
+    (``backward_follows``: in training, as ``_widest_slab``'s)."""
     out_dim = 2 if transposed else 1  # w_down is [E, d, I], or [E, I, d] when transposed
     gated = is_gated(activation)
     if _op_runs_gluon("down", h, h.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim],
-                      w_down, gated):
+                      w_down, gated, backward_follows):
         return compat.fallback(_ops.expert_down.default, h, w_down, expert_token_indices, expert_offsets,
                                token_index_map, topk_weights, b_down, activation, transposed, interleaved, alpha,
                                limit, validate)
     a = activation_pass(h, w_down.get_size()[3 - out_dim], activation_code(activation), interleaved, alpha, limit)
     return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],
-                         transposed, out_dim, topk_weights, b_down, gated)
+                         transposed, out_dim, topk_weights, b_down, gated, backward_follows)
 
 
 def _down_projection_of_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
@@ -417,16 +419,17 @@ def _down_projection_of_activated(a, w_down, expert_token_indices, expert_offset
 
 
 def _down_of_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-                       transposed, gated):
+                       transposed, gated, backward_follows=True):
     """The down GEMM and the combine of rows activated already (``gated``: by a gated
-    activation): the op where its GEMM runs on Gluon, else the templates in column slabs."""
+    activation; ``backward_follows``: in training): the op where its GEMM runs on Gluon,
+    else the templates in column slabs."""
     out_dim = 2 if transposed else 1
     if _op_runs_gluon("down", a, a.get_size()[0], w_down.get_size()[out_dim], w_down.get_size()[3 - out_dim],
-                      w_down, gated=gated):
+                      w_down, gated, backward_follows):
         return compat.fallback(_ops._expert_down_activated.default, a, w_down, expert_token_indices, expert_offsets,
                                token_index_map, topk_weights, b_down, transposed, gated)
     return combined_rows("down", a, w_down, expert_offsets, token_index_map, topk_weights.get_size()[0],
-                         transposed, out_dim, topk_weights, b_down, gated=gated)
+                         transposed, out_dim, topk_weights, b_down, gated, backward_follows)
 
 
 @compat.register_lowering(_ops.expert_layer.default, type_promotion_kind=None)
@@ -446,11 +449,14 @@ def expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, tok
     if config.activates_in_up_epilogue(2 * compat.hint(rows) * compat.hint(n_out) * compat.hint(reduction)):
         a = activated_row_gemm(x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed, rows,
                                activation_code(activation), interleaved, alpha, limit)
+        # No backward follows. (Where the down GEMM would run on Gluon, the up GEMM, at least
+        # as big, would too and the whole op ran above: the training ops that these fall
+        # back to there are never reached from here.)
         return _down_of_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
-                                  b_down, transposed, is_gated(activation))
+                                  b_down, transposed, is_gated(activation), backward_follows=False)
     h = row_gemm("up", x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed, rows)
     return _down_projection(h, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-                            activation, transposed, interleaved, alpha, limit, validate)
+                            activation, transposed, interleaved, alpha, limit, validate, backward_follows=False)
 
 
 # --------------------------------------------------------------------------- backward

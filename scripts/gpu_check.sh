@@ -137,7 +137,8 @@ rows = {}  # (config, peer) -> side -> [(ms, peak GB)]
 for path in sorted(glob.glob(f"{out}/bench/*.json")):
     side = re.match(r"[a-z]+", os.path.basename(path)).group(0)
     for r in json.load(open(path)).get("train", []):
-        rows.setdefault((r["config"], r["peer"]), {}).setdefault(side, []).append((r["ms"], r["peak_gb"]))
+        case = r["config"] + (f" T={r['T']}" if "T" in r else "") + (f" tilt={r['tilt']:g}" if r.get("tilt") else "")
+        rows.setdefault((case, r["peer"]), {}).setdefault(side, []).append((r["ms"], r["peak_gb"]))
 
 def cell(v, digits=3):
     return "-" if v is None else f"{v:.{digits}f}"

@@ -2,7 +2,7 @@
 (kernels by device time) and the step's host, wall and device milliseconds.
 
     python scripts/profile_step.py [--configs qwen3_100m olmoe] [--peers moeblaze hf_grouped_mm_compiled]
-        [--steps 5] [--device cuda|cpu] [--rows 25] [--host-rows 25] [--trace DIR] [--gaps 15]
+        [--tokens T ...] [--tilt X] [--steps 5] [--device cuda|cpu] [--rows 25] [--host-rows 25] [--trace DIR] [--gaps 15]
         [--cudagraphs] [--set NAME=VALUE ...] [--peer-site DIR]
     python scripts/profile_step.py --model 100m [--impl moeblaze grouped_mm] [--compile [MODE]]
         [--batch 8] [--seq 64] [...]
@@ -43,7 +43,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from moeblaze_ops import settings
 from moeblaze_ops.bench import CONFIGS, decode, make_inputs, peers
-from moeblaze_ops.bench.cli import add_peer_sites, parse_setting, positive_int, setting_changes
+from moeblaze_ops.bench.cli import add_peer_sites, finite_float, parse_setting, positive_int, setting_changes
 from moeblaze_ops.bench.configs import DECODE_SHAPES
 from moeblaze_ops.bench.implementations import PEER_NAMES
 
@@ -55,6 +55,10 @@ def parser():
     p.add_argument("--configs", nargs="+", default=["qwen3_100m", "olmoe"], choices=list(CONFIGS))
     p.add_argument("--peers", nargs="+", default=["moeblaze", "hf_grouped_mm_compiled"], choices=PEER_NAMES,
                    metavar="PEER", help=f"of: {', '.join(PEER_NAMES)}")
+    p.add_argument("--tokens", nargs="+", type=positive_int, default=None, metavar="T",
+                   help="the layer at these token counts in place of each config's own T (a profile each)")
+    p.add_argument("--tilt", type=finite_float, default=0.0, metavar="X",
+                   help="imbalanced routing, as the benchmark's --tilt: X * linspace(1, 0, E) added to the logits")
     p.add_argument("--model", metavar="SIZE", default=None,
                    help="profile the example's model of this --size (tiny, small, 100m) instead of one layer")
     p.add_argument("--impl", nargs="+", default=["moeblaze", "grouped_mm"],
@@ -107,10 +111,12 @@ def _release(device):
 def layer_steps(a):
     """(label, step) per config and peer: one forward + backward of the benchmark's layer,
     from no gradients (as after ``zero_grad(set_to_none=True)``)."""
-    for name in a.configs:
-        T, d, I, E, K = CONFIGS[name]
+    for name, T in ((n, t) for n in a.configs for t in a.tokens or [CONFIGS[n][0]]):
+        _, d, I, E, K = CONFIGS[name]
         torch._dynamo.reset()
-        x, ids, w, w_gate_up, w_down = make_inputs(T, d, I, E, K, device=a.device)
+        x, ids, w, w_gate_up, w_down = make_inputs(T, d, I, E, K, device=a.device, tilt=a.tilt)
+        if a.tokens or a.tilt:
+            name = f"{name} T={T}" + (f" tilt={a.tilt:g}" if a.tilt else "")
         params = (x, w, w_gate_up, w_down)
         for t in params:
             t.requires_grad_(True)

@@ -10,11 +10,14 @@ import pytest
 
 gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
 
+from moeblaze_ops.kernels import config  # noqa: E402
 from moeblaze_ops.kernels.config import GemmTile  # noqa: E402
 
 
 #: The shared memory a block may opt into on an H100 / H200 (sm_90).
 HOPPER_SHARED = 227 * 1024
+#: An H100's L2 cache.
+HOPPER_L2 = 50 * 1024 * 1024
 
 
 def _compile_for_hopper(fn, signature, constexprs, num_warps, aligned):
@@ -57,13 +60,13 @@ def test_weight_gradient_kernel_compiles_for_hopper(dtype, variant, offsets_32, 
         tile = dataclasses.replace(tile, num_stages=3)
     if variant.startswith("one_warpgroup"):
         tile = dataclasses.replace(tile, block_n=64, num_warps=4)
-    ints = ["E", "P", "Q", "stride_rm", "stride_gm", "stride_oe", "stride_op", "stride_oq"]
+    ints = ["E", "P", "Q", "LONG_ROWS", "stride_rm", "stride_gm", "stride_oe", "stride_op", "stride_oq"]
     signature = {"rows_desc": _descriptor_type(dtype, [tile.block_k, tile.block_m]), "rows_ptr": f"*{dtype}",
                  "gathered_ptr": f"*{dtype}", "row_ids_ptr": "*i32", "offsets_ptr": "*i32", "out_ptr": f"*{dtype}",
                  **{name: "i32" for name in ints}}
     constexprs = dict(BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
                       num_warps=tile.num_warps // groups, G_OFFSETS_32=offsets_32, MMA_GROUPS=groups,
-                      MMA_REGS=gluon_wgrad.MMA_GROUP_REGS)
+                      MMA_REGS=gluon_wgrad.MMA_GROUP_REGS, BAND=config.WGRAD_LONG_BAND)
     constexprs.update(zip(("PRODUCER_WARPS", "PRODUCER_REGS"), gluon_wgrad.PRODUCER))
     # The output descriptor's box: half a [Q, P] accumulator tile or all of it (of an MMA
     # group's Q rows), in its order ("mn") or transposed ("nm": Q contiguous in the gradient).
@@ -142,7 +145,7 @@ class _RecordedKernel:
 
 def _stand_in_wgrad_operands(monkeypatch, programs=4, q_contiguous=True):
     """CPU stand-ins for a weight gradient's launch (3 experts of 256 rows, P=512, Q=1024:
-    12 tiles, a Q- or P-contiguous [E, P, Q] gradient) as ``launch_wgrad`` sees them on an
+    48 tiles, a Q- or P-contiguous [E, P, Q] gradient) as ``launch_wgrad`` sees them on an
     H200 with ``programs`` programs (at most one a tile), a Hopper's shared memory, and its
     kernel a stand-in that records the launch (no GPU)."""
     import torch
@@ -155,6 +158,7 @@ def _stand_in_wgrad_operands(monkeypatch, programs=4, q_contiguous=True):
     monkeypatch.setattr(gluon_wgrad, "_wgrad_rows_tma_ws_kernel", kernel)
     monkeypatch.setattr(grouped_gemm, "num_programs", lambda device, tiles, per_sm=1: min(programs, tiles))
     monkeypatch.setattr(config, "shared_memory_per_block", lambda device: HOPPER_SHARED)
+    monkeypatch.setattr(config, "l2_bytes", lambda device: HOPPER_L2)
     E, P, Q, rows_per_expert = 3, 512, 1024, 256
     storage = torch.empty(E, P, Q, dtype=torch.bfloat16) if q_contiguous else torch.empty(E, Q, P, dtype=torch.bfloat16)
     rows = torch.empty(E * rows_per_expert, P, dtype=torch.bfloat16)
@@ -182,6 +186,11 @@ def test_weight_gradient_store_choice(q_contiguous, programs, monkeypatch):
     assert meta["PRODUCER_WARPS"] == gluon_wgrad.PRODUCER[0]
     tile = gluon_wgrad.TILE
     assert list(args[0].block_shape) == [tile.block_k, tile.block_m] and args[1] is operands[0]
+    # The rows above which an expert's tiles go in bands: what a wave reads Q-tile fastest
+    # within L2, bf16 gathered rows 1024 wide beside the 256-wide P-tiles the wave spans
+    # (8 Q-tiles: one P-tile for 4 programs, six for 48, one program a tile).
+    assert args[10] == HOPPER_L2 // ((1024 + (256 if programs == 4 else 6 * 256)) * 2)
+    assert meta["BAND"] == config.WGRAD_LONG_BAND
 
 
 def test_weight_gradient_without_rows_is_zero(monkeypatch):

@@ -536,6 +536,39 @@ def test_weight_gradient_kernels(variant, P, Q, transposed_out, seed, monkeypatc
     assert torch.equal(out, run()), "two runs differ"
 
 
+@pytest.mark.parametrize("variant", ["gluon_split", "gluon"])
+def test_weight_gradient_tile_orders(variant, seed, monkeypatch):
+    """The Gluon weight gradient with experts above ``config.wgrad_long_rows`` (tiles in
+    bands of ``WGRAD_LONG_BAND`` P-tiles, here 10 P-tiles: a whole band and a partial one)
+    beside experts below it (Q-tiles fastest): against a float64 reference, every tile
+    written (a poisoned output), and bitwise equal to the kernel with every expert in the
+    one order, since the order moves no tile's sum."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    E, LK, T, P, Q = 6, 2400, 700, 2336, 272
+    cuts = torch.sort(torch.randint(0, LK, (E - 1,), device="cuda", generator=g)).values
+    offsets = torch.cat([cuts.new_zeros(1), cuts, cuts.new_full((1,), LK)]).to(torch.int32)
+    rows = torch.randn(LK, P, device="cuda", dtype=torch.bfloat16, generator=g)
+    gathered = torch.randn(T, Q, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.randint(0, T, (LK,), device="cuda", dtype=torch.int32, generator=g)
+    sizes = (offsets[1:] - offsets[:-1]).tolist()
+    middle = sorted(sizes)[E // 2]
+
+    def run(long_rows):
+        out = torch.full((E, P, Q), float("nan"), device="cuda", dtype=torch.bfloat16)
+        with monkeypatch.context() as patch:
+            patch.setattr(config, "wgrad_long_rows", lambda *args: long_rows)
+            _launch_wgrad(variant, monkeypatch, rows, gathered, ids, offsets, out)
+        return out
+
+    out = run(middle)
+    bounds = offsets.tolist()
+    ref = torch.stack([rows[lo:hi].double().T @ gathered[ids[lo:hi].long()].double()
+                       for lo, hi in zip(bounds[:-1], bounds[1:])])
+    assert any(n > middle for n in sizes) and any(n <= middle for n in sizes)
+    assert rel_err(out, ref) <= 1e-2, f"seed={seed}"
+    assert torch.equal(out, run(0)) and torch.equal(out, run(LK)), f"seed={seed}: the tile order moved a sum"
+
+
 @pytest.mark.parametrize("variant", WGRAD_VARIANTS)
 def test_weight_gradients_keep_experts_apart(variant, seed, monkeypatch):
     """An infinite row of one expert's operand reaches that expert's gradient alone: the

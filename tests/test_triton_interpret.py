@@ -366,7 +366,9 @@ def test_column_slabs(layout, seed, monkeypatch):
 def test_widest_slab_bounds():
     """How wide the scratch may grow (``triton_combine.widest_slab``): the forward's
     scratch and act(h) within both weight gradients (the up weights as big as the down
-    ones, twice as big for a gated activation), the dX scratch within the up weights;
+    ones, twice as big for a gated activation) or, in training, the scratch within the
+    down weights (their gradient runs beside w * act(h), as big as act(h)), the dX
+    scratch within the up weights;
     ``column_slabs`` takes the fewest slabs of whole multiples of ``column_slab`` up to it,
     each as narrow as their count allows; none is wider than ``column_slab`` where nothing
     fits (``widest`` 0), and None makes one slab of every column."""
@@ -376,8 +378,13 @@ def test_widest_slab_bounds():
     # or (3000 - 600) / 100 where gated.
     assert widest_slab("down", 100, 6, 1000) == 14
     assert widest_slab("down", 100, 6, 1000, gated=True) == 24
-    assert widest_slab("down", 100, 30, 1000) == 0  # act(h) alone is over the bound
-    assert widest_slab("down", 100, 30, 1000, gated=True) == 0
+    # act(h) alone is over the weight gradients' bound: in training the down weights' bound
+    # (1000 / 100), without a backward none.
+    assert widest_slab("down", 100, 30, 1000) == 10
+    assert widest_slab("down", 100, 30, 1000, gated=True) == 10
+    assert widest_slab("down", 100, 30, 1000, backward_follows=False) == 0
+    assert widest_slab("down", 100, 30, 1000, gated=True, backward_follows=False) == 0
+    assert widest_slab("down", 100, 6, 1000, gated=True, backward_follows=False) == 24
     assert widest_slab("dx", 100, 12, 1000) == 10
     assert widest_slab("dx", 100, 12, 1000, gated=True) == 10  # dX's bound has no gate factor
     assert widest_slab("dx", 0, 12, 1000) == 0

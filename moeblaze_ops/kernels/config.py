@@ -112,6 +112,16 @@ def _traits(device: torch.device) -> tuple[str, int]:
     return _device_traits(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).L2_cache_size
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The L2 cache of CUDA device ``device``, in bytes."""
+    return _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def shared_memory_per_block(device: torch.device) -> int:
     """The bytes of shared memory a block of CUDA ``device`` may opt into."""
     return _traits(device)[1]
@@ -225,6 +235,24 @@ def wgrad_split_mma(kind: str) -> bool:
     partitions of their own, each over half of every tile: "wgrad_up" gained at every
     configuration measured, "wgrad_down" moved both ways (see docs/performance.md)."""
     return kind == "wgrad_up"
+
+
+#: The weight gradients' output tiles of an expert with more rows than
+#: ``wgrad_long_rows`` go in bands of this many P-tiles (256 wide), P fastest inside a
+#: band: about as many P as Q columns (128-wide tiles) in a wave of 132 programs.
+WGRAD_LONG_BAND = 8
+
+
+def wgrad_long_rows(q_columns: int, block_p: int, block_q: int, programs: int, element_size: int,
+                    device: torch.device) -> int:
+    """The most rows an expert may have for its weight-gradient tiles to go Q-tile fastest:
+    what a wave of ``programs`` reads in that order, the expert's gathered operand (these
+    rows by ``q_columns``) and the P-tiles the wave spans (``block_p`` columns each),
+    within L2, so that the gathered rows come from HBM once for all the expert's P-tiles.
+    An expert with more rows goes in bands of ``WGRAD_LONG_BAND`` P-tiles (see
+    docs/performance.md). The kernel decides by each expert's rows."""
+    p_tiles_in_wave = -(-programs // -(-q_columns // block_q))
+    return l2_bytes(device) // ((q_columns + p_tiles_in_wave * block_p) * element_size)
 
 
 #: The row GEMMs' output tiles (up, down, dX, dH; eager kernels and templates) go in

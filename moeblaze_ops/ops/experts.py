@@ -141,7 +141,8 @@ def _expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, to
     a = backend.expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                                     transposed, activation, interleaved, alpha, limit)
     return backend.expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map,
-                                         topk_weights, b_down, transposed, gated=is_gated(activation))
+                                         topk_weights, b_down, transposed, gated=is_gated(activation),
+                                         backward_follows=False)
 
 
 def expert_layer_like(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,

@@ -112,9 +112,10 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
 
 
 def expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-                          transposed, gated=False):
+                          transposed, gated=False, backward_follows=True):
     """``expert_down`` of rows activated already (act(h), from ``expert_up_activated``);
-    ``gated`` (how wide the Triton kernels' column slabs may be) changes nothing here."""
+    ``gated`` and ``backward_follows`` (how wide the Triton kernels' column slabs may be)
+    change nothing here."""
     return _down_projection(a, a.dtype, w_down, expert_offsets, token_index_map, topk_weights, b_down, transposed)
 
 

@@ -112,21 +112,27 @@ def column_slabs(d: int, widest: int = 0) -> list[tuple[int, int]]:
     return [(c0, min(d, c0 + step)) for c0 in range(0, d, step)]
 
 
-def widest_slab(kind: str, rows: int, reduction: int, weight_numel: int, gated: bool = False) -> int:
+def widest_slab(kind: str, rows: int, reduction: int, weight_numel: int, gated: bool = False,
+                backward_follows: bool = True) -> int:
     """The most columns the [rows, slab] scratch of GEMM ``kind`` may take so that training
     peaks no higher than with narrow slabs: its peak is in the backward, beside the weight
     gradients. The forward's down projection (``kind`` "down", A = act(h) [rows,
     reduction], ``weight_numel`` the down weights') keeps its scratch and act(h) within
     the bytes of both weight gradients: the down weights' and the up weights', as big as
     the down ones, or twice as big where the activation is ``gated`` (gate and up
-    columns). The backward's dX rows (``kind`` "dx", ``weight_numel`` the up weights') stay
-    within the up weights' bytes: their gradient is made only once the scratch is gone.
+    columns). Where a ``backward_follows`` (training), the scratch may also be as big as the
+    down weights: the backward's down weight gradient runs beside its own bytes and
+    w * act(h)'s, as big as act(h). The backward's dX rows (``kind`` "dx",
+    ``weight_numel`` the up weights') stay within the up weights' bytes: their gradient is
+    made only once the scratch is gone.
     Counted in elements (the scratch has the weights' dtype); 0 where nothing fits or
     there are no rows."""
     if rows <= 0:
         return 0
     if kind == "down":
         room = (3 if gated else 2) * weight_numel - rows * reduction
+        if backward_follows:
+            room = max(room, weight_numel)
     else:
         room = weight_numel
     return max(0, room) // rows

@@ -323,11 +323,11 @@ def expert_down(h, w_down, expert_token_indices, expert_offsets, token_index_map
 
 
 def expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights, b_down,
-                          transposed, gated=False):
+                          transposed, gated=False, backward_follows=True):
     """``expert_down`` of rows activated already (act(h), from ``expert_up_activated`` or
     the activation pass): a plain grouped GEMM and the combine, in the column slabs
     ``widest_slab`` allows (``gated``: act(h) came from a gated activation, whose up
-    weights are twice the down ones)."""
+    weights are twice the down ones; ``backward_follows``: in training)."""
     L = topk_weights.shape[0]
     E, d, _ = linear_dims(w_down, transposed)
     out = gg.empty(L, d, dtype=a.dtype, device=a.device)
@@ -337,6 +337,6 @@ def expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token
         b = b_down[:, c0:c1] if b_down is not None else None
         launch_gathered_gemm(a, None, w, b, expert_offsets, y, transposed, "down")
 
-    widest = widest_slab("down", a.shape[0], a.shape[1], w_down.numel(), gated)
+    widest = widest_slab("down", a.shape[0], a.shape[1], w_down.numel(), gated, backward_follows)
     return combine_in_slabs(expert_outputs, a.shape[0], a.dtype, token_index_map, topk_weights, expert_offsets, out, E,
                             widest)

@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from .. import grouped_gemm as gg
+from ... import config
 from ...config import GemmTile
 from .common import (async_load, copy_layout, host_descriptor, on_hopper, partition_output,
                            row_offsets_fit_32, slot_barriers, store_pieces, store_tile_by_tma, tma_load,
@@ -102,17 +103,25 @@ def _copy_gathered(slot, g_src, g_offs, g_cols, r0, hi, BLOCK_R: gl.constexpr):
 
 
 @gluon.jit
-def _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr):
-    """(expert, first P, first Q, the expert's rows [lo, hi)) of output tile ``tile``: each
-    expert's [P, Q] tiles with Q fastest along each P-tile, so the programs in flight at
-    once share the row-ordered operand's columns over the expert's rows in L2 (bands of
-    several P-tiles measured no faster; see docs/performance.md)."""
+def _wgrad_tile(tile, offsets_ptr, P, Q, LONG_ROWS, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
+                BAND: gl.constexpr):
+    """(expert, first P, first Q, the expert's rows [lo, hi)) of output tile ``tile``, each
+    expert's [P, Q] tiles in an order chosen by its row count. Up to ``LONG_ROWS`` rows,
+    Q fastest along each P-tile: the expert's gathered rows stay in L2 from one wave of
+    programs to the next. Above, where they cannot, in bands of ``BAND`` P-tiles, P
+    fastest inside a band: a wave then spans about as many P as Q columns, the least it
+    can read, shared by its programs while they are in step."""
     p_tiles = gl.cdiv(P, BLOCK_P)
     q_tiles = gl.cdiv(Q, BLOCK_Q)
     e = tile // (p_tiles * q_tiles)
     within = tile % (p_tiles * q_tiles)
-    return (e, (within // q_tiles) * BLOCK_P, (within % q_tiles) * BLOCK_Q, gl.load(offsets_ptr + e),
-            gl.load(offsets_ptr + e + 1))
+    lo = gl.load(offsets_ptr + e)
+    hi = gl.load(offsets_ptr + e + 1)
+    band = gl.where(hi - lo > LONG_ROWS, BAND, 1)
+    first = within // (band * q_tiles) * band
+    height = gl.minimum(p_tiles - first, band)
+    within = within % (band * q_tiles)
+    return e, (first + within % height) * BLOCK_P, (within // height) * BLOCK_Q, lo, hi
 
 
 @gluon.jit
@@ -168,8 +177,9 @@ def _issue_rows_tma_step(rows_desc, rows_ptr, g_src, g_offs, g_cols, g_slot, r_s
 
 @gluon.jit
 def _wgrad_rows_tma_ws_producer(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring, r_ring, ready,
-                                empty, E, P, Q, stride_rm, stride_gm, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
-                                BLOCK_R: gl.constexpr, WARPS: gl.constexpr, G_OFFSETS_32: gl.constexpr):
+                                empty, E, P, Q, LONG_ROWS, stride_rm, stride_gm, BLOCK_P: gl.constexpr,
+                                BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, WARPS: gl.constexpr,
+                                G_OFFSETS_32: gl.constexpr, BAND: gl.constexpr):
     """The copy warpgroup of ``_wgrad_rows_tma_ws_kernel``: for every reduction step of this
     program's tiles, wait until the MMA has released the step's ring slot, then start its
     copies (``_issue_rows_tma_step``), each thread arriving on the slot's ``ready`` once its
@@ -178,7 +188,7 @@ def _wgrad_rows_tma_ws_producer(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, 
     NUM_STAGES: gl.constexpr = g_ring.type.shape[0]
     step = 0
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
-        _, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q)
+        _, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, LONG_ROWS, BLOCK_P, BLOCK_Q, BAND)
         g_src, g_cols = _gathered_columns(gathered_ptr, q0, Q, BLOCK_Q, BLOCK_R, WARPS)
         offs = _gathered_offsets(row_ids_ptr, lo, hi, stride_gm, G_OFFSETS_32, BLOCK_Q, BLOCK_R, WARPS)
         for r0 in range(lo, hi, BLOCK_R):
@@ -196,10 +206,10 @@ def _wgrad_rows_tma_ws_producer(rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, 
 
 @gluon.jit
 def _wgrad_rows_tma_ws_consumer(g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P, Q,
-                                stride_oe, stride_op, stride_oq, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
-                                BLOCK_R: gl.constexpr, TMA_STORE: gl.constexpr,
+                                LONG_ROWS, stride_oe, stride_op, stride_oq, BLOCK_P: gl.constexpr,
+                                BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, TMA_STORE: gl.constexpr,
                                 OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr, WARPS: gl.constexpr,
-                                GROUP: gl.constexpr = 0, GROUPS: gl.constexpr = 1):
+                                BAND: gl.constexpr, GROUP: gl.constexpr = 0, GROUPS: gl.constexpr = 1):
     """MMA warps of ``_wgrad_rows_tma_ws_kernel``: each tile's steps
     (``row_gemm.ws_tile_steps``, the gathered rows' slot as the transposed left
     operand), then the [Q, P] tile stored (``_store_tile``). With ``GROUPS`` MMA
@@ -210,7 +220,7 @@ def _wgrad_rows_tma_ws_consumer(g_ring, r_ring, ready, empty, offsets_ptr, out_p
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_P, WARPS)
     step = 0
     for tile in range(gl.program_id(0), E * gl.cdiv(P, BLOCK_P) * gl.cdiv(Q, BLOCK_Q), gl.num_programs(0)):
-        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, BLOCK_P, BLOCK_Q)
+        e, p0, q0, lo, hi = _wgrad_tile(tile, offsets_ptr, P, Q, LONG_ROWS, BLOCK_P, BLOCK_Q, BAND)
         acc = gl.zeros([ROWS, BLOCK_P], gl.float32, acc_layout)
         # An empty expert's tile has no steps: its gradient is the zeros stored below.
         acc, step = ws_tile_steps(acc, step, gl.cdiv(hi - lo, BLOCK_R), g_ring, r_ring, ready, ready, empty, True,
@@ -223,12 +233,12 @@ def _wgrad_rows_tma_ws_consumer(g_ring, r_ring, ready, empty, offsets_ptr, out_p
 @gluon.jit
 def _wgrad_rows_tma_ws_kernel(
     rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, out_ptr, out_desc,
-    E, P, Q,
+    E, P, Q, LONG_ROWS,
     stride_rm, stride_gm, stride_oe, stride_op, stride_oq,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, NUM_STAGES: gl.constexpr,
     TMA_STORE: gl.constexpr, OUT_TRANSPOSED: gl.constexpr, STORE_PIECES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, MMA_GROUPS: gl.constexpr, MMA_REGS: gl.constexpr,
-    G_OFFSETS_32: gl.constexpr, num_warps: gl.constexpr,
+    G_OFFSETS_32: gl.constexpr, BAND: gl.constexpr, num_warps: gl.constexpr,
 ):
     """The weight gradient: ``PRODUCER_WARPS`` warps gather the rows by cp.async and start
     the row-ordered tiles' TMA, the MMA warps run the wgmma (the gathered rows' slot as the
@@ -252,11 +262,11 @@ def _wgrad_rows_tma_ws_kernel(
     if MMA_GROUPS == 1:
         gl.warp_specialize([
             (_wgrad_rows_tma_ws_consumer, (g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P,
-                                           Q, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R,
-                                           TMA_STORE, OUT_TRANSPOSED, STORE_PIECES, num_warps)),
+                                           Q, LONG_ROWS, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R,
+                                           TMA_STORE, OUT_TRANSPOSED, STORE_PIECES, num_warps, BAND)),
             (_wgrad_rows_tma_ws_producer, (rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring,
-                                           r_ring, ready, empty, E, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
-                                           BLOCK_R, PRODUCER_WARPS, G_OFFSETS_32)),
+                                           r_ring, ready, empty, E, P, Q, LONG_ROWS, stride_rm, stride_gm, BLOCK_P,
+                                           BLOCK_Q, BLOCK_R, PRODUCER_WARPS, G_OFFSETS_32, BAND)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
     else:
         # The second group stores through a buffer of its own: its TMA copies run on
@@ -264,14 +274,14 @@ def _wgrad_rows_tma_ws_kernel(
         _, second_buf = partition_output(out_desc, dtype, TMA_STORE, rows_desc, r_ring)
         gl.warp_specialize([
             (_wgrad_rows_tma_ws_consumer, (g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, out_buf, E, P,
-                                           Q, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R,
-                                           TMA_STORE, OUT_TRANSPOSED, STORE_PIECES, num_warps, 0, MMA_GROUPS)),
+                                           Q, LONG_ROWS, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R,
+                                           TMA_STORE, OUT_TRANSPOSED, STORE_PIECES, num_warps, BAND, 0, MMA_GROUPS)),
             (_wgrad_rows_tma_ws_consumer, (g_ring, r_ring, ready, empty, offsets_ptr, out_ptr, out_desc, second_buf, E,
-                                           P, Q, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R,
-                                           TMA_STORE, OUT_TRANSPOSED, STORE_PIECES, num_warps, 1, MMA_GROUPS)),
+                                           P, Q, LONG_ROWS, stride_oe, stride_op, stride_oq, BLOCK_P, BLOCK_Q, BLOCK_R,
+                                           TMA_STORE, OUT_TRANSPOSED, STORE_PIECES, num_warps, BAND, 1, MMA_GROUPS)),
             (_wgrad_rows_tma_ws_producer, (rows_desc, rows_ptr, gathered_ptr, row_ids_ptr, offsets_ptr, g_ring,
-                                           r_ring, ready, empty, E, P, Q, stride_rm, stride_gm, BLOCK_P, BLOCK_Q,
-                                           BLOCK_R, PRODUCER_WARPS, G_OFFSETS_32)),
+                                           r_ring, ready, empty, E, P, Q, LONG_ROWS, stride_rm, stride_gm, BLOCK_P,
+                                           BLOCK_Q, BLOCK_R, PRODUCER_WARPS, G_OFFSETS_32, BAND)),
         ], [num_warps, PRODUCER_WARPS], [MMA_REGS, PRODUCER_REGS])
 
 
@@ -336,8 +346,11 @@ def launch_wgrad(rows, gathered, row_ids, offsets, grad_w_pq, tile: Optional[Gem
                                 else (None, False))
     warps, regs = PRODUCER
     launch(_wgrad_rows_tma_ws_kernel, grid, host_descriptor(rows, [tile.block_k, tile.block_m]), rows, gathered,
-           row_ids, offsets, grad_w_pq, out_desc, E, P, Q, rows.stride(0), gathered.stride(0), *grad_w_pq.stride(),
+           row_ids, offsets, grad_w_pq, out_desc, E, P, Q,
+           config.wgrad_long_rows(Q, tile.block_m, tile.block_n, grid[0], gathered.element_size(), rows.device),
+           rows.stride(0), gathered.stride(0), *grad_w_pq.stride(),
            BLOCK_P=tile.block_m, BLOCK_Q=tile.block_n, BLOCK_R=tile.block_k, NUM_STAGES=tile.num_stages,
            TMA_STORE=out_desc is not None, OUT_TRANSPOSED=out_transposed, STORE_PIECES=pieces,
            PRODUCER_WARPS=warps, PRODUCER_REGS=regs, MMA_GROUPS=mma_groups, MMA_REGS=MMA_GROUP_REGS,
-           G_OFFSETS_32=row_offsets_fit_32(gathered), num_warps=tile.num_warps // mma_groups)
+           G_OFFSETS_32=row_offsets_fit_32(gathered), BAND=config.WGRAD_LONG_BAND,
+           num_warps=tile.num_warps // mma_groups)
