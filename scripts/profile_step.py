@@ -2,8 +2,8 @@
 (kernels by device time) and the step's host, wall and device milliseconds.
 
     python scripts/profile_step.py [--configs qwen3_100m olmoe] [--peers moeblaze hf_grouped_mm_compiled]
-        [--tokens T ...] [--tilt X] [--steps 5] [--device cuda|cpu] [--rows 25] [--host-rows 25] [--trace DIR] [--gaps 15]
-        [--cudagraphs] [--set NAME=VALUE ...] [--peer-site DIR]
+        [--tokens T ...] [--tilt X] [--hot X] [--empty N] [--steps 5] [--device cuda|cpu] [--rows 25]
+        [--host-rows 25] [--trace DIR] [--gaps 15] [--cudagraphs] [--set NAME=VALUE ...] [--peer-site DIR]
     python scripts/profile_step.py --model 100m [--impl moeblaze grouped_mm] [--compile [MODE]]
         [--batch 8] [--seq 64] [...]
 
@@ -12,7 +12,8 @@
 
 The first form profiles forward + backward of one experts layer: the benchmark's shapes
 (``--configs``) and peers (``--peers``, the names ``python -m moeblaze_ops.bench --skip``
-takes). ``--model SIZE`` profiles instead a training step (forward, backward, AdamW) of the
+takes), its routing imbalanced as the benchmark's (``--tilt``, ``--hot``, ``--empty``).
+``--model SIZE`` profiles instead a training step (forward, backward, AdamW) of the
 example's HuggingFace model (``examples/finetune_hf_moe.py --size SIZE``), once per experts
 backend ``--impl``; ``--compile`` compiles the model as the example does.
 
@@ -43,8 +44,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from moeblaze_ops import settings
 from moeblaze_ops.bench import CONFIGS, decode, make_inputs, peers
-from moeblaze_ops.bench.cli import add_peer_sites, finite_float, parse_setting, positive_int, setting_changes
-from moeblaze_ops.bench.configs import DECODE_SHAPES
+from moeblaze_ops.bench.cli import (add_peer_sites, finite_float, non_negative_int, parse_setting, positive_int,
+                                    setting_changes)
+from moeblaze_ops.bench.configs import DECODE_SHAPES, check_empty
 from moeblaze_ops.bench.implementations import PEER_NAMES
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "finetune_hf_moe.py"
@@ -59,6 +61,10 @@ def parser():
                    help="the layer at these token counts in place of each config's own T (a profile each)")
     p.add_argument("--tilt", type=finite_float, default=0.0, metavar="X",
                    help="imbalanced routing, as the benchmark's --tilt: X * linspace(1, 0, E) added to the logits")
+    p.add_argument("--hot", type=finite_float, default=0.0, metavar="X",
+                   help="as the benchmark's --hot: X added to expert 0's logit (one hot expert)")
+    p.add_argument("--empty", type=non_negative_int, default=0, metavar="N",
+                   help="as the benchmark's --empty: the last N experts get no tokens")
     p.add_argument("--model", metavar="SIZE", default=None,
                    help="profile the example's model of this --size (tiny, small, 100m) instead of one layer")
     p.add_argument("--impl", nargs="+", default=["moeblaze", "grouped_mm"],
@@ -96,6 +102,13 @@ def main(argv=None):
         p.error("no CUDA GPU here: --device cpu")
     changes = setting_changes(p, a.settings)
     add_peer_sites(p, a.peer_site)
+    if not (a.model or a.decode):
+        for name in a.configs:  # the layers' routing, checked before anything runs
+            _, _, _, E, K = CONFIGS[name]
+            try:
+                check_empty(E, K, a.empty)
+            except ValueError as e:
+                p.error(f"--empty {a.empty}: config {name} (E={E}, K={K}): {e}")
     with settings.override(**changes):
         steps = model_steps(p, a) if a.model else decode_steps(a) if a.decode else layer_steps(a)
         for label, step in steps:
@@ -114,9 +127,11 @@ def layer_steps(a):
     for name, T in ((n, t) for n in a.configs for t in a.tokens or [CONFIGS[n][0]]):
         _, d, I, E, K = CONFIGS[name]
         torch._dynamo.reset()
-        x, ids, w, w_gate_up, w_down = make_inputs(T, d, I, E, K, device=a.device, tilt=a.tilt)
-        if a.tokens or a.tilt:
-            name = f"{name} T={T}" + (f" tilt={a.tilt:g}" if a.tilt else "")
+        x, ids, w, w_gate_up, w_down = make_inputs(T, d, I, E, K, device=a.device, tilt=a.tilt, hot=a.hot,
+                                                   empty=a.empty)
+        if a.tokens or a.tilt or a.hot or a.empty:
+            name = (f"{name} T={T}" + (f" tilt={a.tilt:g}" if a.tilt else "") + (f" hot={a.hot:g}" if a.hot else "")
+                    + (f" empty={a.empty}" if a.empty else ""))
         params = (x, w, w_gate_up, w_down)
         for t in params:
             t.requires_grad_(True)

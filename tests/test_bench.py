@@ -39,14 +39,19 @@ def bincount_imbalance(ids, E):
     return float(counts.max()) / float(counts.double().mean())
 
 
+#: make_inputs' routing arguments and their defaults (uniform routing).
+UNIFORM = dict(tilt=0.0, hot=0.0, empty=0)
+
+
 @pytest.fixture
 def drawn(monkeypatch):
-    """The (T, tilt, ids) of every ``make_inputs`` call the measurements make."""
+    """The (T, routing, ids) of every ``make_inputs`` call the measurements make, routing the
+    dict of its ``tilt``, ``hot`` and ``empty`` (``UNIFORM``'s keys)."""
     seen = []
 
     def make_inputs_spy(T, d, I, E, K, **kwargs):
         inputs = make_inputs(T, d, I, E, K, **kwargs)
-        seen.append((T, kwargs.get("tilt", 0.0), inputs[1].clone()))
+        seen.append((T, {key: kwargs.get(key, default) for key, default in UNIFORM.items()}, inputs[1].clone()))
         return inputs
 
     monkeypatch.setattr(measure, "make_inputs", make_inputs_spy)
@@ -363,8 +368,8 @@ def test_tilt_rows_report_the_load_imbalance_of_their_routing(tmp_path, drawn, m
                          "--tilt", str(tilt), *only("hf_grouped_mm", "moeblaze"))
         rows = result[mode]
         assert [r["peer"] for r in rows] == ["hf_grouped_mm", "moeblaze"]
-        (T, drawn_tilt, ids), = drawn[-1:]
-        assert drawn_tilt == tilt and len(drawn) == (1 if tilt == 0 else 2)
+        (T, routing, ids), = drawn[-1:]
+        assert routing == dict(UNIFORM, tilt=tilt) and len(drawn) == (1 if tilt == 0 else 2)
         imbalance[tilt] = bincount_imbalance(ids, E)
         assert result["tilt"] == tilt
         for r in rows:
@@ -375,6 +380,154 @@ def test_tilt_rows_report_the_load_imbalance_of_their_routing(tmp_path, drawn, m
         heading = "uniform routing" if tilt == 0 else "router logits + 2*linspace(1, 0, E)"
         assert f"SwiGLU, {heading})" in md, md
     assert imbalance[0.0] < 1.5 and imbalance[2.0] > imbalance[0.0] + 0.75
+
+
+def reference_routing(T, d, E, K, tilt=0.0, hot=0.0, empty=0, seed=0):
+    """(ids, weights) of ``make_inputs``' routing recomputed here, each token's ids in
+    ascending order: the logits drawn after x from the seed's generator, ``tilt`` and ``hot``
+    added, the last ``empty`` experts' set to -inf, the top-K taken of the logits themselves
+    (the softmax keeps their order) and the weights gathered from their softmax."""
+    g = torch.Generator().manual_seed(seed)
+    torch.randn(T, d, generator=g)  # x
+    logits = torch.randn(T, E, generator=g) + tilt * torch.linspace(1, 0, E)
+    logits[:, 0] += hot
+    logits[:, E - empty:] = -math.inf  # none for empty 0
+    ids = logits.topk(K, dim=-1).indices.sort(-1).values
+    return ids, logits.softmax(-1).gather(1, ids)
+
+
+def by_expert(ids, weights):
+    """``ids`` and ``weights`` with each token's ids in ascending order."""
+    order = ids.argsort(-1)
+    return ids.gather(1, order), weights.gather(1, order)
+
+
+@pytest.mark.parametrize("routing", [dict(hot=4.0), dict(hot=-2.0), dict(empty=2), dict(empty=6),
+                                     dict(tilt=2.0, hot=4.0, empty=2), dict(tilt=-1.0, hot=1.0, empty=1)])
+def test_hot_and_empty_change_the_routing_alone(routing):
+    """``make_inputs(hot=..., empty=...)``, alone, together and with a tilt: x and the weights
+    are uniform routing's, and the routing is the top-K of the same random logits with ``hot``
+    added to expert 0's and the last ``empty`` experts' left out (recomputed here)."""
+    T, d, I, E, K = CONFIGS["smoke"]
+    assert routing.get("empty", 0) <= E - K
+    uniform = make_inputs(T, d, I, E, K, device="cpu")
+    x, ids, w, w_gate_up, w_down = make_inputs(T, d, I, E, K, device="cpu", **routing)
+    for got, want in zip((x, w_gate_up, w_down), (uniform[0], uniform[3], uniform[4])):
+        assert torch.equal(got, want)
+    assert not torch.equal(ids, uniform[1])
+    want_ids, want_w = reference_routing(T, d, E, K, **routing)
+    got_ids, got_w = by_expert(ids, w)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w)
+
+
+def test_hot_makes_expert_0_the_busiest():
+    """``hot`` 4 puts expert 0 in nearly every token's top-K and the load imbalance well above
+    uniform routing's; a negative one makes it the least busy; 0 is uniform routing."""
+    T, d, I, E, K = CONFIGS["smoke"]
+    uniform = make_inputs(T, d, I, E, K, device="cpu")[1]
+    assert torch.equal(make_inputs(T, d, I, E, K, device="cpu", hot=0.0, empty=0)[1], uniform)
+    hot = make_inputs(T, d, I, E, K, device="cpu", hot=4.0)[1]
+    counts = torch.bincount(hot.reshape(-1), minlength=E)
+    assert int(counts.argmax()) == 0 and counts[0] > 3 * counts[1:].max()
+    assert float((hot == 0).any(-1).double().mean()) > 0.95
+    cold = torch.bincount(make_inputs(T, d, I, E, K, device="cpu", hot=-4.0)[1].reshape(-1), minlength=E)
+    assert int(cold.argmin()) == 0 and cold[0] * 3 < cold[1:].min()
+    even, skewed = float(load_imbalance(uniform, E)), float(load_imbalance(hot, E))
+    assert skewed == pytest.approx(bincount_imbalance(hot, E), rel=1e-12)
+    assert even < 1.5 and skewed > even + 1.5
+
+
+@pytest.mark.parametrize("empty", [1, 2, 6])
+def test_empty_leaves_exactly_the_last_experts_without_rows(empty):
+    """``make_inputs(empty=N)``: the last N experts get no row, every other expert some, each
+    token still K distinct experts; x and the weights are uniform routing's, and a token whose
+    uniform top-K missed the empty experts keeps it."""
+    T, d, I, E, K = CONFIGS["smoke"]
+    assert empty <= E - K
+    uniform = make_inputs(T, d, I, E, K, device="cpu")
+    x, ids, w, w_gate_up, w_down = make_inputs(T, d, I, E, K, device="cpu", empty=empty)
+    for got, want in zip((x, w_gate_up, w_down), (uniform[0], uniform[3], uniform[4])):
+        assert torch.equal(got, want)
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    assert counts.numel() == E and int(counts[E - empty:].sum()) == 0 and bool((counts[:E - empty] > 0).all())
+    assert bool((ids.sort(-1).values.diff(dim=-1) > 0).all())  # K distinct experts per token
+    kept = (uniform[1] < E - empty).all(-1)
+    assert bool(kept.any()) and not bool(kept.all())
+    assert torch.equal(ids[kept].sort(-1).values, uniform[1][kept].sort(-1).values)
+    assert float(load_imbalance(ids, E)) == pytest.approx(bincount_imbalance(ids, E), rel=1e-12)
+
+
+def test_too_many_empty_experts_is_a_value_error():
+    """Fewer than K experts left for a token's K distinct choices (or a negative count):
+    ``ValueError`` naming the numbers; E - K empty experts is the most allowed."""
+    T, d, I, E, K = CONFIGS["smoke"]
+    for empty in (E - K + 1, E, E + 3):
+        with pytest.raises(ValueError, match=rf"empty={empty} leaves {E - empty} of the {E} experts, fewer than "
+                                             rf"the K={K} .* at most {E - K} may be empty"):
+            make_inputs(T, d, I, E, K, device="cpu", empty=empty)
+    with pytest.raises(ValueError, match="empty must be at least 0, got -1"):
+        make_inputs(T, d, I, E, K, device="cpu", empty=-1)
+    assert int(make_inputs(T, d, I, E, K, device="cpu", empty=E - K)[1].max()) == K - 1
+
+
+@pytest.mark.parametrize("mode", ["forward", "train"])
+def test_hot_and_empty_rows_report_their_routing(tmp_path, drawn, mode):
+    """Every row and the run give the routing's tilt, hot and empty; the measurements draw
+    with them; each row's load imbalance is that of the ids the peers got (recounted here),
+    the empty experts got none, and the heading names the whole routing."""
+    T, d, I, E, K = CONFIGS["smoke"]
+    routing = dict(tilt=1.0, hot=4.0, empty=2)
+    result, md = run(tmp_path, "--mode", mode, "--configs", "smoke", "--no-dispatch", "--tilt", "1", "--hot", "4",
+                     "--empty", "2", *only("hf_grouped_mm", "moeblaze"))
+    (drawn_T, drawn_routing, ids), = drawn
+    assert drawn_T == T and drawn_routing == routing
+    assert int(torch.bincount(ids.reshape(-1), minlength=E)[E - 2:].sum()) == 0
+    imbalance = bincount_imbalance(ids, E)
+    assert imbalance > bincount_imbalance(make_inputs(T, d, I, E, K, device="cpu")[1], E) + 1
+    assert {key: result[key] for key in routing} == routing
+    rows = result[mode]
+    assert [r["peer"] for r in rows] == ["hf_grouped_mm", "moeblaze"]
+    assert_timed(rows)
+    for r in rows:
+        assert {key: r[key] for key in routing} == routing and r["T"] == T
+        assert r["load_imbalance"] == pytest.approx(imbalance, rel=1e-12)
+    if mode == "forward":  # moeblaze agrees with grouped_mm with experts left empty
+        assert rows[1]["rel_diff_vs_first"] < 1e-3
+    assert {cells[2] for cells in table_rows(md, "smoke").values()} == {f"{imbalance:.2f}x"}
+    assert "SwiGLU, router logits + 1*linspace(1, 0, E), + 4 on expert 0, last 2 experts empty)" in md, md
+
+
+def test_routing_heading_names_every_change():
+    from moeblaze_ops.bench.report import routing
+
+    assert routing(0.0) == routing(0.0, 0.0, 0) == "uniform routing"
+    assert routing(2.0) == routing(2.0, 0.0, 0) == "router logits + 2*linspace(1, 0, E)"
+    assert routing(2.0, 4.0, 2) == "router logits + 2*linspace(1, 0, E), + 4 on expert 0, last 2 experts empty"
+    assert routing(0.0, 4.0) == "router logits + 4 on expert 0"
+    assert routing(0.0, -0.5) == "router logits - 0.5 on expert 0"
+    assert routing(0.0, 0.0, 1) == "uniform routing, last expert empty"
+    assert routing(-1.5, 0.0, 3) == "router logits - 1.5*linspace(1, 0, E), last 3 experts empty"
+
+
+def test_empty_is_checked_for_every_config_before_measuring(tmp_path, capsys, monkeypatch):
+    """``--empty`` more than a config the run would measure allows (E - K) is a usage error
+    naming that config, before any config is measured; as many as each allows runs."""
+    measured = []
+    monkeypatch.setattr(cli, "bench_forward", lambda ctx, names: measured.append((ctx.empty, names)) or [])
+    monkeypatch.setattr(cli, "bench_train", lambda ctx, names: measured.append((ctx.empty, names)) or [])
+    (_, _, _, small_E, small_K), (_, _, _, big_E, big_K) = CONFIGS["smoke"], CONFIGS["olmoe"]
+    empty = small_E - small_K + 1
+    assert empty <= big_E - big_K  # olmoe allows it, smoke does not
+    for mode in ("forward", "train"):
+        err = usage_error(tmp_path, capsys, "--mode", mode, "--configs", "olmoe", "smoke", "--empty", str(empty))
+        assert f"--empty {empty}: config smoke " in err and "olmoe" not in err.splitlines()[-1], err
+    # No --configs: every config is checked; the first that has too few experts is named.
+    first = next(name for name, (_, _, _, E, K) in CONFIGS.items() if E - K < empty)
+    assert f"config {first} " in usage_error(tmp_path, capsys, "--empty", str(empty))
+    assert measured == []
+    run(tmp_path, "--configs", "olmoe", "smoke", "--no-dispatch", "--empty", str(empty - 1))
+    assert measured == [(empty - 1, ["olmoe", "smoke"])]
 
 
 def test_tokens_runs_each_config_at_each_token_count(tmp_path, drawn):
@@ -441,7 +594,7 @@ def test_tokens_default_per_mode(tmp_path, monkeypatch):
     assert "## forward + backward (SwiGLU, router logits - 1.5*linspace(1, 0, E))" in md
     main(["--device", "cpu", "--out", str(tmp_path), "--mode", "decode", "--configs", "smoke_decode"])
     main(["--device", "cpu", "--out", str(tmp_path), "--mode", "decode", "--configs", "smoke_decode", "--tokens", "5"])
-    assert (seen[0].tokens, seen[0].tilt) == (None, 0.0)
+    assert (seen[0].tokens, seen[0].tilt, seen[0].hot, seen[0].empty) == (None, 0.0, 0.0, 0)
     assert (seen[1].tokens, seen[1].tilt) == ((7,), -1.5)
     assert seen[2].tokens == DECODE_TOKENS and seen[3].tokens == (5,)
 
@@ -456,6 +609,16 @@ def test_tokens_default_per_mode(tmp_path, monkeypatch):
     (["--tilt=-inf"], "argument --tilt: must be finite, got -inf"),
     (["--tilt", "steep"], "argument --tilt: invalid finite_float value: 'steep'"),
     (["--mode", "decode", "--configs", "smoke_decode", "--tilt", "1"], "--tilt is for forward and train modes"),
+    (["--hot", "inf"], "argument --hot: must be finite, got inf"),
+    (["--hot", "nan"], "argument --hot: must be finite, got nan"),
+    (["--hot", "very"], "argument --hot: invalid finite_float value: 'very'"),
+    (["--empty", "-1"], "argument --empty: must be at least 0, got -1"),
+    (["--empty", "1.5"], "argument --empty: invalid non_negative_int value: '1.5'"),
+    (["--empty", str(CONFIGS["smoke"][3] - CONFIGS["smoke"][4] + 1)],
+     f"--empty {CONFIGS['smoke'][3] - CONFIGS['smoke'][4] + 1}: config smoke "),
+    (["--mode", "train", "--empty", str(CONFIGS["smoke"][3])], f"--empty {CONFIGS['smoke'][3]}: config smoke "),
+    (["--mode", "decode", "--configs", "smoke_decode", "--hot", "1"], "--hot is for forward and train modes"),
+    (["--mode", "decode", "--configs", "smoke_decode", "--empty", "1"], "--empty is for forward and train modes"),
 ])
 def test_bad_tokens_and_tilt_are_usage_errors(tmp_path, capsys, args, message):
     err = usage_error(tmp_path, capsys, *(["--configs", "smoke"] if "--configs" not in args else []), *args)
@@ -503,6 +666,30 @@ def test_host_overhead_and_profile_step_run_on_cpu(capsys):
     printed = capsys.readouterr().out
     assert "## smoke_decode T=3 moeblaze_graph (2 layers a step): host ms per step" in printed
     assert "moeblaze::expert_layer" in printed  # the profiled stack ran the layer
+
+
+def test_profile_step_takes_the_benchmarks_routing(capsys, monkeypatch):
+    """scripts/profile_step.py --tilt/--hot/--empty: the layer drawn with them, its label
+    naming them; too many empty experts for a config is a usage error before anything runs."""
+    script = _script("profile_step")
+    seen = []
+
+    def make_inputs_spy(*args, **kwargs):
+        inputs = make_inputs(*args, **kwargs)
+        seen.append(({key: kwargs.get(key, default) for key, default in UNIFORM.items()}, inputs[1]))
+        return inputs
+
+    monkeypatch.setattr(script, "make_inputs", make_inputs_spy)
+    T, d, I, E, K = CONFIGS["smoke"]
+    common = ["--device", "cpu", "--configs", "smoke", "--peers", "moeblaze", "--steps", "1", "--rows", "3"]
+    script.main([*common, "--tilt", "1", "--hot", "4", "--empty", "2"])
+    assert f"## smoke T={T} tilt=1 hot=4 empty=2 moeblaze: host ms per step" in capsys.readouterr().out
+    (routing, ids), = seen
+    assert routing == dict(tilt=1.0, hot=4.0, empty=2) and int(ids.max()) < E - 2
+    with pytest.raises(SystemExit) as exit_:
+        script.main([*common, "--empty", str(E - K + 1)])
+    assert exit_.value.code == 2 and "config smoke " in capsys.readouterr().err
+    assert len(seen) == 1
 
 
 def test_gpu_check_parses_and_skips_only_peer_names():

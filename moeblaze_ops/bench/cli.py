@@ -7,8 +7,11 @@ inputs; train mode times forward + backward and measures the activation memory k
 backward (the unique storages autograd saves, parameters and the layer input excluded) and
 the peak memory of one step. ``--tokens T ...`` runs each config at those token counts in
 place of its own T (a row each); ``--tilt X`` adds ``X * linspace(1, 0, E)`` to the router
-logits (expert 0 busiest), the same routing for every peer. Each row gives its T, time per
-token and its routing's load imbalance (the busiest expert's routed rows over the mean).
+logits (expert 0 busiest), ``--hot X`` adds X to expert 0's logit alone (one hot expert), and
+``--empty N`` leaves the last N experts without tokens (their logits -inf; a config with
+fewer than K other experts is a usage error): they combine, the same routing for every peer.
+Each row gives its T, its routing's tilt, hot and empty, its time per token and its
+routing's load imbalance (the busiest expert's routed rows over the mean).
 A dispatch micro-benchmark compares moeblaze's dispatch with the sort + histc + cumsum that
 ``grouped_mm`` runs. ``--cudagraphs`` adds ``grouped_mm`` and moeblaze compiled with
 ``mode="reduce-overhead"`` (time only), and times the dispatch calls replayed from CUDA
@@ -54,7 +57,7 @@ import torch
 
 from .. import settings
 from . import decode
-from .configs import CONFIGS, DECODE_SHAPES, DECODE_TOKENS
+from .configs import CONFIGS, DECODE_SHAPES, DECODE_TOKENS, check_empty
 from .console import note
 from .implementations import PEER_NAMES
 from .measure import BenchContext, bench_dispatch, bench_forward, bench_train
@@ -101,6 +104,12 @@ def _parser():
     p.add_argument("--tilt", type=finite_float, default=0.0, metavar="X",
                    help="forward and train modes: imbalanced routing, X * linspace(1, 0, E) added to the router "
                         "logits (expert 0 busiest; default: 0, uniform)")
+    p.add_argument("--hot", type=finite_float, default=0.0, metavar="X",
+                   help="forward and train modes: X added to expert 0's router logit for every token (4: one hot "
+                        "expert in nearly every token's top-K; default: 0)")
+    p.add_argument("--empty", type=non_negative_int, default=0, metavar="N",
+                   help="forward and train modes: the last N experts get no tokens (their router logits -inf; at "
+                        "most E - K of a config's E experts; default: 0)")
     p.add_argument("--skip", nargs="*", default=[], choices=list(dict.fromkeys(PEER_NAMES + decode.DECODE_PEER_NAMES)),
                    metavar="PEER", help=f"peers to leave out, of: {', '.join(PEER_NAMES)}; in decode mode, of: "
                                         f"{', '.join(decode.DECODE_PEER_NAMES)}")
@@ -172,6 +181,18 @@ def _check_names(parser, args):
                      f"{', '.join(peer_names)}")
 
 
+def _check_empty(parser, args):
+    """Makes ``--empty`` a usage error, before anything is measured, where a config the run
+    measures has fewer than K experts left for a token's K distinct choices (``check_empty``,
+    ``make_inputs``' own check, names the numbers; the error names the config too)."""
+    for name in args.configs:
+        _, _, _, E, K = CONFIGS[name]
+        try:
+            check_empty(E, K, args.empty)
+        except ValueError as e:
+            parser.error(f"--empty {args.empty}: config {name} (E={E}, K={K}): {e}")
+
+
 def setting_changes(parser, items):
     """``{NAME: VALUE}`` of the ``--set`` items (``parse_setting``'s pairs; a later one wins),
     checked by ``KernelSettings`` itself: a name it does not have or a value it rejects is
@@ -208,7 +229,8 @@ def _measure(args, ctx, changes):
     """Runs the measurements (under the settings in force) -> (bench.json's dict, bench.md's lines)."""
     device_name = torch.cuda.get_device_name() if ctx.on_cuda else "CPU"
     result = dict(device=device_name, torch=torch.__version__, mode=args.mode, settings=changes, tilt=args.tilt,
-                  tokens=args.tokens, **_versions())
+                  hot=args.hot, empty=args.empty, tokens=args.tokens, **_versions())
+    heading = routing(args.tilt, args.hot, args.empty)
     text = [title(args.mode, device_name, torch.__version__, changes)]
     if not args.no_dispatch:
         if ctx.on_cuda:
@@ -220,10 +242,10 @@ def _measure(args, ctx, changes):
     if args.mode == "forward":
         result["forward"] = bench_forward(ctx, args.configs)
         dtype = "bf16" if ctx.on_cuda else "fp32"  # make_inputs' default dtype
-        text += ["", f"## forward ({dtype}, SwiGLU, {routing(args.tilt)})", "", forward_table(result["forward"])]
+        text += ["", f"## forward ({dtype}, SwiGLU, {heading})", "", forward_table(result["forward"])]
     else:
         result["train"] = bench_train(ctx, args.configs)
-        text += ["", f"## forward + backward (SwiGLU, {routing(args.tilt)})", "", train_table(result["train"])]
+        text += ["", f"## forward + backward (SwiGLU, {heading})", "", train_table(result["train"])]
     return result, text
 
 
@@ -268,11 +290,13 @@ def main(argv=None):
     if args.mode == "decode":
         if args.cudagraphs:
             parser.error("--cudagraphs is for forward and train modes: decode mode replays CUDA graphs on CUDA anyway")
-        if args.tilt:
-            parser.error("--tilt is for forward and train modes: decode mode draws uniform routing")
+        for flag in ("tilt", "hot", "empty"):
+            if getattr(args, flag):
+                parser.error(f"--{flag} is for forward and train modes: decode mode draws uniform routing")
         return _run_decode(args, changes)
+    _check_empty(parser, args)
     ctx = BenchContext(device=args.device, skip=frozenset(args.skip), cuda_graphs=args.cudagraphs, tilt=args.tilt,
-                       tokens=tuple(args.tokens) if args.tokens else None)
+                       hot=args.hot, empty=args.empty, tokens=tuple(args.tokens) if args.tokens else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CONFIGS", "DECODE_SHAPES", "DECODE_TOKENS", "DISPATCH_CASES", "load_imbalance", "make_inputs"]
+__all__ = ["CONFIGS", "DECODE_SHAPES", "DECODE_TOKENS", "DISPATCH_CASES", "check_empty", "load_imbalance",
+           "make_inputs"]
 
 #: name -> (T tokens, d hidden, I intermediate, E experts, K chosen per token).
 CONFIGS = {
@@ -38,25 +39,45 @@ DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 DISPATCH_CASES = [(65536, 8, 128), (262144, 4, 16), (1048576, 8, 256)]
 
 
-def make_inputs(T, d, I, E, K, dtype=None, device="cuda", seed=0, tilt=0.0):
+def check_empty(E, K, empty):
+    """Raises ``ValueError`` unless ``empty`` of ``E`` experts can be left without tokens
+    while each token still chooses ``K`` distinct ones: ``0 <= empty <= E - K``."""
+    if empty < 0:
+        raise ValueError(f"empty must be at least 0, got {empty}")
+    if E - empty < K:
+        raise ValueError(f"empty={empty} leaves {E - empty} of the {E} experts, fewer than the K={K} distinct "
+                         f"ones each token chooses: at most {E - K} may be empty")
+
+
+def make_inputs(T, d, I, E, K, dtype=None, device="cuda", seed=0, tilt=0.0, hot=0.0, empty=0):
     """Random inputs of a SwiGLU experts layer:
     ``(x [T, d], topk_ids [T, K], topk_weights [T, K], w_gate_up [E, 2I, d], w_down [E, d, I])``.
 
     Routing is the top-K of the softmax of random logits: uniform for ``tilt`` 0, and with
     ``tilt * linspace(1, 0, E)`` added to the logits otherwise, so that the low experts get
     more rows (expert 0 the most for a positive tilt), as a trained router's skew does.
-    The tilt draws nothing from the generator: ``x`` and the weights stay those of tilt 0.
+    ``hot`` is added to expert 0's logit for every token: a large one (4, say) puts expert 0
+    in nearly every token's top-K, one hot expert. The last ``empty`` experts get no tokens
+    at all: their logits are -inf (the softmax and top-K are over the other ``E - empty``),
+    so ``E - empty`` must be at least ``K`` (``ValueError`` otherwise, ``check_empty``).
+    The three combine, and draw nothing from the generator: ``x``, the weights and the
+    random logits stay those of the defaults.
 
     ``dtype`` defaults to bf16 on CUDA and fp32 elsewhere (CPU matmuls in bf16 are slow
     and would make the smoke check's comparison between peers loose).
     """
+    check_empty(E, K, empty)
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(T, d, device=device, dtype=dtype, generator=g)
     logits = torch.randn(T, E, device=device, generator=g)
     if tilt:
         logits += tilt * torch.linspace(1, 0, E, device=device)
-    w, ids = logits.softmax(-1).topk(K, dim=-1)
+    if hot:
+        logits[:, 0] += hot
+    # The empty experts' logits as -inf: left out of the softmax and the top-K alike, so no
+    # top-K picks them even where a large hot underflows the other experts' shares to 0 too.
+    w, ids = logits[:, :E - empty].softmax(-1).topk(K, dim=-1)
     w_gate_up = torch.randn(E, 2 * I, d, device=device, dtype=dtype, generator=g) * d ** -0.5
     w_down = torch.randn(E, d, I, device=device, dtype=dtype, generator=g) * I ** -0.5
     return x, ids, w, w_gate_up, w_down

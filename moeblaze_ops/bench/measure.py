@@ -27,14 +27,17 @@ __all__ = ["BenchContext", "time_ms", "peak_bytes", "activation_bytes", "bench_f
 @dataclass(frozen=True)
 class BenchContext:
     """Where the benchmark runs, which peers it leaves out, whether it adds the peers that
-    replay CUDA graphs (``CUDA_GRAPH_PEERS``: time only), the routing's tilt
-    (``make_inputs``; 0 is uniform) and the token counts each config runs at (None: the
-    config's own T; else one row per token count, the config's d, I, E, K kept)."""
+    replay CUDA graphs (``CUDA_GRAPH_PEERS``: time only), the routing's imbalance (its
+    ``tilt``, ``hot`` expert 0 and ``empty`` last experts, as ``make_inputs`` takes them;
+    all 0 is uniform) and the token counts each config runs at (None: the config's own T;
+    else one row per token count, the config's d, I, E, K kept)."""
 
     device: str = "cuda"
     skip: frozenset = frozenset()
     cuda_graphs: bool = False
     tilt: float = 0.0
+    hot: float = 0.0
+    empty: int = 0
     tokens: tuple | None = None
 
     @property
@@ -135,12 +138,13 @@ def _cases(ctx, names):
 
 
 def _row(ctx, case, imbalance, peer, ms, flops, **measured):
-    """One measured row: the case (config, T, the routing's tilt and max/mean expert load,
-    ``imbalance`` read here, after the peer's timing), the peer, its time (per call and per
-    token, to compare token counts) and TFLOP/s, then ``measured``."""
+    """One measured row: the case (config, T, the routing's tilt, hot and empty, and its
+    max/mean expert load, ``imbalance`` read here, after the peer's timing), the peer, its
+    time (per call and per token, to compare token counts) and TFLOP/s, then ``measured``."""
     name, T = case[:2]
-    return emit(dict(config=name, T=T, tilt=ctx.tilt, load_imbalance=float(imbalance), peer=peer, ms=ms,
-                     us_per_token=ms * 1e3 / T, tflops=flops / ms / 1e9, **measured))
+    return emit(dict(config=name, T=T, tilt=ctx.tilt, hot=ctx.hot, empty=ctx.empty,
+                     load_imbalance=float(imbalance), peer=peer, ms=ms, us_per_token=ms * 1e3 / T,
+                     tflops=flops / ms / 1e9, **measured))
 
 
 def bench_forward(ctx, names):
@@ -151,7 +155,7 @@ def bench_forward(ctx, names):
     for case in progress(_cases(ctx, names), "forward"):
         _, T, d, I, E, K = case
         torch._dynamo.reset()  # each case compiles its peers afresh: no recompile limit across cases
-        inputs = make_inputs(T, d, I, E, K, device=ctx.device, tilt=ctx.tilt)
+        inputs = make_inputs(T, d, I, E, K, device=ctx.device, tilt=ctx.tilt, hot=ctx.hot, empty=ctx.empty)
         imbalance = load_imbalance(inputs[1], E)  # queued on the device; read after timing (_row)
         flops = 6 * T * K * d * I  # forward: 2*LK*d*2I + 2*LK*I*d
         fns = peers(*inputs, cuda_graphs=ctx.cuda_graphs)
@@ -192,7 +196,7 @@ def bench_train(ctx, names):
     for case in progress(_cases(ctx, names), "train"):
         _, T, d, I, E, K = case
         torch._dynamo.reset()
-        inputs = make_inputs(T, d, I, E, K, device=ctx.device, tilt=ctx.tilt)
+        inputs = make_inputs(T, d, I, E, K, device=ctx.device, tilt=ctx.tilt, hot=ctx.hot, empty=ctx.empty)
         x, ids, w, w_gate_up, w_down = inputs
         imbalance = load_imbalance(ids, E)  # queued on the device; read after timing (_row)
         for t in (x, w, w_gate_up, w_down):

@@ -22,11 +22,18 @@ def title(mode, device, torch_version, changes):
     return text
 
 
-def routing(tilt):
-    """The routing of a run with ``tilt`` (``make_inputs``), for a table's heading."""
-    if not tilt:
-        return "uniform routing"
-    return f"router logits {'+' if tilt > 0 else '-'} {abs(tilt):g}*linspace(1, 0, E)"
+def routing(tilt, hot=0.0, empty=0):
+    """The routing of a run with ``tilt``, ``hot`` and ``empty`` (``make_inputs``), for a
+    table's heading: "uniform routing" when all are 0."""
+    changes = []
+    if tilt:
+        changes.append(f"{'+' if tilt > 0 else '-'} {abs(tilt):g}*linspace(1, 0, E)")
+    if hot:
+        changes.append(f"{'+' if hot > 0 else '-'} {abs(hot):g} on expert 0")
+    text = "router logits " + ", ".join(changes) if changes else "uniform routing"
+    if empty:
+        text += ", last expert empty" if empty == 1 else f", last {empty} experts empty"
+    return text
 
 
 def _against_base(rows, base_peer=BASE_PEER):
