@@ -668,6 +668,35 @@ def test_host_overhead_and_profile_step_run_on_cpu(capsys):
     assert "moeblaze::expert_layer" in printed  # the profiled stack ran the layer
 
 
+def test_sustained_step_runs_on_cpu(capsys):
+    """scripts/sustained_step.py: a row per phase, in the order of ``--tokens``, each with
+    at least one step and its time per token from its median step; nothing sampled on the
+    CPU; a non-positive ``--seconds`` is a usage error."""
+    script = _script("sustained_step")
+    rows = script.main(["--device", "cpu", "--configs", "smoke", "--tokens", "16", "40", "16", "--seconds", "0.05"])
+    assert [r["T"] for r in rows] == [16, 40, 16]
+    for r in rows:
+        assert r["steps"] >= 1 and r["settled"] is None
+        assert r["us_per_token"] == pytest.approx(r["median_ms"] * 1e3 / r["T"])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("| config | T | steps |") and len(printed) == 2 + len(rows)
+    assert printed[3].startswith("| smoke | 40 | ") and printed[3].endswith("| - | - | - |")
+    with pytest.raises(SystemExit) as exit_:
+        script.main(["--device", "cpu", "--configs", "smoke", "--seconds", "0"])
+    assert exit_.value.code == 2
+
+
+def test_sustained_step_averages_the_settled_samples():
+    """The clock, power and temperature of a phase: the means of the last three quarters
+    of nvidia-smi's samples, unreadable ones left out."""
+    script = _script("sustained_step")
+    lines = ["1980, 300.5, 40", "[N/A], 310, 41", "1500, 650, 55", "1400, 700, 60", "1300, 690, 62"]
+    # Four readable samples: the first quarter (one) dropped, the other three averaged.
+    assert script.settled_means(lines) == pytest.approx([(1500 + 1400 + 1300) / 3, (650 + 700 + 690) / 3,
+                                                         (55 + 60 + 62) / 3])
+    assert script.settled_means(["[N/A], [N/A], [N/A]"]) is None
+
+
 def test_profile_step_takes_the_benchmarks_routing(capsys, monkeypatch):
     """scripts/profile_step.py --tilt/--hot/--empty: the layer drawn with them, its label
     naming them; too many empty experts for a config is a usage error before anything runs."""
