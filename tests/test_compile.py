@@ -81,6 +81,30 @@ def test_recompute_mode_compiles(seed):
     _assert_same(torch.compile(recompute_loss, backend="aot_eager", fullgraph=True), layer)
 
 
+def test_gradients_accumulate_under_compiled_autograd(seed):
+    """The compiled backward returns every gradient at its end, so a weight's new gradient
+    waits beside its ``.grad`` while the others are made (docs/performance.md); compiled
+    autograd traces the accumulation into the backward graph instead. The ops run under it:
+    two accumulated steps, the second with the backward under compiled autograd, give what
+    eager's two give."""
+    torch._dynamo.reset()
+    layer = _layers([12], seed)[0]
+    args = {k: (v.detach().clone().requires_grad_(True) if k in GRAD_ARGS else v) for k, v in layer.items()
+            if k in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")}
+    eager = {k: v.detach().clone().requires_grad_(True) if k in GRAD_ARGS else v for k, v in args.items()}
+    for _ in range(2):
+        loss_fn(**eager).backward()
+    fn = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
+    fn(**args).backward()
+    counters = torch._dynamo.utils.counters["compiled_autograd"]
+    captures = counters["captures"]
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager", fullgraph=True)):
+        fn(**args).backward()
+    assert counters["captures"] == captures + 1, "the backward did not run under compiled autograd"
+    for k in GRAD_ARGS:
+        assert rel_err(args[k].grad, eager[k].grad) < 1e-6, k
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 def test_frozen_experts_compile(recompute, seed):
     """Frozen expert weights under torch.compile: the backward ops are traced with their
