@@ -190,8 +190,9 @@ def bench_forward(ctx, names):
 
 def bench_train(ctx, names):
     """Rows of the train benchmark: per config (at each token count) and peer, the time and
-    TFLOP/s of forward + backward, the peak memory of one step and the activation memory
-    kept for backward."""
+    TFLOP/s of forward + backward, the peak memory of one step from no gradients and of one
+    that adds into the gradients of the step before (gradient accumulation), and the
+    activation memory kept for backward."""
     rows = []
     for case in progress(_cases(ctx, names), "train"):
         _, T, d, I, E, K = case
@@ -222,20 +223,22 @@ def bench_train(ctx, names):
             timed = fresh_step if peer in CUDA_GRAPH_PEERS else step
             ms = time_ms(lambda fn=fn, timed=timed: timed(fn), ctx.device, grad_to_none=(x, w, w_gate_up, w_down))
             if peer in CUDA_GRAPH_PEERS:
-                rows.append(_row(ctx, case, imbalance, peer, ms, flops, peak_gb=NAN, activation_gb=NAN,
-                                 activation_bytes=NAN))
+                rows.append(_row(ctx, case, imbalance, peer, ms, flops, peak_gb=NAN, accumulate_peak_gb=NAN,
+                                 activation_gb=NAN, activation_bytes=NAN))
                 continue
             # From no gradients, as a training step starts after zero_grad(set_to_none=True):
             # the gradients' allocation counts, whichever peer ran before.
             for t in (x, w, w_gate_up, w_down):
                 t.grad = None
             mem = peak_bytes(lambda fn=fn: step(fn), ctx.device)
+            # Under gradient accumulation: the next step adds into the gradients this one left.
+            accumulate_mem = peak_bytes(lambda fn=fn: step(fn), ctx.device)
             out, act = activation_bytes(fn, exclude=[x, w_gate_up, w_down])
             del out
             for t in (x, w, w_gate_up, w_down):
                 t.grad = None
-            rows.append(_row(ctx, case, imbalance, peer, ms, flops, peak_gb=mem / 1e9, activation_gb=act / 1e9,
-                             activation_bytes=act))
+            rows.append(_row(ctx, case, imbalance, peer, ms, flops, peak_gb=mem / 1e9,
+                             accumulate_peak_gb=accumulate_mem / 1e9, activation_gb=act / 1e9, activation_bytes=act))
         del inputs, x, w, w_gate_up, w_down, imbalance
         _release_cached(ctx)
     return rows

@@ -83,10 +83,11 @@ def forward_table(rows):
 def train_table(rows):
     """Markdown table of ``bench_train``'s rows."""
     header = [*_CASE_HEADER, "peer", "fwd+bwd ms", "TFLOP/s", "activation GB", "peak GB",
-              "speed vs compiled grouped_mm", "activation vs compiled grouped_mm", "peak vs compiled grouped_mm"]
+              "speed vs compiled grouped_mm", "activation vs compiled grouped_mm", "peak vs compiled grouped_mm",
+              "peak GB, accumulating"]
     return _markdown(header, (
         [*case, peer, f"{r['ms']:.3f}", f"{r['tflops']:.0f}", _num(r['activation_gb'], 3), _num(r['peak_gb'], 2), speed,
-         _ratio(r, base, "activation_gb"), _ratio(r, base, "peak_gb")]
+         _ratio(r, base, "activation_gb"), _ratio(r, base, "peak_gb"), _num(r['accumulate_peak_gb'], 2)]
         for case, peer, r, base, speed in _against_base(rows)))
 
 
