@@ -6,8 +6,8 @@ the experts' forward (bf16, SwiGLU, uniform routing) and measures its peak memor
 inputs; train mode times forward + backward and measures the activation memory kept for
 backward (the unique storages autograd saves, parameters and the layer input excluded) and
 the peak memory of one step, from no gradients and adding into the gradients of the step
-before (gradient accumulation, "peak GB, accumulating"). ``--tokens T ...`` runs each config at those token counts in
-place of its own T (a row each); ``--tilt X`` adds ``X * linspace(1, 0, E)`` to the router
+before (gradient accumulation, "peak GB, accumulating"). ``--tokens T ...`` runs each config
+at those token counts in place of its own T (a row each); ``--tilt X`` adds ``X * linspace(1, 0, E)`` to the router
 logits (expert 0 busiest), ``--hot X`` adds X to expert 0's logit alone (one hot expert), and
 ``--empty N`` leaves the last N experts without tokens (their logits -inf; a config with
 fewer than K other experts is a usage error): they combine, the same routing for every peer.
