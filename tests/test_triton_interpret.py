@@ -363,6 +363,23 @@ def test_column_slabs(layout, seed, monkeypatch):
     assert made and all(slabs == [(0, 8), (8, 16), (16, 20)] for slabs in made), made
 
 
+@pytest.mark.parametrize("differentiated", [False, True])
+def test_down_slabs_widen_in_training_alone(differentiated, seed, monkeypatch):
+    """Where act(h) alone passes the weight gradients' bound (200 routed rows of act(h) 12
+    wide against down weights of 480 elements), the training forward's down projection may
+    still widen its scratch to the down weights' bytes (480 / 200: 2 columns), the forward
+    without gradients may not (``widest`` 0): the slabs the kernels made, and the output
+    against the reference either way."""
+    from moeblaze_ops.kernels.triton_backend import combine as triton_combine
+
+    widest = []
+    real = triton_combine.column_slabs
+    monkeypatch.setattr(triton_combine, "column_slabs", lambda d, w=0: widest.append(w) or real(d, w))
+    with settings.override(column_slab=1):
+        check_forward(100, 20, 12, 2, 2, dtype=torch.float32, device="cpu", seed=seed, differentiated=differentiated)
+    assert widest and set(widest) == ({2} if differentiated else {0}), widest
+
+
 def test_widest_slab_bounds():
     """How wide the scratch may grow (``triton_combine.widest_slab``): the forward's
     scratch and act(h) within both weight gradients (the up weights as big as the down
