@@ -672,21 +672,27 @@ def test_host_overhead_and_profile_step_run_on_cpu(capsys):
 
 
 def test_sustained_step_runs_on_cpu(capsys):
-    """scripts/sustained_step.py: a row per phase, in the order of ``--tokens``, each with
-    at least one step and its time per token from its median step; nothing sampled on the
-    CPU; a non-positive ``--seconds`` is a usage error."""
+    """scripts/sustained_step.py: a row per phase, in the order of ``--tokens``, the peers in
+    turn ``--rounds`` times, each phase with at least one step and its time per token from
+    its median step; nothing sampled on the CPU; a non-positive ``--seconds`` and a peer
+    not available here are errors."""
     script = _script("sustained_step")
-    rows = script.main(["--device", "cpu", "--configs", "smoke", "--tokens", "16", "40", "16", "--seconds", "0.05"])
-    assert [r["T"] for r in rows] == [16, 40, 16]
+    rows = script.main(["--device", "cpu", "--configs", "smoke", "--tokens", "16", "40", "--seconds", "0.05",
+                        "--peers", "moeblaze", "hf_grouped_mm", "--rounds", "2"])
+    peers = ["moeblaze", "hf_grouped_mm"] * 2
+    assert [(r["T"], r["peer"], r["round"]) for r in rows] == (
+        [(16, p, 1 + i // 2) for i, p in enumerate(peers)] + [(40, p, 1 + i // 2) for i, p in enumerate(peers)])
     for r in rows:
         assert r["steps"] >= 1 and r["settled"] is None
         assert r["us_per_token"] == pytest.approx(r["median_ms"] * 1e3 / r["T"])
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0].startswith("| config | T | steps |") and len(printed) == 2 + len(rows)
-    assert printed[3].startswith("| smoke | 40 | ") and printed[3].endswith("| - | - | - |")
+    assert printed[0].startswith("| config | T | peer | round | steps |") and len(printed) == 2 + len(rows)
+    assert printed[-1].startswith("| smoke | 40 | hf_grouped_mm | 2 | ") and printed[-1].endswith("| - | - | - |")
     with pytest.raises(SystemExit) as exit_:
         script.main(["--device", "cpu", "--configs", "smoke", "--seconds", "0"])
     assert exit_.value.code == 2
+    with pytest.raises(SystemExit, match="not available here: moeblaze_cudagraphs"):
+        script.main(["--device", "cpu", "--configs", "smoke", "--seconds", "0.05", "--peers", "moeblaze_cudagraphs"])
 
 
 def test_sustained_step_averages_the_settled_samples():
