@@ -84,6 +84,16 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   [ -z "$TESTS" ] && TESTS="exit code $rc, no summary (log.txt)"
 fi
 
+# The benchmark's peers other than moeblaze eager and compiled, left out; each side's
+# benchmark is given those it knows (an older one refuses a name it has not).
+SKIP_PEERS="hf_eager hf_grouped_mm hf_grouped_mm_compiled moeblaze_recompute moeblaze_recompute_compiled moeblaze_compiled_autograd sonicmoe"
+known_peers() {
+  local side=$1; shift
+  PYTHONPATH=$(pypath "$side") python3 -c "import sys
+from moeblaze_ops.bench.implementations import PEER_NAMES
+print(' '.join(name for name in sys.argv[1:] if name in PEER_NAMES))" "$@"
+}
+
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   for round in $(seq "$ROUNDS"); do
     for side in $(order "$round"); do
@@ -91,8 +101,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
       # From the side's own root: `python -m` puts the working directory first on sys.path.
       (cd "$(root "$side")" && PYTHONPATH=$(pypath "$side") timeout "${BENCH_TIMEOUT:-300}" \
         python3 -m moeblaze_ops.bench --mode train --no-dispatch --configs $CONFIGS --out "$WORK/$side$round" \
-        --skip hf_eager hf_grouped_mm hf_grouped_mm_compiled moeblaze_recompute moeblaze_recompute_compiled \
-        sonicmoe "$@") 2>>"$LOG" | tee -a "$LOG"
+        --skip $(known_peers "$side" $SKIP_PEERS) "$@") 2>>"$LOG" | tee -a "$LOG"
       cp "$WORK/$side$round/bench.json" "$OUT/bench/$side$round.json" 2>/dev/null || say "no bench.json ($side)"
     done
   done

@@ -47,7 +47,7 @@ from moeblaze_ops.bench import CONFIGS, decode, make_inputs, peers
 from moeblaze_ops.bench.cli import (add_peer_sites, finite_float, non_negative_int, parse_setting, positive_int,
                                     setting_changes)
 from moeblaze_ops.bench.configs import DECODE_SHAPES, check_empty
-from moeblaze_ops.bench.implementations import PEER_NAMES
+from moeblaze_ops.bench.implementations import PEER_NAMES, train_step
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "finetune_hf_moe.py"
 
@@ -145,7 +145,7 @@ def layer_steps(a):
             def step(fn=fns[peer]):
                 for t in params:
                     t.grad = None
-                fn().backward(grad)
+                train_step(fn, grad)
 
             yield f"{name} {peer}", step
         del fns, x, ids, w, w_gate_up, w_down, params, grad

@@ -12,6 +12,7 @@ from moeblaze_ops import settings
 from moeblaze_ops.bench import CONFIGS, cli, main, make_inputs, measure
 from moeblaze_ops.bench.configs import DECODE_TOKENS, load_imbalance
 from moeblaze_ops.bench.implementations import PEER_NAMES
+from moeblaze_ops.testing import rel_err
 
 
 def run(tmp_path, *args):
@@ -86,7 +87,7 @@ def test_forward_smoke_rows_agree_with_hf(tmp_path):
 def test_train_smoke_measures_what_backward_keeps(tmp_path):
     """Activation memory is exact on CPU; the compiled recompute peer is the one compiled peer here."""
     result, md = run(tmp_path, "--mode", "train", "--configs", "smoke",
-                     "--skip", "hf_eager", "hf_grouped_mm_compiled", "moeblaze_compiled")
+                     "--skip", "hf_eager", "hf_grouped_mm_compiled", "moeblaze_compiled", "moeblaze_compiled_autograd")
     rows = {r["peer"]: r for r in result["train"]}
     assert set(rows) == {"hf_grouped_mm", "moeblaze", "moeblaze_recompute", "moeblaze_recompute_compiled"}
     assert_timed(rows.values())
@@ -566,6 +567,37 @@ def test_tokens_in_train_mode(tmp_path, drawn):
     assert result["train"][0]["activation_bytes"] == LK * 2 * I * 4 + LK * 4 + (E + 1) * 4 + LK * 4 + LK * 4
 
 
+def test_compiled_autograd_peer_runs_its_backward_under_it(tmp_path):
+    """Train mode's ``moeblaze_compiled_autograd``: its backward under compiled autograd
+    (a capture counted), moeblaze's not; the same activation memory as moeblaze's, its
+    gradients equal to eager's."""
+    from moeblaze_ops.bench import implementations
+
+    counters = torch._dynamo.utils.counters["compiled_autograd"]
+    torch._dynamo.reset()
+    result, _ = run(tmp_path, "--mode", "train", "--configs", "smoke", *only("moeblaze", "moeblaze_compiled_autograd"))
+    rows = {r["peer"]: r for r in result["train"]}
+    assert set(rows) == {"moeblaze", "moeblaze_compiled_autograd"}
+    assert rows["moeblaze_compiled_autograd"]["activation_bytes"] == rows["moeblaze"]["activation_bytes"]
+
+    T, d, I, E, K = CONFIGS["smoke"]
+    x, ids, w, w_gate_up, w_down = make_inputs(T, d, I, E, K, device="cpu")
+    grad = torch.randn_like(x)
+    grads = {}
+    torch._dynamo.reset()  # the run's compiled backward cached: this one captures afresh
+    for peer in ("moeblaze", "moeblaze_compiled_autograd"):
+        for t in (x, w, w_gate_up, w_down):
+            t.grad = None
+            t.requires_grad_(True)
+        fn = implementations.peers(x, ids, w, w_gate_up, w_down, train=True)[peer]
+        captures = counters["captures"]
+        implementations.train_step(fn, grad)
+        assert (counters["captures"] > captures) == (peer == "moeblaze_compiled_autograd"), peer
+        grads[peer] = [t.grad.clone() for t in (x, w, w_gate_up, w_down)]
+    for got, want in zip(grads["moeblaze_compiled_autograd"], grads["moeblaze"]):
+        assert rel_err(got, want) < 1e-5
+
+
 def test_tables_compare_peers_at_the_same_token_count():
     """The speed column's base is the compiled grouped_mm row of the same config and T."""
     from moeblaze_ops.bench.report import forward_table, train_table
@@ -741,6 +773,11 @@ def test_gpu_check_parses_and_skips_only_peer_names():
 
     path = pathlib.Path(__file__).parents[1] / "scripts" / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
-    skipped = set(re.search(r'--skip(.*?)"\$@"', path.read_text(), re.S).group(1).split()) - {"\\"}
-    assert skipped <= set(PEER_NAMES) and "moeblaze" not in skipped and "moeblaze_compiled" not in skipped
-    assert {"hf_eager", "hf_grouped_mm_compiled", "sonicmoe"} <= skipped
+    skipped = set(re.search(r'^SKIP_PEERS="(.*?)"', path.read_text(), re.M).group(1).split())
+    assert skipped == set(PEER_NAMES) - {"moeblaze", "moeblaze_compiled", "hf_grouped_mm_cudagraphs",
+                                         "moeblaze_cudagraphs"}
+    # Each side's benchmark is given the names it knows: an older copy refuses new ones.
+    known = subprocess.run(["bash", "-c", f'pypath() {{ echo "$PYTHONPATH"; }}; '
+                            f'eval "$(sed -n "/^known_peers()/,/^}}/p" {path})"; known_peers new moeblaze no_such_peer'],
+                           capture_output=True, text=True)
+    assert known.stdout.split() == ["moeblaze"], known.stderr

@@ -3,12 +3,16 @@
 HF's ``eager`` backend (a loop over experts), its ``grouped_mm`` backend eager and under
 ``torch.compile``, SonicMoE (CuTe DSL kernels for Hopper; on CUDA when ``sonicmoe`` is
 importable), and ``moeblaze_ops.moe_experts`` eager and compiled; train mode adds
-moeblaze's full-recompute mode; ``cuda_graphs`` adds ``grouped_mm`` and moeblaze compiled
+moeblaze's full-recompute mode and moeblaze compiled with its backward under compiled
+autograd (``train_step``: the accumulation of the weights' gradients traced into the
+backward graph); ``cuda_graphs`` adds ``grouped_mm`` and moeblaze compiled
 with ``mode="reduce-overhead"`` (CUDA graphs). Every peer computes the same SwiGLU experts layer on the
 same weights, so their outputs can be compared with each other.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -17,13 +21,13 @@ import moeblaze_ops
 
 from .console import note
 
-__all__ = ["CUDA_GRAPH_PEERS", "HFExpertsModule", "PEER_NAMES", "hf_eager_forward", "peers"]
+__all__ = ["CUDA_GRAPH_PEERS", "HFExpertsModule", "PEER_NAMES", "hf_eager_forward", "peers", "train_step"]
 
 #: Every peer ``peers`` may offer, in its order (which ones it offers depends on the mode,
 #: ``cuda_graphs``, the device and what is importable): the names ``--skip`` takes.
 PEER_NAMES = ("hf_eager", "hf_grouped_mm", "hf_grouped_mm_compiled", "hf_grouped_mm_cudagraphs", "moeblaze",
               "moeblaze_compiled", "moeblaze_cudagraphs", "moeblaze_recompute", "moeblaze_recompute_compiled",
-              "sonicmoe")
+              "moeblaze_compiled_autograd", "sonicmoe")
 
 #: The peers that replay CUDA graphs: their memory lives in the graphs' private pool,
 #: allocated once, so a call's peak and saved bytes are not measured for them.
@@ -62,6 +66,20 @@ def hf_eager_forward(mod, x, ids, w):
         y = F.linear(F.silu(gate) * up, mod.down_proj[e]) * w[tok, k, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out
+
+
+def train_step(fn, grad):
+    """One training step of peer ``fn``: its forward, then backward of ``grad`` through it,
+    under compiled autograd for the peer that asks for it (``moeblaze_compiled_autograd``,
+    whose ``backward_context`` makes the context), plainly for every other."""
+    with getattr(fn, "backward_context", contextlib.nullcontext)():
+        fn().backward(grad)
+
+
+def _compiled_autograd():
+    # Private in torch 2.11: the context PyTorch's own tests use to compile a backward
+    # called outside a compiled function.
+    return torch._dynamo.compiled_autograd._enable(torch.compile(fullgraph=True))
 
 
 def _bound(fn, x, ids, w):
@@ -146,6 +164,9 @@ def peers(x, ids, w, w_gate_up, w_down, train=False, cuda_graphs=False):
 
         fns["moeblaze_recompute"] = _bound(recompute, x, ids, w)
         fns["moeblaze_recompute_compiled"] = _bound(torch.compile(recompute, fullgraph=True), x, ids, w)
+        compiled_autograd = _bound(torch.compile(ours, fullgraph=True), x, ids, w)
+        compiled_autograd.backward_context = _compiled_autograd
+        fns["moeblaze_compiled_autograd"] = compiled_autograd
     # Last: its kernels compile for minutes on a new shape, and a run cut short by a time
     # limit then still has every other peer's rows.
     sonicmoe = _sonicmoe_forward() if x.is_cuda else None

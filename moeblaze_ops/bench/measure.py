@@ -16,7 +16,7 @@ import torch
 
 from .configs import CONFIGS, DISPATCH_CASES, load_imbalance, make_inputs
 from .console import emit, note, progress
-from .implementations import CUDA_GRAPH_PEERS, peers
+from .implementations import CUDA_GRAPH_PEERS, peers, train_step
 
 NAN = float("nan")
 
@@ -207,7 +207,7 @@ def bench_train(ctx, names):
                            generator=torch.Generator(ctx.device).manual_seed(1))
 
         def step(fn):
-            fn().backward(grad)
+            train_step(fn, grad)
 
         def fresh_step(fn):
             # A replayed graph's gradients are its outputs, overwritten by the next replay, so
