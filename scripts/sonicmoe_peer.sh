@@ -9,7 +9,8 @@
 #   call 2, carrying .peer-sonicmoe-2:  bash scripts/sonicmoe_peer.sh install &&
 #       ln -sfn ../lowerings moeblaze_ops/lowerings &&   # the lowerings of a source tree
 #       python3 -m moeblaze_ops.bench --mode train --no-dispatch --peer-site /tmp/peer-site \
-#         --configs olmoe mixtral --skip hf_eager moeblaze_recompute moeblaze_recompute_compiled
+#         --configs olmoe mixtral --skip hf_eager moeblaze_recompute moeblaze_recompute_compiled \
+#         moeblaze_compiled_autograd
 #       (or python3 scripts/profile_step.py --peer-site /tmp/peer-site --peers sonicmoe moeblaze)
 #
 # `install` puts the packages into /tmp/peer-site (pip --target, no dependencies: torch
