@@ -661,6 +661,181 @@ def test_bad_tokens_and_tilt_are_usage_errors(tmp_path, capsys, args, message):
     assert not (tmp_path / "decode.json").exists()
 
 
+@pytest.fixture
+def peer_calls(monkeypatch):
+    """Every ``peers`` call the measurements make, as (its inputs, its ``variant`` keyword
+    arguments, the outputs of its ``moeblaze`` peer's calls, detached)."""
+    from moeblaze_ops.bench import implementations
+
+    calls = []
+
+    def peers_spy(*inputs, variant=None, **kwargs):
+        fns = implementations.peers(*inputs, variant=variant, **kwargs)
+        outs = []
+        calls.append((inputs, dict(variant or {}), outs))
+        eager = fns["moeblaze"]
+
+        def moeblaze():
+            out = eager()
+            outs.append(out.detach().clone())
+            return out
+
+        fns["moeblaze"] = moeblaze
+        return fns
+
+    monkeypatch.setattr(measure, "peers", peers_spy)
+    return calls
+
+
+#: The layer each variant's table heading names.
+VARIANT_HEADINGS = {"none": "SwiGLU", "bias": "SwiGLU with biases",
+                    "clamped": "GPT-OSS clamped SwiGLU, interleaved, with biases", "fp16": "SwiGLU, fp16"}
+
+
+def variant_reference(variant, x, ids, w, w_gate_up, w_down, b_gate_up, b_down):
+    """The float64 output of ``variant``'s layer (``moeblaze_ops.testing.reference_moe``):
+    SwiGLU with the biases for ``bias``; GPT-OSS's clamped SwiGLU (alpha 1.702, limit 7),
+    gate and up columns interleaved, with the biases for ``clamped``."""
+    from moeblaze_ops.testing import reference_moe
+
+    layer = dict(bias=dict(activation="swiglu", interleaved=False),
+                 clamped=dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0))[variant]
+    return reference_moe(x.double(), ids, w.double(), w_gate_up.double(), w_down.double(),
+                         b_gate_up=b_gate_up.double(), b_down=b_down.double(), **layer)
+
+
+def reference_moe_plain(x, ids, w, w_gate_up, w_down):
+    """The float64 output of the plain SwiGLU layer without biases."""
+    from moeblaze_ops.testing import reference_moe
+
+    return reference_moe(x.double(), ids, w.double(), w_gate_up.double(), w_down.double())
+
+
+def assert_biases(variant_kwargs, w_gate_up, w_down):
+    """The variant's biases: [E, 2I] and [E, d] in the weights' dtype, of scale about 0.1."""
+    E, N, d = w_gate_up.shape
+    b_gate_up, b_down = variant_kwargs["b_gate_up"], variant_kwargs["b_down"]
+    assert b_gate_up.shape == (E, N) and b_down.shape == (E, d) and N == 2 * w_down.shape[2]
+    assert b_gate_up.dtype == b_down.dtype == w_gate_up.dtype
+    for b in (b_gate_up, b_down):
+        b = b.detach().double()
+        assert 0.07 < float(b.std()) < 0.13 and abs(float(b.mean())) < 0.05
+    return b_gate_up, b_down
+
+
+@pytest.mark.parametrize("mode", ["forward", "train"])
+@pytest.mark.parametrize("variant", ["bias", "clamped"])
+def test_variant_layers_run_on_moeblazes_peers_alone(tmp_path, peer_calls, capsys, mode, variant):
+    """``--variant bias`` and ``clamped``: HF's peers left out (with a note) though not
+    skipped, moeblaze's given the variant's layer, whose eager output equals the float64
+    reference of that layer (and not plain SwiGLU's); rows, run and heading name it."""
+    kept = ("hf_eager", "hf_grouped_mm", "moeblaze") + (("moeblaze_compiled",) if mode == "forward"
+                                                         else ("moeblaze_recompute",))
+    result, md = run(tmp_path, "--mode", mode, "--configs", "smoke", "--no-dispatch", "--variant", variant,
+                     *only(*kept))
+    rows = result[mode]
+    assert [r["peer"] for r in rows] == ["moeblaze", kept[-1]]
+    assert result["variant"] == variant and all(r["variant"] == variant for r in rows)
+    assert_timed(rows)
+    (inputs, layer, outs), = peer_calls
+    x, ids, w, w_gate_up, w_down = inputs
+    b_gate_up, b_down = assert_biases(layer, w_gate_up, w_down)
+    ref = variant_reference(variant, x, ids, w, w_gate_up, w_down, b_gate_up, b_down)
+    assert outs and all(rel_err(out, ref) < 1e-4 for out in outs), [rel_err(out, ref) for out in outs]
+    plain = reference_moe_plain(x, ids, w, w_gate_up, w_down)
+    assert rel_err(plain, ref) > 1e-2  # the check tells the variant's layer from plain SwiGLU
+    if mode == "forward":
+        assert rows[0]["rel_diff_vs_first"] == 0 and rows[1]["rel_diff_vs_first"] < 1e-4
+    heading = f"## forward (fp32, {VARIANT_HEADINGS[variant]}, uniform routing)" if mode == "forward" else \
+        f"## forward + backward ({VARIANT_HEADINGS[variant]}, uniform routing)"
+    assert heading in md, md
+    assert set(table_rows(md, "smoke")) == {"moeblaze", kept[-1]}
+    notes = [line for line in capsys.readouterr().err.splitlines() if "SonicMoE" in line]
+    assert len(notes) == 1 and f"--variant {variant}" in notes[0] and "plain SwiGLU" in notes[0], notes
+
+
+def test_every_moeblaze_peer_computes_the_variants_layer():
+    """``peers(..., variant=...)``: the moeblaze peers alone, every one of them (compiled,
+    recompute, compiled autograd, reduce-overhead) computing GPT-OSS's layer with the biases;
+    no variant keeps HF's peers."""
+    from moeblaze_ops.bench import peers
+    from moeblaze_ops.bench.configs import make_variant
+
+    torch._dynamo.reset()
+    T, d, I, E, K = CONFIGS["smoke"]
+    inputs = make_inputs(T, d, I, E, K, device="cpu")
+    assert "hf_eager" in peers(*inputs) and "hf_eager" in peers(*inputs, variant={})
+    layer = make_variant("clamped", inputs[3], inputs[4])
+    fns = peers(*inputs, train=True, cuda_graphs=True, variant=layer)
+    assert list(fns) == [name for name in PEER_NAMES if name.startswith("moeblaze")]
+    ref = variant_reference("clamped", *inputs, *assert_biases(layer, inputs[3], inputs[4]))
+    with torch.no_grad():
+        for name, fn in fns.items():
+            assert rel_err(fn(), ref) < 1e-4, name
+
+
+def test_bias_variant_keeps_x_weights_and_routing(tmp_path, peer_calls):
+    """The biases come from a generator of their own: x, the weights and the routing the
+    peers get under ``--variant bias`` (and ``clamped``) are ``none``'s, and both variants
+    have the same biases; ``none`` passes no variant arguments."""
+    for variant in ("none", "bias", "clamped"):
+        run(tmp_path / variant, "--configs", "smoke", "--no-dispatch", "--variant", variant, *only("moeblaze"))
+    (plain, none_layer, _), (biased, bias_layer, _), (clamped, clamped_layer, _) = peer_calls
+    assert none_layer == {}
+    for got in (biased, clamped):
+        assert all(torch.equal(a, b) for a, b in zip(got, plain))
+    assert set(bias_layer) == {"b_gate_up", "b_down"}
+    assert {k: v for k, v in clamped_layer.items() if k not in bias_layer} == dict(activation="clamped_swiglu",
+                                                                                 interleaved=True)
+    for name in ("b_gate_up", "b_down"):
+        assert torch.equal(bias_layer[name], clamped_layer[name])
+    # Not drawn from make_inputs' generator, whose stream they would otherwise repeat.
+    g = torch.Generator().manual_seed(0)
+    T, d, I, E, K = CONFIGS["smoke"]
+    first = torch.randn(E * 2 * I, generator=g).reshape(E, 2 * I)
+    assert not torch.allclose(bias_layer["b_gate_up"], 0.1 * first)
+
+
+def test_fp16_variant_gives_every_peer_fp16_inputs(peer_calls):
+    """The fp16 variant's layer is float16 for every peer (measured here directly: the
+    command line makes it a CUDA option); the rows carry it."""
+    ctx = measure.BenchContext(device="cpu", skip=frozenset(set(PEER_NAMES) - {"hf_grouped_mm", "moeblaze"}),
+                               variant="fp16")
+    rows = measure.bench_forward(ctx, ["smoke"])
+    assert [r["peer"] for r in rows] == ["hf_grouped_mm", "moeblaze"]
+    assert all(r["variant"] == "fp16" for r in rows)
+    (inputs, layer, outs), = peer_calls
+    assert layer == {} and [t.dtype for t in inputs] == [torch.float16, torch.int64, torch.float32, torch.float16,
+                                                         torch.float16]
+    assert outs[0].dtype == torch.float16
+    ref = reference_moe_plain(*inputs)
+    assert rel_err(outs[0], ref) < 3e-3 and rows[1]["rel_diff_vs_first"] < 3e-3
+
+
+def test_variant_headings_name_the_layer():
+    from moeblaze_ops.bench.report import layer
+
+    for variant, text in VARIANT_HEADINGS.items():
+        assert layer(variant) == text
+    assert layer("none", "bf16") == "bf16, SwiGLU" and layer("bias", "bf16") == "bf16, SwiGLU with biases"
+    assert layer("fp16", "bf16") == "fp16, SwiGLU"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--variant", "fp16"], "--variant fp16 needs --device cuda: on the CPU the benchmark computes in fp32"),
+    (["--mode", "train", "--variant", "fp16"], "--variant fp16 needs --device cuda"),
+    (["--variant", "nope"], "argument --variant: invalid choice: 'nope'"),
+    (["--mode", "decode", "--configs", "smoke_decode", "--variant", "bias"],
+     "--variant bias is for forward and train modes"),
+    (["--mode", "decode", "--configs", "smoke_decode", "--variant", "clamped"],
+     "--variant clamped is for forward and train modes"),
+])
+def test_bad_variants_are_usage_errors(tmp_path, capsys, args, message):
+    err = usage_error(tmp_path, capsys, *(["--configs", "smoke"] if "--configs" not in args else []), *args)
+    assert message in err, err
+    assert not (tmp_path / "decode.json").exists()
+
+
 def _script(name):
     """``scripts/<name>.py`` as a module."""
     import importlib.util

@@ -13,6 +13,10 @@ logits (expert 0 busiest), ``--hot X`` adds X to expert 0's logit alone (one hot
 fewer than K other experts is a usage error): they combine, the same routing for every peer.
 Each row gives its T, its routing's tilt, hot and empty, its time per token and its
 routing's load imbalance (the busiest expert's routed rows over the mean).
+``--variant`` times another layer in forward and train modes: ``bias`` (random biases
+``b_gate_up`` and ``b_down``, the same x, weights and routing) or ``clamped`` (GPT-OSS's clamped
+SwiGLU, interleaved, with those biases), both measured on moeblaze's peers alone (HF's and
+SonicMoE compute plain SwiGLU), or ``fp16`` (every peer in float16 in place of bf16; CUDA only).
 A dispatch micro-benchmark compares moeblaze's dispatch with the sort + histc + cumsum that
 ``grouped_mm`` runs. ``--cudagraphs`` adds ``grouped_mm`` and moeblaze compiled with
 ``mode="reduce-overhead"`` (time only), and times the dispatch calls replayed from CUDA
@@ -58,11 +62,11 @@ import torch
 
 from .. import settings
 from . import decode
-from .configs import CONFIGS, DECODE_SHAPES, DECODE_TOKENS, check_empty
+from .configs import CONFIGS, DECODE_SHAPES, DECODE_TOKENS, VARIANTS, check_empty
 from .console import note
 from .implementations import PEER_NAMES
 from .measure import BenchContext, bench_dispatch, bench_forward, bench_train
-from .report import dispatch_table, forward_table, plot, routing, title, train_table
+from .report import dispatch_table, forward_table, layer, plot, routing, title, train_table
 
 __all__ = ["add_peer_sites", "finite_float", "main", "non_negative_int", "parse_setting", "positive_int",
            "setting_changes"]
@@ -111,6 +115,11 @@ def _parser():
     p.add_argument("--empty", type=non_negative_int, default=0, metavar="N",
                    help="forward and train modes: the last N experts get no tokens (their router logits -inf; at "
                         "most E - K of a config's E experts; default: 0)")
+    p.add_argument("--variant", choices=VARIANTS, default="none",
+                   help="forward and train modes: the layer measured; none: SwiGLU without biases (bf16 on CUDA); "
+                        "bias: with random biases b_gate_up and b_down; clamped: GPT-OSS's clamped SwiGLU, "
+                        "interleaved, with those biases (bias and clamped: moeblaze's peers alone, the others "
+                        "compute plain SwiGLU); fp16: float16 in place of bf16 (CUDA only; default: none)")
     p.add_argument("--skip", nargs="*", default=[], choices=list(dict.fromkeys(PEER_NAMES + decode.DECODE_PEER_NAMES)),
                    metavar="PEER", help=f"peers to leave out, of: {', '.join(PEER_NAMES)}; in decode mode, of: "
                                         f"{', '.join(decode.DECODE_PEER_NAMES)}")
@@ -230,7 +239,7 @@ def _measure(args, ctx, changes):
     """Runs the measurements (under the settings in force) -> (bench.json's dict, bench.md's lines)."""
     device_name = torch.cuda.get_device_name() if ctx.on_cuda else "CPU"
     result = dict(device=device_name, torch=torch.__version__, mode=args.mode, settings=changes, tilt=args.tilt,
-                  hot=args.hot, empty=args.empty, tokens=args.tokens, **_versions())
+                  hot=args.hot, empty=args.empty, tokens=args.tokens, variant=args.variant, **_versions())
     heading = routing(args.tilt, args.hot, args.empty)
     text = [title(args.mode, device_name, torch.__version__, changes)]
     if not args.no_dispatch:
@@ -240,13 +249,23 @@ def _measure(args, ctx, changes):
             print("\n".join(text[-3:]), flush=True)
         else:
             note(f"bench: dispatch micro-benchmark left out on {ctx.device} (it times CUDA kernels)")
+    # The variants with biases or another activation: moeblaze's peers alone (``peers``).
+    others_left_out = args.variant in ("bias", "clamped") and args.configs
+    left_out = (f"--variant {args.variant}: HF's peers and SonicMoE compute plain SwiGLU without biases, "
+                f"so only moeblaze's peers are measured")
+    if others_left_out:
+        note(f"bench: {left_out}")
     if args.mode == "forward":
         result["forward"] = bench_forward(ctx, args.configs)
         dtype = "bf16" if ctx.on_cuda else "fp32"  # make_inputs' default dtype
-        text += ["", f"## forward ({dtype}, SwiGLU, {heading})", "", forward_table(result["forward"])]
+        text += ["", f"## forward ({layer(args.variant, dtype)}, {heading})", ""]
+        text += [left_out, ""] if others_left_out else []
+        text += [forward_table(result["forward"])]
     else:
         result["train"] = bench_train(ctx, args.configs)
-        text += ["", f"## forward + backward (SwiGLU, {heading})", "", train_table(result["train"])]
+        text += ["", f"## forward + backward ({layer(args.variant)}, {heading})", ""]
+        text += [left_out, ""] if others_left_out else []
+        text += [train_table(result["train"])]
     return result, text
 
 
@@ -294,10 +313,17 @@ def main(argv=None):
         for flag in ("tilt", "hot", "empty"):
             if getattr(args, flag):
                 parser.error(f"--{flag} is for forward and train modes: decode mode draws uniform routing")
+        if args.variant != "none":
+            parser.error(f"--variant {args.variant} is for forward and train modes: decode mode measures the "
+                         f"plain SwiGLU layer")
         return _run_decode(args, changes)
+    if args.variant == "fp16" and args.device != "cuda":
+        parser.error("--variant fp16 needs --device cuda: on the CPU the benchmark computes in fp32, not the bf16 "
+                     "that fp16 replaces, so there is no CPU layer for it to change")
     _check_empty(parser, args)
     ctx = BenchContext(device=args.device, skip=frozenset(args.skip), cuda_graphs=args.cudagraphs, tilt=args.tilt,
-                       hot=args.hot, empty=args.empty, tokens=tuple(args.tokens) if args.tokens else None)
+                       hot=args.hot, empty=args.empty, tokens=tuple(args.tokens) if args.tokens else None,
+                       variant=args.variant)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CONFIGS", "DECODE_SHAPES", "DECODE_TOKENS", "DISPATCH_CASES", "check_empty", "load_imbalance",
-           "make_inputs"]
+__all__ = ["BIAS_SEED", "CONFIGS", "DECODE_SHAPES", "DECODE_TOKENS", "DISPATCH_CASES", "VARIANTS", "check_empty",
+           "load_imbalance", "make_inputs", "make_variant", "variant_dtype"]
 
 #: name -> (T tokens, d hidden, I intermediate, E experts, K chosen per token).
 CONFIGS = {
@@ -34,6 +34,17 @@ DECODE_SHAPES = {
 
 #: Decode mode's default token counts: one sequence's step up to a large prefill chunk.
 DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+#: The layer variants forward and train modes measure (``--variant``): ``none``, the plain
+#: SwiGLU layer without biases (bf16 on CUDA); ``bias``, with random biases ``b_gate_up``
+#: [E, 2I] and ``b_down`` [E, d]; ``clamped``, GPT-OSS's layer (``clamped_swiglu`` at its
+#: default alpha and limit, gate and up columns interleaved, the biases of ``bias``);
+#: ``fp16``, the plain layer in float16 (CUDA only: the CPU computes in fp32).
+VARIANTS = ("none", "bias", "clamped", "fp16")
+
+#: The seed of the biases' own generator: ``x``, the weights and the routing are drawn from
+#: ``make_inputs``' generator alone, so every variant has the same ones.
+BIAS_SEED = 2
 
 #: (L rows, K ids per row, E experts) of the dispatch micro-benchmark.
 DISPATCH_CASES = [(65536, 8, 128), (262144, 4, 16), (1048576, 8, 256)]
@@ -81,6 +92,35 @@ def make_inputs(T, d, I, E, K, dtype=None, device="cuda", seed=0, tilt=0.0, hot=
     w_gate_up = torch.randn(E, 2 * I, d, device=device, dtype=dtype, generator=g) * d ** -0.5
     w_down = torch.randn(E, d, I, device=device, dtype=dtype, generator=g) * I ** -0.5
     return x, ids, w, w_gate_up, w_down
+
+
+def variant_dtype(variant):
+    """The dtype ``make_inputs`` draws ``variant``'s layer in: float16 for ``fp16``, else
+    None (its default: bf16 on CUDA, fp32 elsewhere)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+    return torch.float16 if variant == "fp16" else None
+
+
+def make_variant(variant, w_gate_up, w_down, seed=BIAS_SEED):
+    """``moe_experts``' keyword arguments of layer variant ``variant`` (``VARIANTS``) on the
+    weights ``w_gate_up`` [E, 2I, d] and ``w_down`` [E, d, I]: none for ``none`` and ``fp16``
+    (whose dtype is the inputs', ``variant_dtype``); ``b_gate_up`` [E, 2I] and ``b_down``
+    [E, d] (``0.1 * randn`` in the weights' dtype and device, from a generator of their own
+    seeded with ``seed``) for ``bias``; those and ``activation="clamped_swiglu"``,
+    ``interleaved=True`` for ``clamped`` (GPT-OSS's layer: the same weights, their columns
+    read as alternating gate and up; alpha and limit GPT-OSS's defaults)."""
+    variant_dtype(variant)  # checks the name
+    if variant in ("none", "fp16"):
+        return {}
+    E, N, _ = w_gate_up.shape
+    d = w_down.shape[1]
+    g = torch.Generator(device=w_gate_up.device).manual_seed(seed)
+    biases = dict(b_gate_up=0.1 * torch.randn(E, N, device=w_gate_up.device, dtype=w_gate_up.dtype, generator=g),
+                  b_down=0.1 * torch.randn(E, d, device=w_down.device, dtype=w_down.dtype, generator=g))
+    if variant == "bias":
+        return biases
+    return dict(activation="clamped_swiglu", interleaved=True, **biases)
 
 
 def load_imbalance(ids, E):

@@ -7,7 +7,9 @@ moeblaze's full-recompute mode and moeblaze compiled with its backward under com
 autograd (``train_step``: the accumulation of the weights' gradients traced into the
 backward graph); ``cuda_graphs`` adds ``grouped_mm`` and moeblaze compiled
 with ``mode="reduce-overhead"`` (CUDA graphs). Every peer computes the same SwiGLU experts layer on the
-same weights, so their outputs can be compared with each other.
+same weights, so their outputs can be compared with each other. A layer variant with biases or
+another activation (``peers``' ``variant``, ``configs.make_variant``'s arguments) is moeblaze's
+peers' alone: HF's and SonicMoE compute plain SwiGLU without biases, so they are not offered.
 """
 
 from __future__ import annotations
@@ -132,20 +134,29 @@ def _sonicmoe_forward():
     return forward
 
 
-def peers(x, ids, w, w_gate_up, w_down, train=False, cuda_graphs=False):
+def peers(x, ids, w, w_gate_up, w_down, train=False, cuda_graphs=False, variant=None):
     """name -> callable running the experts' forward on these inputs.
 
     The first peer is the reference the forward benchmark compares outputs with. Train
     mode adds moeblaze's full-recompute mode (same forward, less kept for backward), eager
     and compiled. Compiled peers compile on their first call.
+
+    ``variant``: the layer variant's further keyword arguments of ``moe_experts``
+    (``configs.make_variant``'s: biases, ``activation``, ``interleaved``), which every
+    moeblaze peer passes on; None or empty is the plain SwiGLU layer without biases. Only
+    that plain layer has the HF peers and SonicMoE (they compute nothing else), so a
+    variant that changes the layer offers moeblaze's peers alone.
     """
+    layer = dict(variant or {})
     mod = HFExpertsModule(w_gate_up, w_down)
 
     def ours(x, ids, w):
-        return moeblaze_ops.moe_experts(x, ids, w, w_gate_up, w_down)
+        return moeblaze_ops.moe_experts(x, ids, w, w_gate_up, w_down, **layer)
 
-    fns = {"hf_eager": lambda: hf_eager_forward(mod, x, ids, w)}
-    grouped_mm = _hf_grouped_mm_forward()
+    fns = {}
+    if not layer:
+        fns["hf_eager"] = lambda: hf_eager_forward(mod, x, ids, w)
+    grouped_mm = _hf_grouped_mm_forward() if not layer else None
     if grouped_mm is not None:
         def hf_grouped(x, ids, w):
             return grouped_mm(mod, x, ids, w)
@@ -160,7 +171,7 @@ def peers(x, ids, w, w_gate_up, w_down, train=False, cuda_graphs=False):
         fns["moeblaze_cudagraphs"] = _graphed(ours, x, ids, w)
     if train:
         def recompute(x, ids, w):
-            return moeblaze_ops.moe_experts(x, ids, w, w_gate_up, w_down, recompute=True)
+            return moeblaze_ops.moe_experts(x, ids, w, w_gate_up, w_down, recompute=True, **layer)
 
         fns["moeblaze_recompute"] = _bound(recompute, x, ids, w)
         fns["moeblaze_recompute_compiled"] = _bound(torch.compile(recompute, fullgraph=True), x, ids, w)
@@ -169,7 +180,7 @@ def peers(x, ids, w, w_gate_up, w_down, train=False, cuda_graphs=False):
         fns["moeblaze_compiled_autograd"] = compiled_autograd
     # Last: its kernels compile for minutes on a new shape, and a run cut short by a time
     # limit then still has every other peer's rows.
-    sonicmoe = _sonicmoe_forward() if x.is_cuda else None
+    sonicmoe = _sonicmoe_forward() if x.is_cuda and not layer else None
     if sonicmoe is not None:
         fns["sonicmoe"] = lambda: sonicmoe(x, ids, w, w_gate_up, w_down)
     return fns

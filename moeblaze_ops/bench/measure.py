@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .configs import CONFIGS, DISPATCH_CASES, load_imbalance, make_inputs
+from .configs import CONFIGS, DISPATCH_CASES, load_imbalance, make_inputs, make_variant, variant_dtype
 from .console import emit, note, progress
 from .implementations import CUDA_GRAPH_PEERS, peers, train_step
 
@@ -29,8 +29,10 @@ class BenchContext:
     """Where the benchmark runs, which peers it leaves out, whether it adds the peers that
     replay CUDA graphs (``CUDA_GRAPH_PEERS``: time only), the routing's imbalance (its
     ``tilt``, ``hot`` expert 0 and ``empty`` last experts, as ``make_inputs`` takes them;
-    all 0 is uniform) and the token counts each config runs at (None: the config's own T;
-    else one row per token count, the config's d, I, E, K kept)."""
+    all 0 is uniform), the token counts each config runs at (None: the config's own T;
+    else one row per token count, the config's d, I, E, K kept) and the layer variant
+    measured (``configs.VARIANTS``: ``none``, the plain SwiGLU layer; ``bias``; ``clamped``;
+    ``fp16``)."""
 
     device: str = "cuda"
     skip: frozenset = frozenset()
@@ -39,6 +41,7 @@ class BenchContext:
     hot: float = 0.0
     empty: int = 0
     tokens: tuple | None = None
+    variant: str = "none"
 
     @property
     def on_cuda(self) -> bool:
@@ -137,12 +140,31 @@ def _cases(ctx, names):
     return cases
 
 
+def _layer(ctx, T, d, I, E, K):
+    """(the inputs ``make_inputs`` draws for the case, in the variant's dtype, with the
+    routing's tilt, hot and empty; the variant's further ``moe_experts`` arguments,
+    ``make_variant``'s; the tensors among those, the biases, trained as the weights are)."""
+    inputs = make_inputs(T, d, I, E, K, dtype=variant_dtype(ctx.variant), device=ctx.device, tilt=ctx.tilt,
+                         hot=ctx.hot, empty=ctx.empty)
+    layer = make_variant(ctx.variant, inputs[3], inputs[4])
+    return inputs, layer, [t for t in layer.values() if isinstance(t, torch.Tensor)]
+
+
+def _peers(ctx, inputs, layer, **kwargs):
+    """``peers`` of ``inputs``, given the variant's arguments ``layer`` where there are any
+    (the plain layer's call is the one it always was)."""
+    if layer:
+        kwargs["variant"] = layer
+    return peers(*inputs, cuda_graphs=ctx.cuda_graphs, **kwargs)
+
+
 def _row(ctx, case, imbalance, peer, ms, flops, **measured):
     """One measured row: the case (config, T, the routing's tilt, hot and empty, and its
-    max/mean expert load, ``imbalance`` read here, after the peer's timing), the peer, its
-    time (per call and per token, to compare token counts) and TFLOP/s, then ``measured``."""
+    max/mean expert load, ``imbalance`` read here, after the peer's timing), the layer
+    variant, the peer, its time (per call and per token, to compare token counts) and
+    TFLOP/s, then ``measured``."""
     name, T = case[:2]
-    return emit(dict(config=name, T=T, tilt=ctx.tilt, hot=ctx.hot, empty=ctx.empty,
+    return emit(dict(config=name, T=T, tilt=ctx.tilt, hot=ctx.hot, empty=ctx.empty, variant=ctx.variant,
                      load_imbalance=float(imbalance), peer=peer, ms=ms, us_per_token=ms * 1e3 / T,
                      tflops=flops / ms / 1e9, **measured))
 
@@ -155,10 +177,10 @@ def bench_forward(ctx, names):
     for case in progress(_cases(ctx, names), "forward"):
         _, T, d, I, E, K = case
         torch._dynamo.reset()  # each case compiles its peers afresh: no recompile limit across cases
-        inputs = make_inputs(T, d, I, E, K, device=ctx.device, tilt=ctx.tilt, hot=ctx.hot, empty=ctx.empty)
+        inputs, layer, biases = _layer(ctx, T, d, I, E, K)
         imbalance = load_imbalance(inputs[1], E)  # queued on the device; read after timing (_row)
-        flops = 6 * T * K * d * I  # forward: 2*LK*d*2I + 2*LK*I*d
-        fns = peers(*inputs, cuda_graphs=ctx.cuda_graphs)
+        flops = 6 * T * K * d * I  # forward: 2*LK*d*2I + 2*LK*I*d (the GEMMs; biases and activation not counted)
+        fns = _peers(ctx, inputs, layer)
         ref = None
         for peer, fn, out in _runnable(ctx, fns, _no_grad_call):
             with torch.no_grad():
@@ -174,7 +196,7 @@ def bench_forward(ctx, names):
                 mem = peak_bytes(fn, ctx.device)
             # A training forward: the weights require grad, so each peer also keeps what its
             # backward needs. Measured once, after a warm-up (compile) call.
-            trainable = [inputs[i] for i in (0, 2, 3, 4)]  # x, topk_weights, w_gate_up, w_down
+            trainable = [inputs[i] for i in (0, 2, 3, 4)] + biases  # x, topk_weights, w_gate_up, w_down, biases
             for t in trainable:
                 t.requires_grad_(True)
             fn()
@@ -183,7 +205,7 @@ def bench_forward(ctx, names):
                 t.requires_grad_(False)
             rows.append(_row(ctx, case, imbalance, peer, ms, flops, peak_gb=mem / 1e9,
                              train_fwd_peak_gb=train_mem / 1e9, rel_diff_vs_first=err))
-        del fns, inputs, ref, imbalance
+        del fns, inputs, layer, biases, ref, imbalance
         _release_cached(ctx)
     return rows
 
@@ -197,12 +219,15 @@ def bench_train(ctx, names):
     for case in progress(_cases(ctx, names), "train"):
         _, T, d, I, E, K = case
         torch._dynamo.reset()
-        inputs = make_inputs(T, d, I, E, K, device=ctx.device, tilt=ctx.tilt, hot=ctx.hot, empty=ctx.empty)
+        inputs, layer, biases = _layer(ctx, T, d, I, E, K)
         x, ids, w, w_gate_up, w_down = inputs
         imbalance = load_imbalance(ids, E)  # queued on the device; read after timing (_row)
-        for t in (x, w, w_gate_up, w_down):
+        trained = (x, w, w_gate_up, w_down, *biases)  # the tensors backward makes gradients of
+        for t in trained:
             t.requires_grad_(True)
-        flops = 18 * T * K * d * I  # the backward's GEMMs (dX and dW of each) are twice the forward's 6*T*K*d*I
+        # The GEMMs alone (biases and activation not counted): the backward's (dX and dW of each)
+        # are twice the forward's 6*T*K*d*I.
+        flops = 18 * T * K * d * I
         grad = torch.randn(T, d, device=ctx.device, dtype=x.dtype,
                            generator=torch.Generator(ctx.device).manual_seed(1))
 
@@ -213,33 +238,33 @@ def bench_train(ctx, names):
             # A replayed graph's gradients are its outputs, overwritten by the next replay, so
             # every step (do_bench's warm-up ones too) starts from none, as a training loop
             # does after zero_grad(set_to_none=True).
-            for t in (x, w, w_gate_up, w_down):
+            for t in trained:
                 t.grad = None
             step(fn)
 
-        for peer, fn, _ in _runnable(ctx, peers(*inputs, train=True, cuda_graphs=ctx.cuda_graphs), fresh_step):
+        for peer, fn, _ in _runnable(ctx, _peers(ctx, inputs, layer, train=True), fresh_step):
             # The CUDA-graph peers clear their gradients inside the step too (fresh_step);
             # time_ms clears them for every peer's timed steps.
             timed = fresh_step if peer in CUDA_GRAPH_PEERS else step
-            ms = time_ms(lambda fn=fn, timed=timed: timed(fn), ctx.device, grad_to_none=(x, w, w_gate_up, w_down))
+            ms = time_ms(lambda fn=fn, timed=timed: timed(fn), ctx.device, grad_to_none=trained)
             if peer in CUDA_GRAPH_PEERS:
                 rows.append(_row(ctx, case, imbalance, peer, ms, flops, peak_gb=NAN, accumulate_peak_gb=NAN,
                                  activation_gb=NAN, activation_bytes=NAN))
                 continue
             # From no gradients, as a training step starts after zero_grad(set_to_none=True):
             # the gradients' allocation counts, whichever peer ran before.
-            for t in (x, w, w_gate_up, w_down):
+            for t in trained:
                 t.grad = None
             mem = peak_bytes(lambda fn=fn: step(fn), ctx.device)
             # Under gradient accumulation: the next step adds into the gradients this one left.
             accumulate_mem = peak_bytes(lambda fn=fn: step(fn), ctx.device)
-            out, act = activation_bytes(fn, exclude=[x, w_gate_up, w_down])
+            out, act = activation_bytes(fn, exclude=[x, w_gate_up, w_down, *biases])
             del out
-            for t in (x, w, w_gate_up, w_down):
+            for t in trained:
                 t.grad = None
             rows.append(_row(ctx, case, imbalance, peer, ms, flops, peak_gb=mem / 1e9,
                              accumulate_peak_gb=accumulate_mem / 1e9, activation_gb=act / 1e9, activation_bytes=act))
-        del inputs, x, w, w_gate_up, w_down, imbalance
+        del inputs, layer, biases, trained, x, w, w_gate_up, w_down, imbalance
         _release_cached(ctx)
     return rows
 

@@ -9,9 +9,18 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["BASE_PEER", "title", "routing", "forward_table", "train_table", "dispatch_table", "plot"]
+__all__ = ["BASE_PEER", "LAYERS", "title", "layer", "routing", "forward_table", "train_table", "dispatch_table",
+           "plot"]
 
 BASE_PEER = "hf_grouped_mm_compiled"
+
+#: The layer each variant (``configs.VARIANTS``) measures, as the tables' headings name it.
+LAYERS = {
+    "none": "SwiGLU",
+    "bias": "SwiGLU with biases",
+    "clamped": "GPT-OSS clamped SwiGLU, interleaved, with biases",
+    "fp16": "SwiGLU, fp16",
+}
 
 
 def title(mode, device, torch_version, changes):
@@ -20,6 +29,15 @@ def title(mode, device, torch_version, changes):
     if changes:
         text += ", settings " + ", ".join(f"{k}={v!r}" for k, v in changes.items())
     return text
+
+
+def layer(variant, dtype=None):
+    """The layer of ``variant``, for a table's heading (``LAYERS``); with ``dtype`` (the
+    forward heading names it first) "dtype, layer", the fp16 variant's dtype said once:
+    "fp16, SwiGLU"."""
+    if dtype is None:
+        return LAYERS[variant]
+    return "fp16, SwiGLU" if variant == "fp16" else f"{dtype}, {LAYERS[variant]}"
 
 
 def routing(tilt, hot=0.0, empty=0):
