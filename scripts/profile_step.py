@@ -44,9 +44,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from moeblaze_ops import settings
 from moeblaze_ops.bench import CONFIGS, decode, make_inputs, peers
-from moeblaze_ops.bench.cli import (add_peer_sites, finite_float, non_negative_int, parse_setting, positive_int,
-                                    setting_changes)
-from moeblaze_ops.bench.configs import DECODE_SHAPES, check_empty
+from moeblaze_ops.bench.cli import (add_peer_sites, check_empty_configs, finite_float, non_negative_int,
+                                    parse_setting, positive_int, setting_changes)
+from moeblaze_ops.bench.configs import DECODE_SHAPES
 from moeblaze_ops.bench.implementations import PEER_NAMES, train_step
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "finetune_hf_moe.py"
@@ -102,13 +102,8 @@ def main(argv=None):
         p.error("no CUDA GPU here: --device cpu")
     changes = setting_changes(p, a.settings)
     add_peer_sites(p, a.peer_site)
-    if not (a.model or a.decode):
-        for name in a.configs:  # the layers' routing, checked before anything runs
-            _, _, _, E, K = CONFIGS[name]
-            try:
-                check_empty(E, K, a.empty)
-            except ValueError as e:
-                p.error(f"--empty {a.empty}: config {name} (E={E}, K={K}): {e}")
+    if not (a.model or a.decode):  # the layers' routing, checked before anything runs
+        check_empty_configs(p, a.configs, a.empty)
     with settings.override(**changes):
         steps = model_steps(p, a) if a.model else decode_steps(a) if a.decode else layer_steps(a)
         for label, step in steps:

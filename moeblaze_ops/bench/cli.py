@@ -191,16 +191,17 @@ def _check_names(parser, args):
                      f"{', '.join(peer_names)}")
 
 
-def _check_empty(parser, args):
-    """Makes ``--empty`` a usage error, before anything is measured, where a config the run
-    measures has fewer than K experts left for a token's K distinct choices (``check_empty``,
-    ``make_inputs``' own check, names the numbers; the error names the config too)."""
-    for name in args.configs:
+def check_empty_configs(parser, configs, empty):
+    """Makes ``--empty`` a usage error of ``parser``, before anything is measured, where one
+    of ``configs`` has fewer than K experts left for a token's K distinct choices
+    (``check_empty``, ``make_inputs``' own check, names the numbers; the error names the
+    config too)."""
+    for name in configs:
         _, _, _, E, K = CONFIGS[name]
         try:
-            check_empty(E, K, args.empty)
+            check_empty(E, K, empty)
         except ValueError as e:
-            parser.error(f"--empty {args.empty}: config {name} (E={E}, K={K}): {e}")
+            parser.error(f"--empty {empty}: config {name} (E={E}, K={K}): {e}")
 
 
 def setting_changes(parser, items):
@@ -320,7 +321,7 @@ def main(argv=None):
     if args.variant == "fp16" and args.device != "cuda":
         parser.error("--variant fp16 needs --device cuda: on the CPU the benchmark computes in fp32, not the bf16 "
                      "that fp16 replaces, so there is no CPU layer for it to change")
-    _check_empty(parser, args)
+    check_empty_configs(parser, args.configs, args.empty)
     ctx = BenchContext(device=args.device, skip=frozenset(args.skip), cuda_graphs=args.cudagraphs, tilt=args.tilt,
                        hot=args.hot, empty=args.empty, tokens=tuple(args.tokens) if args.tokens else None,
                        variant=args.variant)

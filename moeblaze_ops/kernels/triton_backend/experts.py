@@ -252,7 +252,7 @@ def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, toke
     tile's gate and up columns, where that applies (``gluon.row_gemm.applies_gated_epilogue``),
     else in the ``tl`` GEMM with the activation in its epilogue where
     ``config.activates_in_up_epilogue`` says so, else the GEMM then the activation pass."""
-    _, N, _ = linear_dims(w_gate_up, transposed)
+    _, N, reduction = linear_dims(w_gate_up, transposed)
     act = activation_code(activation)
     LK = expert_token_indices.shape[0]
     a = gg.empty(LK, N // 2 if is_gated_code(act) else N, dtype=x.dtype, device=x.device)
@@ -261,7 +261,6 @@ def expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, toke
     if _launch_gated_epilogue(x, w_gate_up, b_gate_up, expert_token_indices, expert_offsets, a, transposed, act,
                               interleaved, alpha, limit):
         return a
-    _, _, reduction = linear_dims(w_gate_up, transposed)
     if config.activates_in_up_epilogue(2 * LK * N * reduction):
         launch_activated_gemm(x, expert_token_indices, w_gate_up, b_gate_up, expert_offsets, a, transposed, act,
                               interleaved, alpha, limit)
