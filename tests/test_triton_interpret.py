@@ -543,7 +543,7 @@ def test_training_steps_keep_no_tensor_alive(seed):
 
 def test_row_tiles_in_bands(seed):
     """The row GEMMs' tiles (up, down, dX, dH) numbered in bands of ``config.ROW_BAND``
-    m-tiles (bands span experts and the sentinel group; 90 routed rows make 6 to 9 m-tiles
+    m-tiles within each group (90 routed rows of 3 experts and the sentinel group make 6 to 9 m-tiles
     of 16, a short last band; d and 2I three n-tiles wide): forward and every gradient
     against the reference, every buffer poisoned first, so a tile the order skipped stays
     NaN."""

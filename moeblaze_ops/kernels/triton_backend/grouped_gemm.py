@@ -6,11 +6,11 @@ and the offsets stay on the device: every program reads them (no host ever sees 
 counts). The pieces, as ``@triton.jit`` helpers that kernels (and Inductor templates)
 call in the order loads, MMA, store:
 
-- schedules: ``row_tile`` lays the m-tiles of all experts end to end over one persistent
-  grid of (m-tile, n-tile) output tiles, in bands of ``config.ROW_BAND`` m-tiles
-  (``banded``) so programs running side by side share their A rows and their expert's
-  weights in L2; the rows past ``expert_offsets[E]`` (sentinels) form one more group,
-  whose tiles only write zeros. ``expert_tile`` is the
+- schedules: ``row_tile`` lays the (m-tile, n-tile) output tiles of all experts end to
+  end over one persistent grid, expert by expert, each expert's in bands of
+  ``config.ROW_BAND`` m-tiles (``banded``) so programs running side by side share their A
+  rows and their expert's weights in L2; the rows past ``expert_offsets[E]`` (sentinels)
+  form one more group, whose tiles only write zeros. ``expert_tile`` is the
   weight gradients' schedule: one (expert, p-tile, q-tile) at a time, reducing over the
   expert's own rows.
 - operand loads: ``load_rows`` (A rows, gathered through an index array or not),
@@ -77,19 +77,23 @@ def banded(tile, rows_total, cols_total, BAND: tl.constexpr):
 def row_tile(tile, offsets_ptr, E, LK, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
              BAND: tl.constexpr):
     """(group, first row, rows, row mask, first column, columns, column mask) of output
-    tile ``tile``: the m-tiles of every group end to end, numbered with the n-tiles in
-    bands of ``BAND`` m-tiles (``banded``)."""
+    tile ``tile``: each group's tiles together, the groups in order (the E experts, then
+    the sentinels), a group's m-tiles numbered with the n-tiles in bands of ``BAND``
+    (``banded``). A band never spans two experts: the programs a band keeps side by side
+    share one expert's weight tiles, which one reading from HBM then serves."""
     g, lo, hi = group_bounds(offsets_ptr, E, LK, GROUPS)
     m_tiles = tl.cdiv(hi - lo, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
     tile_end = tl.cumsum(m_tiles, axis=0)
-    m, n = banded(tile, tl.sum(m_tiles, axis=0), tl.cdiv(N, BLOCK_N), BAND)
-    grp = tl.sum((tile_end <= m).to(tl.int32), axis=0)
-    first_tile = tl.sum(tl.where(g == grp, tile_end - m_tiles, 0), axis=0)
-    row0 = tl.sum(tl.where(g == grp, lo, 0), axis=0) + (m - first_tile) * BLOCK_M
+    grp = tl.sum((tile_end * n_tiles <= tile).to(tl.int32), axis=0)
+    mine = g == grp
+    first_tile = tl.sum(tl.where(mine, tile_end - m_tiles, 0), axis=0)
+    m, n = banded(tile - first_tile * n_tiles, tl.sum(tl.where(mine, m_tiles, 0), axis=0), n_tiles, BAND)
+    row0 = tl.sum(tl.where(mine, lo, 0), axis=0) + m * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
     n0 = n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
-    return grp, row0, rows, rows < tl.sum(tl.where(g == grp, hi, 0), axis=0), n0, cols, cols < N
+    return grp, row0, rows, rows < tl.sum(tl.where(mine, hi, 0), axis=0), n0, cols, cols < N
 
 
 @triton.jit

@@ -122,19 +122,25 @@ def _schedule(offsets_ptr, E, LK, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.const
 
 
 @gluon.jit
+def _min(x, y):
+    return gl.minimum(x, y)
+
+
+@gluon.jit
 def _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BAND: gl.constexpr):
     """(group, first row, end of the group's rows, first column) of output tile ``tile``,
-    numbered as ``grouped_gemm.row_tile`` numbers them (the m-tiles of every group end to
-    end, in bands of ``BAND`` m-tiles with the n-tiles); a tile past the last is in no
-    group (group E + 1)."""
-    m, n = banded(tile, gl.reduce(tile_end, 0, _max), n_tiles, BAND)
-    before = tile_end <= m  # the groups whose m-tiles all come before this one
+    numbered as ``grouped_gemm.row_tile`` numbers them (each group's tiles together, its
+    m-tiles in bands of ``BAND`` with the n-tiles); a tile past the last is in no group
+    (group E + 1)."""
+    before = tile_end * n_tiles <= tile  # the groups whose tiles all come before this one
     grp = gl.reduce(before.to(gl.int32), 0, _add)
     first_tile = gl.reduce(gl.where(before, tile_end, 0), 0, _max)
+    end_tile = gl.reduce(gl.where(before, gl.reduce(tile_end, 0, _max), tile_end), 0, _min)
+    m, n = banded(tile - first_tile * n_tiles, end_tile - first_tile, n_tiles, BAND)
     lo = gl.load(offsets_ptr + gl.minimum(grp, E))
     hi = gl.where(grp < E, gl.load(offsets_ptr + grp + 1, mask=grp < E, other=0), LK)
-    return grp, lo + (m - first_tile) * BLOCK_M, hi, n * BLOCK_N
+    return grp, lo + m * BLOCK_M, hi, n * BLOCK_N
 
 
 @gluon.jit
