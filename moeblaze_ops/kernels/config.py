@@ -255,10 +255,10 @@ def wgrad_long_rows(q_columns: int, block_p: int, block_q: int, programs: int, e
     return l2_bytes(device) // ((q_columns + p_tiles_in_wave * block_p) * element_size)
 
 
-#: The row GEMMs' output tiles (up, down, dX, dH; eager kernels and templates) go in
-#: bands of this many row tiles, rows fastest inside a band (``triton_backend.grouped_gemm.banded``): the
-#: tiles in flight at once read fewer weight tiles, each from L2 for the whole band
-#: (see docs/performance.md).
+#: The row GEMMs' output tiles (up, down, dX, dH; eager kernels and templates) go expert
+#: by expert, each expert's in bands of this many row tiles, rows fastest inside a band
+#: (``triton_backend.grouped_gemm.row_tile``): the tiles in flight at once read fewer
+#: weight tiles, each from L2 for the whole band (see docs/performance.md).
 ROW_BAND = 4
 
 
