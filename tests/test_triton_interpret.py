@@ -5,6 +5,8 @@ import os
 import hypothesis
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -13,6 +15,7 @@ from conftest import make_layer, rel_err
 from moeblaze_ops import ACTIVATIONS, moe_experts, settings
 from moeblaze_ops.kernels import config
 from moeblaze_ops.kernels.config import GemmTile
+from moeblaze_ops.kernels.triton_backend import grouped_gemm as gg
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
@@ -552,6 +555,52 @@ def test_row_tiles_in_bands(seed):
                   routing="skewed", sentinel_frac=0.2)
     check_backward(45, 40, 24, 3, 2, dtype=torch.float32, device="cpu", seed=seed, bias=True,
                    routing="skewed", sentinel_frac=0.2)
+
+
+@triton.jit
+def _number_row_tiles(offsets_ptr, out_ptr, E, LK, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      GROUPS: tl.constexpr, BAND: tl.constexpr):
+    """Writes (group, first row, first column) of every output tile ``gg.row_tile`` numbers."""
+    for tile in range(0, gg.num_row_tiles(offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS)):
+        grp, row0, _, _, n0, _, _ = gg.row_tile(tile, offsets_ptr, E, LK, N, BLOCK_M, BLOCK_N, GROUPS, BAND)
+        tl.store(out_ptr + 3 * tile, grp)
+        tl.store(out_ptr + 3 * tile + 1, row0)
+        tl.store(out_ptr + 3 * tile + 2, n0)
+
+
+def _row_tile_numbering(offsets, LK, N, BLOCK_M, BLOCK_N, BAND):
+    """[(group, first row, first column)] of every output tile, in the order
+    ``grouped_gemm.row_tile`` numbers them (tiles never numbered stay -1)."""
+    E = offsets.numel() - 1
+    groups = list(zip(offsets.tolist(), offsets[1:].tolist() + [LK]))
+    total = sum(-(-(hi - lo) // BLOCK_M) for lo, hi in groups) * -(-N // BLOCK_N)
+    out = torch.full((max(total, 1), 3), -1, dtype=torch.int32)
+    _number_row_tiles[(1,)](offsets, out, E, LK, N, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                            GROUPS=gg.next_power_of_2(E + 1), BAND=BAND)
+    return [tuple(t) for t in out[:total].tolist()]
+
+
+@pytest.mark.parametrize("band", [1, 3, 4])
+def test_row_tiles_stay_inside_their_expert(band, seed):
+    """The row GEMMs' tile numbering (``grouped_gemm.row_tile``): each group's tiles
+    together, the groups in order (experts, then the sentinel rows), each group's m-tiles
+    in bands of ``band`` with the n-tiles, rows fastest inside a band and the group's last
+    band short. A band that ran across two experts would read both weights in one wave, and
+    an expert split over two bands its weight twice. Random expert sizes (empty experts,
+    1 to 11 m-tiles), against the order written out here."""
+    g = torch.Generator().manual_seed(seed)
+    E, BLOCK_M, BLOCK_N, N = 7, 4, 8, 20
+    counts = torch.randint(0, 44, (E,), generator=g)
+    counts[torch.randint(0, E, (2,), generator=g)] = 0
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+    LK = int(offsets[-1]) + 5  # five sentinel rows: group E
+    expected = []
+    for grp, (lo, hi) in enumerate(zip(offsets.tolist(), offsets[1:].tolist() + [LK])):
+        m_tiles = -(-(hi - lo) // BLOCK_M)
+        for first in range(0, m_tiles, band):
+            for n in range(-(-N // BLOCK_N)):
+                expected += [(grp, lo + m * BLOCK_M, n * BLOCK_N) for m in range(first, min(first + band, m_tiles))]
+    assert _row_tile_numbering(offsets, LK, N, BLOCK_M, BLOCK_N, band) == expected
 
 
 @pytest.mark.parametrize("kind", ["wgrad_down", "wgrad_up"])
