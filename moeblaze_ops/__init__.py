@@ -29,6 +29,8 @@ kernels; CPU and float64 tensors run vectorised PyTorch.
   Triton templates, registered as soon as Inductor's lowering table is imported.
 - ``moeblaze_ops.testing`` (not imported here): random layers, seeds and a float64
   reference MoE for tests and scripts.
+- ``moeblaze_ops.fp8`` (not imported here): the FP8 (e4m3) formats, 1 x 128 tiles of rows
+  and 128 x 128 blocks of weights with fp32 scales: quantize and dequantize.
 """
 
 from . import settings
