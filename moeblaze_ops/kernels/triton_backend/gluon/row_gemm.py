@@ -132,7 +132,7 @@ def _row_tile(tile, offsets_ptr, tile_end, E, LK, n_tiles, BLOCK_M: gl.constexpr
     """(group, first row, end of the group's rows, first column) of output tile ``tile``,
     numbered as ``grouped_gemm.row_tile`` numbers them (each group's tiles together, its
     m-tiles in bands of ``BAND`` with the n-tiles); a tile past the last is in no group
-    (group E + 1)."""
+    (a group number past E)."""
     before = tile_end * n_tiles <= tile  # the groups whose tiles all come before this one
     grp = gl.reduce(before.to(gl.int32), 0, _add)
     first_tile = gl.reduce(gl.where(before, tile_end, 0), 0, _max)
