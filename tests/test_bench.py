@@ -3,6 +3,7 @@ command line's errors (the tools in scripts/: test_scripts.py)."""
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -274,7 +275,7 @@ def test_dispatch_call_a_graph_cannot_capture_is_nan_with_a_note(monkeypatch, ca
     """With ``cuda_graphs``, a dispatch call whose capture fails reads nan in its columns
     (and speedups) and says why, instead of stopping the run."""
     monkeypatch.setattr(measure, "DISPATCH_CASES", [(16, 2, 4)])
-    monkeypatch.setattr(measure, "time_ms", lambda fn, device: 0.5)
+    monkeypatch.setattr(measure, "time_ms", lambda fn, device, settle_s=0.0: 0.5)
 
     def graph_time_ms(fn):
         raise RuntimeError("operation not permitted when stream is capturing\nsecond line")
@@ -310,6 +311,49 @@ def test_train_steps_start_without_gradients():
     assert len(seen) >= 2 and all(seen)
 
 
+def test_settle_steps_back_to_back_before_timing():
+    """``time_ms(settle_s=...)`` calls the step back to back for at least ``settle_s``
+    seconds before it times (settle 0: the 1 + 3 calls it always made), each call from no
+    gradients, as the timed ones are."""
+    t = torch.zeros(2, requires_grad=True)
+    calls = []  # (when, whether .grad was None) of each call
+
+    def step():
+        calls.append((time.perf_counter(), t.grad is None))
+        t.grad = torch.ones(2)
+        time.sleep(0.002)
+
+    measure.time_ms(step, "cpu", grad_to_none=(t,))
+    assert [fresh for _, fresh in calls] == [True] * 4
+    calls.clear()
+    t0 = time.perf_counter()
+    measure.time_ms(step, "cpu", grad_to_none=(t,), settle_s=0.05)
+    assert all(fresh for _, fresh in calls)
+    first_timed = calls[-4][0]  # the warm-up call and the 3 timed ones come last
+    assert first_timed - t0 >= 0.05, first_timed - t0
+    # 0.05 s of calls of 2 ms or more (a loaded machine sleeps longer): a handful at least,
+    # and no batch far past the 0.05 s.
+    assert 4 + 8 <= len(calls) <= 4 + 0.05 / 0.002 + 1, len(calls)
+
+
+def test_settle_doubles_its_batches_and_syncs_after_each_alone(monkeypatch):
+    """On CUDA ``settle`` syncs after batches of 1, 2, 4, ... calls, never after each call (a
+    sync between small steps idles the GPU below its power limit), until ``settle_s`` has
+    passed: here on a fake clock, each call 1 s, a sync free."""
+    now, events = [0.0], []
+
+    def call():
+        now[0] += 1.0
+        events.append("call")
+
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    measure.settle(call, "cuda", 20.0)
+    batches = [len(run) for run in "".join("c" if e == "call" else "|" for e in events).split("|")[:-1]]
+    assert events[-1] == "sync" and batches == [1, 2, 4, 8, 5], batches  # the last batch cut to the 5 s left
+    assert now[0] == 20.0
+
+
 def test_cuda_graph_peers_train_from_no_gradients(monkeypatch):
     """A replayed graph's gradients are its outputs, overwritten by its next replay, so every
     step of a CUDA-graph peer (the warm-up steps of ``triton.testing.do_bench``, which clear
@@ -325,7 +369,7 @@ def test_cuda_graph_peers_train_from_no_gradients(monkeypatch):
 
         return {name: peer(name) for name in seen}
 
-    def warm_up_like_do_bench(fn, device, reps_ms=200, grad_to_none=()):
+    def warm_up_like_do_bench(fn, device, reps_ms=200, grad_to_none=(), settle_s=0.0):
         for _ in range(3):  # warm-up calls: gradients accumulate
             fn()
         return 1.0
@@ -633,6 +677,26 @@ def test_tokens_default_per_mode(tmp_path, monkeypatch):
     assert seen[2].tokens == DECODE_TOKENS and seen[3].tokens == (5,)
 
 
+def test_settle_reaches_every_timing_and_bench_json(tmp_path, monkeypatch):
+    """``--settle S`` is the context's ``settle_s``, which every timing of the run gets, and
+    bench.json records it (0 without the flag)."""
+    real_time_ms, settles = measure.time_ms, []
+
+    def time_ms_spy(fn, device, *args, **kwargs):
+        settles.append(kwargs.get("settle_s"))
+        return real_time_ms(fn, device, *args, **kwargs)
+
+    monkeypatch.setattr(measure, "time_ms", time_ms_spy)
+    result, _ = run(tmp_path / "settled", "--mode", "train", "--configs", "smoke", "--no-dispatch", "--settle",
+                    "0.01", *only("hf_grouped_mm", "moeblaze"))
+    assert result["settle_s"] == 0.01 and len(result["train"]) == 2
+    assert settles == [0.01, 0.01]
+    assert_timed(result["train"])
+    settles.clear()
+    result, _ = run(tmp_path / "plain", "--configs", "smoke", "--no-dispatch", *only("moeblaze"))
+    assert result["settle_s"] == 0 and settles == [0.0]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--tokens", "-5"], "argument --tokens: must be at least 1, got -5"),
     (["--tokens", "0"], "argument --tokens: must be at least 1, got 0"),
@@ -653,6 +717,11 @@ def test_tokens_default_per_mode(tmp_path, monkeypatch):
     (["--mode", "train", "--empty", str(CONFIGS["smoke"][3])], f"--empty {CONFIGS['smoke'][3]}: config smoke "),
     (["--mode", "decode", "--configs", "smoke_decode", "--hot", "1"], "--hot is for forward and train modes"),
     (["--mode", "decode", "--configs", "smoke_decode", "--empty", "1"], "--empty is for forward and train modes"),
+    (["--settle", "-1"], "argument --settle: must be finite and at least 0, got -1.0"),
+    (["--settle", "inf"], "argument --settle: must be finite and at least 0, got inf"),
+    (["--settle", "nan"], "argument --settle: must be finite and at least 0, got nan"),
+    (["--settle", "long"], "argument --settle: invalid non_negative_float value: 'long'"),
+    (["--mode", "decode", "--configs", "smoke_decode", "--settle", "1"], "--settle is for forward and train modes"),
 ])
 def test_bad_tokens_and_tilt_are_usage_errors(tmp_path, capsys, args, message):
     err = usage_error(tmp_path, capsys, *(["--configs", "smoke"] if "--configs" not in args else []), *args)

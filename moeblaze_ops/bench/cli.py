@@ -20,8 +20,12 @@ SonicMoE compute plain SwiGLU), or ``fp16`` (every peer in float16 in place of b
 A dispatch micro-benchmark compares moeblaze's dispatch with the sort + histc + cumsum that
 ``grouped_mm`` runs. ``--cudagraphs`` adds ``grouped_mm`` and moeblaze compiled with
 ``mode="reduce-overhead"`` (time only), and times the dispatch calls replayed from CUDA
-graphs too (device time, without the host's launches). Writes bench.md (tables), bench.json
-and forward.png (bar charts, with matplotlib) under ``--out``.
+graphs too (device time, without the host's launches). ``--settle SECONDS`` steps each peer
+(and each dispatch call) back to back for SECONDS before timing it, so that the timing runs
+at the clocks a training loop settles at (the GPU's power limit), not the higher ones of a
+cool GPU: without it a 40 ms step is timed over some 250 ms, mostly before the clocks settle
+(bench.json records it as ``settle_s``). Writes bench.md (tables), bench.json and
+forward.png (bar charts, with matplotlib) under ``--out``.
 
 ``--peer-site DIR`` (repeatable) adds DIR as a site directory (its ``.pth`` files
 processed) before the peers are imported: where a peer's wheels were installed with
@@ -68,8 +72,8 @@ from .implementations import PEER_NAMES
 from .measure import BenchContext, bench_dispatch, bench_forward, bench_train
 from .report import dispatch_table, forward_table, layer, plot, routing, title, train_table
 
-__all__ = ["add_peer_sites", "finite_float", "main", "non_negative_int", "parse_setting", "positive_int",
-           "setting_changes"]
+__all__ = ["add_peer_sites", "finite_float", "main", "non_negative_float", "non_negative_int", "parse_setting",
+           "positive_int", "setting_changes"]
 
 
 def parse_setting(text):
@@ -115,6 +119,10 @@ def _parser():
     p.add_argument("--empty", type=non_negative_int, default=0, metavar="N",
                    help="forward and train modes: the last N experts get no tokens (their router logits -inf; at "
                         "most E - K of a config's E experts; default: 0)")
+    p.add_argument("--settle", type=non_negative_float, default=0.0, metavar="SECONDS",
+                   help="forward and train modes: step each peer back to back for SECONDS before timing it, so "
+                        "the timing runs at the clocks of a GPU at its power limit, as in a training loop "
+                        "(e.g. 10; default: 0, timed after a 50 ms warm-up)")
     p.add_argument("--variant", choices=VARIANTS, default="none",
                    help="forward and train modes: the layer measured; none: SwiGLU without biases (bf16 on CUDA); "
                         "bias: with random biases b_gate_up and b_down; clamped: GPT-OSS's clamped SwiGLU, "
@@ -166,6 +174,8 @@ non_negative_int = _argument_type("non_negative_int", int, lambda v: v >= 0, "at
                                   "An argparse type: an integer of at least 0.")
 finite_float = _argument_type("finite_float", float, math.isfinite, "finite",
                               "An argparse type: a float that is neither infinite nor NaN.")
+non_negative_float = _argument_type("non_negative_float", float, lambda v: math.isfinite(v) and v >= 0,
+                                    "finite and at least 0", "An argparse type: a finite float of at least 0.")
 
 
 def _check_names(parser, args):
@@ -240,7 +250,8 @@ def _measure(args, ctx, changes):
     """Runs the measurements (under the settings in force) -> (bench.json's dict, bench.md's lines)."""
     device_name = torch.cuda.get_device_name() if ctx.on_cuda else "CPU"
     result = dict(device=device_name, torch=torch.__version__, mode=args.mode, settings=changes, tilt=args.tilt,
-                  hot=args.hot, empty=args.empty, tokens=args.tokens, variant=args.variant, **_versions())
+                  hot=args.hot, empty=args.empty, tokens=args.tokens, variant=args.variant, settle_s=args.settle,
+                  **_versions())
     heading = routing(args.tilt, args.hot, args.empty)
     text = [title(args.mode, device_name, torch.__version__, changes)]
     if not args.no_dispatch:
@@ -317,6 +328,8 @@ def main(argv=None):
         if args.variant != "none":
             parser.error(f"--variant {args.variant} is for forward and train modes: decode mode measures the "
                          f"plain SwiGLU layer")
+        if args.settle:
+            parser.error("--settle is for forward and train modes: decode mode times its own repeats")
         return _run_decode(args, changes)
     if args.variant == "fp16" and args.device != "cuda":
         parser.error("--variant fp16 needs --device cuda: on the CPU the benchmark computes in fp32, not the bf16 "
@@ -324,7 +337,7 @@ def main(argv=None):
     check_empty_configs(parser, args.configs, args.empty)
     ctx = BenchContext(device=args.device, skip=frozenset(args.skip), cuda_graphs=args.cudagraphs, tilt=args.tilt,
                        hot=args.hot, empty=args.empty, tokens=tuple(args.tokens) if args.tokens else None,
-                       variant=args.variant)
+                       variant=args.variant, settle_s=args.settle)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

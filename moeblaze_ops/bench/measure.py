@@ -4,11 +4,13 @@ and the dispatch micro-benchmark.
 On CUDA a time is ``triton.testing.do_bench``'s median and a peak the most memory one call
 allocates above what was allocated before it. On CPU (the benchmark's smoke check) a time
 is the mean of three ``perf_counter`` calls and a peak is NaN: the allocator keeps no
-statistics there.
+statistics there. With a settle time (``BenchContext.settle_s``, ``--settle``) each timing
+follows that many seconds of the same calls back to back.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -20,7 +22,7 @@ from .implementations import CUDA_GRAPH_PEERS, peers, train_step
 
 NAN = float("nan")
 
-__all__ = ["BenchContext", "time_ms", "peak_bytes", "activation_bytes", "bench_forward", "bench_train",
+__all__ = ["BenchContext", "settle", "time_ms", "peak_bytes", "activation_bytes", "bench_forward", "bench_train",
            "bench_dispatch"]
 
 
@@ -32,7 +34,9 @@ class BenchContext:
     all 0 is uniform), the token counts each config runs at (None: the config's own T;
     else one row per token count, the config's d, I, E, K kept) and the layer variant
     measured (``configs.VARIANTS``: ``none``, the plain SwiGLU layer; ``bias``; ``clamped``;
-    ``fp16``)."""
+    ``fp16``). ``settle_s``: the seconds each timing (``time_ms``) first steps its peer back
+    to back, so that it runs at the clocks a training loop settles at (the GPU's power
+    limit), not the higher ones of a cool GPU; 0 times after ``do_bench``'s warm-up alone."""
 
     device: str = "cuda"
     skip: frozenset = frozenset()
@@ -42,6 +46,7 @@ class BenchContext:
     empty: int = 0
     tokens: tuple | None = None
     variant: str = "none"
+    settle_s: float = 0.0
 
     @property
     def on_cuda(self) -> bool:
@@ -49,17 +54,38 @@ class BenchContext:
         return self.device == "cuda"
 
 
-def time_ms(fn, device, reps_ms=200, grad_to_none=()):
+def settle(call, device, settle_s):
+    """Calls ``call()`` back to back until ``settle_s`` seconds of wall time have passed (a
+    call or so more). On CUDA the calls go in batches that double in size (1, 2, 4, ...),
+    the last cut to the time left, with a sync after each batch alone: a sync after every
+    call would leave the GPU idle between small steps, below the power limit it is to reach."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    calls, batch = 0, 1
+    t0 = time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < settle_s:
+        if calls:  # the calls so far give the time of one: no batch runs far past settle_s
+            batch = min(2 * batch, math.ceil((settle_s - elapsed) * calls / max(elapsed, 1e-9)))
+        for _ in range(batch):
+            call()
+        sync()
+        calls += batch
+
+
+def time_ms(fn, device, reps_ms=200, grad_to_none=(), settle_s=0.0):
     """Milliseconds one call of ``fn`` takes on ``device``; the ``.grad`` of each tensor in
     ``grad_to_none`` is set to None before each call (a training step after
     ``zero_grad(set_to_none=True)``: the backward makes the gradients, adds nothing), out
-    of the timed span on CUDA."""
-    if device != "cuda":
-        def call():
-            for t in grad_to_none:
-                t.grad = None
-            return fn()
+    of the timed span on CUDA. With ``settle_s`` > 0 the timing follows ``settle_s``
+    seconds of calls back to back (``settle``): do_bench's 50 ms warm-up and 200 ms of
+    reps of a training step run mostly before the GPU's clocks settle at its power limit."""
+    def call():
+        for t in grad_to_none:
+            t.grad = None
+        return fn()
 
+    if settle_s > 0:
+        settle(call, device, settle_s)
+    if device != "cuda":
         call()
         t0 = time.perf_counter()
         for _ in range(3):
@@ -187,7 +213,7 @@ def bench_forward(ctx, names):
                 if ref is None:
                     ref = out.float()
                 err = float((out.float() - ref).norm() / ref.norm())
-                ms = time_ms(fn, ctx.device)
+                ms = time_ms(fn, ctx.device, settle_s=ctx.settle_s)
             if peer in CUDA_GRAPH_PEERS:
                 rows.append(_row(ctx, case, imbalance, peer, ms, flops, peak_gb=NAN, train_fwd_peak_gb=NAN,
                                  rel_diff_vs_first=err))
@@ -246,7 +272,8 @@ def bench_train(ctx, names):
             # The CUDA-graph peers clear their gradients inside the step too (fresh_step);
             # time_ms clears them for every peer's timed steps.
             timed = fresh_step if peer in CUDA_GRAPH_PEERS else step
-            ms = time_ms(lambda fn=fn, timed=timed: timed(fn), ctx.device, grad_to_none=trained)
+            ms = time_ms(lambda fn=fn, timed=timed: timed(fn), ctx.device, grad_to_none=trained,
+                         settle_s=ctx.settle_s)
             if peer in CUDA_GRAPH_PEERS:
                 rows.append(_row(ctx, case, imbalance, peer, ms, flops, peak_gb=NAN, accumulate_peak_gb=NAN,
                                  activation_gb=NAN, activation_bytes=NAN))
@@ -298,7 +325,8 @@ def bench_dispatch(ctx):
         fns = dict(sort_histc_cumsum=lambda: sort_histc_cumsum(ids, E),
                    moeblaze_kernels=lambda: triton_dispatch.dispatch(ids, E),
                    moeblaze_op=lambda: torch.ops.moeblaze.dispatch(ids, E))
-        row = dict(L=L, K=K, E=E, **{f"{name}_ms": time_ms(fn, ctx.device) for name, fn in fns.items()})
+        row = dict(L=L, K=K, E=E, **{f"{name}_ms": time_ms(fn, ctx.device, settle_s=ctx.settle_s)
+                                     for name, fn in fns.items()})
         if ctx.cuda_graphs:
             for name, fn in fns.items():
                 try:
