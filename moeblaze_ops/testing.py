@@ -8,7 +8,8 @@ Nothing here is imported by ``import moeblaze_ops``; it needs only torch (no pyt
 - ``seed_for``: the seed of one test, fixed by default (``MOEBLAZE_TEST_SEED``).
 - ``reference_moe``, ``router_grad_scale``: the plain sort-and-permute MoE, written for
   the tests without moeblaze_ops code (activations from ``torch.nn.functional``), and
-  the scale of the router gradient's rounding error.
+  the scale of the router gradient's rounding error. ``reference_moe_fp8``: the same
+  layer in the FP8 recipe (operands through e4m3 in the formats of ``moeblaze_ops.fp8``).
 - ``rel_err``: the relative error of a result against a reference, in float64.
 """
 
@@ -37,6 +38,7 @@ __all__ = [
     "rel_err",
     "reference_activation",
     "reference_moe",
+    "reference_moe_fp8",
     "router_grad_scale",
 ]
 
@@ -222,10 +224,38 @@ def router_grad_scale(grad_out, x, topk_ids, topk_weights, w_gate_up, w_down, ac
     return (grad_out.index_select(0, src_tok).to(ys.dtype) * ys).norm()
 
 
+def reference_moe_fp8(x, topk_ids, topk_weights, w_gate_up, w_down, activation="swiglu", *, h_dtype=None,
+                      **kwargs):
+    """``reference_moe`` in the FP8 recipe: x in 1 x 128 tiles, both weights in 128 x 128
+    blocks and act(h) in 1 x 128 tiles before the down GEMM, each quantized to e4m3 and
+    dequantized (the formats of ``moeblaze_ops.fp8``, tested on their own) so that every
+    GEMM multiplies the quantized values, in float64 for float64 inputs: the math an FP8
+    kernel computes, summed exactly. ``h_dtype``: h rounded to it before the activation, as
+    a kernel that writes h in that dtype rounds it (None: not rounded). ``kwargs`` are
+    ``reference_moe``'s (biases, layout, ``alpha``, ``limit``); every width must be a
+    multiple of 128."""
+    from . import fp8
+
+    def through_e4m3(t, quantize, dequantize):
+        return dequantize(*quantize(t), t.dtype)
+
+    w_gate_up, w_down = (through_e4m3(w, fp8.quantize_blocks, fp8.dequantize_blocks) for w in (w_gate_up, w_down))
+    ys, order, src_tok = _routed_rows(
+        through_e4m3(x, fp8.quantize_rows, fp8.dequantize_rows), topk_ids, w_gate_up, w_down, activation,
+        kwargs.get("b_gate_up"), kwargs.get("b_down"), kwargs.get("transposed", False),
+        kwargs.get("interleaved", False), kwargs.get("alpha", CLAMPED_SWIGLU_ALPHA),
+        kwargs.get("limit", CLAMPED_SWIGLU_LIMIT),
+        round_h=None if h_dtype is None else (lambda h: h.to(h_dtype).to(h.dtype)),
+        round_activated=lambda a: through_e4m3(a, fp8.quantize_rows, fp8.dequantize_rows))
+    ys = ys * topk_weights.reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
+    return torch.zeros_like(x).index_add(0, src_tok, ys)
+
+
 def _routed_rows(x, topk_ids, w_gate_up, w_down, activation, b_gate_up, b_down, transposed, interleaved, alpha,
-                 limit):
+                 limit, round_h=None, round_activated=None):
     """Each real routed row's expert output (unweighted), in expert order, with the
-    (token, k) position it came from and its token."""
+    (token, k) position it came from and its token; ``round_h`` and ``round_activated``,
+    where given, map h (bias added) and act(h) before the next step uses them."""
     E = w_gate_up.shape[0]
     K = topk_ids.shape[1]
     flat_e = topk_ids.reshape(-1).long()
@@ -243,7 +273,11 @@ def _routed_rows(x, topk_ids, w_gate_up, w_down, activation, b_gate_up, b_down, 
         hidden = chunk @ w1
         if b_gate_up is not None:
             hidden = hidden + b_gate_up[e]
+        if round_h is not None:
+            hidden = round_h(hidden)
         a = reference_activation(hidden, activation, interleaved, alpha, limit)
+        if round_activated is not None:
+            a = round_activated(a)
         w2 = w_down[e] if transposed else w_down[e].t()
         y = a @ w2
         if b_down is not None:
