@@ -1,15 +1,17 @@
 """Sweeps the tile of one GEMM kind at a time (``settings.tiles``) on the benchmark's shapes,
 timing the layer with each: the forward (without gradients) for the forward GEMMs ``up``
-and ``down``, forward + backward for the others, each beside the tile table's choice.
+and ``down``, forward + backward for the others, each beside the default tile: what runs
+without an override (a Gluon kernel's own tile where one runs, else the tile table's).
 
     python scripts/tune.py [--configs olmoe mixtral] [--kinds up down dh dx wgrad_down wgrad_up]
         [--tiles BM,BN,BK,warps,stages[,programs_per_sm] ...] [--rounds 3] [--device cuda|cpu]
 
 Only the kind's tile changes (every other choice is the settings' default), so a row's
-time differs from the table's row by what that tile changes. The tiles are timed round
+time differs from the default's row by what that tile changes. The tiles are timed round
 by round, in turn, on the same inputs, so the GPU's clock and power drift lands on each
-alike; a row is the median over the rounds, with its speed against the table's tile
-(above 1: faster). A tile that cannot run (more shared memory than a block has, a shape
+alike; a row is the median over the rounds, with its speed against the default tile
+(above 1: faster). A swept tile equal to the default runs the same kernel: its row
+against the default's is the noise of the timing. A tile that cannot run (more shared memory than a block has, a shape
 a kernel does not take) prints its error instead of a time. Eager only: a compiled graph
 keeps the tiles it was compiled with. ``--device cpu`` (the portable kernels, which take
 no tiles) checks the script itself.
@@ -41,8 +43,8 @@ def parse_tile(text):
 
 
 def sweep(config, kinds, tiles, rounds, device):
-    """{kind: {label: [ms per round] or the error of its first failure}}, label "table" for
-    the tile table's choice, else the tile."""
+    """{kind: {label: [ms per round] or the error of its first failure}}, label "default"
+    for the tile that runs without an override, else the tile."""
     x, ids, w, w_gate_up, w_down = make_inputs(*CONFIGS[config], device=device)
     params = (x, w, w_gate_up, w_down)
     grad = torch.randn_like(x)
@@ -64,7 +66,7 @@ def sweep(config, kinds, tiles, rounds, device):
         step()  # first-call costs (autograd's, the allocator's) out of the first round
         for t in params:
             t.grad = None
-        variants = {"table": {}, **{",".join(map(str, tile)): {"tiles": {kind: tile}} for tile in tiles}}
+        variants = {"default": {}, **{",".join(map(str, tile)): {"tiles": {kind: tile}} for tile in tiles}}
         times = results[kind] = {label: [] for label in variants}
         for _ in range(rounds):
             for label, changes in variants.items():
@@ -81,11 +83,11 @@ def sweep(config, kinds, tiles, rounds, device):
 
 
 def report(config, results):
-    """A markdown table per config: kind, tile, median ms, speed against the table's tile."""
-    lines = [f"## {config} {CONFIGS[config]} (T, d, I, E, K)", "", "| kind | tile | ms | vs table |",
+    """A markdown table per config: kind, tile, median ms, speed against the default tile."""
+    lines = [f"## {config} {CONFIGS[config]} (T, d, I, E, K)", "", "| kind | tile | ms | vs default |",
              "| --- | --- | --- | --- |"]
     for kind, times in results.items():
-        base = statistics.median(times["table"]) if isinstance(times["table"], list) else None
+        base = statistics.median(times["default"]) if isinstance(times["default"], list) else None
         for label, ms in times.items():
             if not isinstance(ms, list):
                 lines.append(f"| {kind} | {label} | failed: {ms} | - |")

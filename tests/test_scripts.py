@@ -25,14 +25,14 @@ def _script(name):
 
 
 def test_tile_sweep_runs_on_cpu(capsys):
-    """scripts/tune.py: a row per kind and tile beside the table's; a kind the settings do
+    """scripts/tune.py: a row per kind and tile beside the default's; a kind the settings do
     not know is a usage error naming it."""
     tune = _script("tune")
     tune.main(["--device", "cpu", "--configs", "smoke", "--kinds", "up", "dh", "--tiles", "16,16,16,4,1",
                "--rounds", "1"])
     out = capsys.readouterr().out
     for kind in ("up", "dh"):
-        assert f"| {kind} | table | " in out and f"| {kind} | 16,16,16,4,1 | " in out, out
+        assert f"| {kind} | default | " in out and f"| {kind} | 16,16,16,4,1 | " in out, out
     with pytest.raises(SystemExit):
         tune.main(["--device", "cpu", "--kinds", "no_such_kind"])
     assert "no_such_kind" in capsys.readouterr().err
