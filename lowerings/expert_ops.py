@@ -8,7 +8,7 @@
   lowered to the down projection of act(h) (``_expert_down_activated`` or the
   templates), with no activation pass.
 - ``expert_layer`` (the layer without gradients): the op itself where its up GEMM runs
-  on Gluon (its epilogue writes act(h), no h); elsewhere, where
+  on Gluon (its epilogue writes act(h), no h) and on FP8 weights; elsewhere, where
   ``config.activates_in_up_epilogue`` says so (small GEMMs: decode), the up GEMM with the
   activation in its epilogue (``activated_row_gemm``, no h) and the down projection of
   act(h); else ``expert_up``'s and ``expert_down``'s templates.
@@ -435,16 +435,18 @@ def _down_of_activated(a, w_down, expert_token_indices, expert_offsets, token_in
 @compat.register_lowering(_ops.expert_layer.default, type_promotion_kind=None)
 def expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                  b_gate_up=None, b_down=None, activation="swiglu", transposed=False, interleaved=False,
-                 alpha=CLAMPED_SWIGLU_ALPHA, limit=CLAMPED_SWIGLU_LIMIT, validate=True):
+                 alpha=CLAMPED_SWIGLU_ALPHA, limit=CLAMPED_SWIGLU_LIMIT, validate=True, w_gate_up_scale=None,
+                 w_down_scale=None):
     """The op where its up GEMM runs on the Gluon kernel, whose epilogue writes act(h) (h
-    never made); elsewhere the up projection's template writing h, then the down
-    projection as ``expert_down`` lowers it."""
+    never made), and on FP8 weights (scales given); elsewhere the up projection's template
+    writing h, then the down projection as ``expert_down`` lowers it."""
     rows = expert_token_indices.get_size()[0]
-    if not _templates_apply(x, index_positions=_LAYER_INDEX_ARRAYS) \
+    fp8 = w_gate_up_scale is not None or w_down_scale is not None
+    if fp8 or not _templates_apply(x, index_positions=_LAYER_INDEX_ARRAYS) \
             or _op_runs_gluon("up", x, rows, w_gate_up.get_size()[2 if transposed else 1], x.get_size()[1]):
         return compat.fallback(_ops.expert_layer.default, x, w_gate_up, w_down, expert_token_indices,
                                expert_offsets, token_index_map, topk_weights, b_gate_up, b_down, activation,
-                               transposed, interleaved, alpha, limit, validate)
+                               transposed, interleaved, alpha, limit, validate, w_gate_up_scale, w_down_scale)
     n_out, reduction = w_gate_up.get_size()[2 if transposed else 1], x.get_size()[1]
     if config.activates_in_up_epilogue(2 * compat.hint(rows) * compat.hint(n_out) * compat.hint(reduction)):
         a = activated_row_gemm(x, w_gate_up, expert_token_indices, expert_offsets, b_gate_up, transposed, rows,

@@ -29,11 +29,12 @@ kernels; CPU and float64 tensors run vectorised PyTorch.
   Triton templates, registered as soon as Inductor's lowering table is imported.
 - ``moeblaze_ops.testing`` (not imported here): random layers, seeds and a float64
   reference MoE for tests and scripts.
-- ``moeblaze_ops.fp8`` (not imported here): the FP8 (e4m3) formats, 1 x 128 tiles of rows
-  and 128 x 128 blocks of weights with fp32 scales: quantize and dequantize.
+- ``fp8``: the FP8 (e4m3) formats, 1 x 128 tiles of rows and 128 x 128 blocks of weights
+  with fp32 scales: quantize and dequantize (``moe_experts(..., precision="fp8")`` and its
+  FP8 weights use them).
 """
 
-from . import settings
+from . import fp8, settings
 from .import_hooks import when_imported
 from .activations import ACTIVATIONS, GATED_ACTIVATIONS, is_gated
 from .functional import moe_experts
@@ -53,6 +54,7 @@ __all__ = [
     "expert_down_backward",
     "expert_layer",
     "settings",
+    "fp8",
 ]
 
 __version__ = "0.1.0"

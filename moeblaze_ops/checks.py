@@ -188,6 +188,29 @@ def _check_weight_dtype(op, arg, t, x_arg, x):
         fail(op, arg, f"must have the dtype of '{x_arg}' ({x.dtype}), got {t.dtype}")
 
 
+def check_fp8_weights(op, x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, transposed):
+    """The FP8 weights of an op (``moeblaze_ops.fp8``'s formats): both e4m3 on ``x``'s
+    device, both scales given, float32, one per 128 x 128 block of their weight in the
+    weight's own layout ([E, out / 128, in / 128], or [E, in / 128, out / 128] when
+    ``transposed``), every width a multiple of 128."""
+    from .fp8 import BLOCK, E4M3
+
+    for name, w, scale in (("w_gate_up", w_gate_up, w_gate_up_scale), ("w_down", w_down, w_down_scale)):
+        check_tensor(op, name, w, ndim=3, dtypes=(E4M3,), device=x.device)
+        if scale is None:
+            fail(op, f"{name}_scale", f"must be given with the other weight's scales: the float32 scales of "
+                 f"{name}'s {BLOCK} x {BLOCK} blocks")
+        E, n_out, n_in = linear_dims(w, transposed)
+        for side, n in (("output", n_out), ("input", n_in)):
+            if definitely(n % BLOCK != 0):
+                padded = -(-n // BLOCK) * BLOCK
+                fail(op, name, f"must have a multiple of {BLOCK} {side} features in FP8 (the block width), got "
+                     f"{n}: pad the weight to {padded} (zeros), or run the layer in bf16")
+        blocks = (E, n_in // BLOCK, n_out // BLOCK) if transposed else (E, n_out // BLOCK, n_in // BLOCK)
+        check_tensor(op, f"{name}_scale", scale, ndim=3, dtypes=(torch.float32,), device=x.device, shape=blocks,
+                     shape_doc="[E, in / 128, out / 128]" if transposed else "[E, out / 128, in / 128]")
+
+
 def check_expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
                     b_gate_up, transposed, op="expert_up"):
     """Returns ``(E, N, d)``: experts, up-projection width (2I or I), hidden size."""

@@ -48,6 +48,9 @@ def moe_experts(
     limit: Optional[float] = None,
     recompute: bool = False,
     overwrite_h: bool = True,
+    precision: str = "default",
+    w_gate_up_scale: Optional[Tensor] = None,
+    w_down_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """Runs every token through its K experts and sums the results with their weights.
 
@@ -82,6 +85,20 @@ def moe_experts(
             themselves: Inductor's lowering writes dH over h where AOTAutograd donated
             h to the backward.
 
+        precision: ``"default"`` (the GEMMs in the inputs' dtype) or ``"fp8"``: the FP8
+            recipe of DeepSeek-V3 (``moeblaze_ops.fp8``): x's rows and act(h)'s in 1 x 128
+            e4m3 tiles, the weights in 128 x 128 e4m3 blocks, fp32 scales applied per
+            128-wide block of each GEMM's reduction, h and the output in x's dtype. With
+            weights of x's dtype, ``"fp8"`` quantizes them in the call (a pass over them
+            each call: quantize once and pass the e4m3 weights where they do not change).
+            Without gradients only, for now: a call that would differentiate raises.
+        w_gate_up_scale, w_down_scale: FP8 weights: ``w_gate_up`` and ``w_down`` are e4m3
+            (``torch.float8_e4m3fn``) and these are the float32 scales of their 128 x 128
+            blocks in the weight's layout (``moeblaze_ops.fp8.quantize_blocks``; a
+            fine-grained FP8 checkpoint's ``weight_scale_inv``): the layer runs in FP8
+            (whatever ``precision`` says), and no bf16 copy of the weights is made. Every
+            width must be a multiple of 128.
+
     With nothing to differentiate (``torch.no_grad()``, inference), and in
     ``recompute=True``'s forward, no h is made: the layer runs as the op
     ``expert_layer``, whose up GEMM writes act(h) for the down GEMM to read.
@@ -109,7 +126,13 @@ def moe_experts(
     x2, ids, tw = x, topk_ids, topk_weights
     if x.dim() > 2:  # flatten leading dimensions: [..., d] -> [L, d]
         x2, ids, tw = x.flatten(0, -2), topk_ids.flatten(0, -2), topk_weights.flatten(0, -2)
-    E, _, d = check_moe_experts(x2, ids, tw, w_gate_up, w_down, b_gate_up, b_down, activation, transposed)
+    scales = _fp8_weights(x2, tw, w_gate_up, w_down, b_gate_up, b_down, transposed, precision, w_gate_up_scale,
+                          w_down_scale)
+    if scales is not None:
+        (w_gate_up, w_gate_up_scale), (w_down, w_down_scale) = scales
+    # The cross-argument checks on the weights' shapes (FP8 weights were checked above).
+    w_checked = [w if scales is None else x2.new_empty(1).expand(w.shape) for w in (w_gate_up, w_down)]
+    E, _, d = check_moe_experts(x2, ids, tw, *w_checked, b_gate_up, b_down, activation, transposed)
     # alpha and limit are clamped_swiglu's alone, and default to None rather than to floats:
     # torch.compile makes a float argument of the function it compiles a symbol, then
     # restarts its analysis to specialise it. Constants keep the graph free of them.
@@ -124,7 +147,12 @@ def moe_experts(
     # the ops check nothing again (validate=False), which small layers would pay every step.
     eti, offsets, tim = ops.dispatch(ids, E)
     differentiates = _differentiates(x2, w_gate_up, w_down, b_gate_up, b_down, tw)
-    if recompute or not differentiates:
+    if scales is not None:
+        unrecorded = not torch.compiler.is_compiling()
+        with torch._C._AutoDispatchBelowAutograd() if unrecorded else contextlib.nullcontext():
+            out = ops.expert_layer.default(x2, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, *args,
+                                           False, w_gate_up_scale, w_down_scale)
+    elif recompute or not differentiates:
         # With nothing to record, eager calls go past the op's autograd kernel (its
         # formula's wrapper, host time).
         unrecorded = not differentiates and not torch.compiler.is_compiling()
@@ -146,6 +174,40 @@ def moe_experts(
         up = (x2, w_gate_up, b_gate_up) if overwrite_h else None
         out = DownProjection.apply(h, a, w_down, b_down, tw, eti, offsets, tim, args, up)
     return out.reshape(*lead, d)
+
+
+#: ``moe_experts``' ``precision`` values.
+PRECISIONS = ("default", "fp8")
+
+
+def _fp8_weights(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down, transposed, precision, w_gate_up_scale,
+                 w_down_scale):
+    """``((w_gate_up, its scales), (w_down, its scales))`` in e4m3 where the layer runs in
+    FP8 (scales given, e4m3 weights, or ``precision="fp8"``, which quantizes weights of x's
+    dtype here), checked; None where it does not."""
+    from . import fp8
+    from .checks import check_fp8_weights
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"moeblaze.moe_experts: argument 'precision' must be one of {PRECISIONS}, got {precision!r}")
+    given = w_gate_up_scale is not None or w_down_scale is not None or fp8.E4M3 in (w_gate_up.dtype, w_down.dtype)
+    if not given and precision != "fp8":
+        return None
+    if _differentiates(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down):
+        raise NotImplementedError(
+            "moeblaze.moe_experts: FP8 experts have no backward yet: run them without gradients "
+            "(torch.no_grad(), torch.inference_mode()), or differentiate the layer with precision='default'")
+    if not given:
+        for arg, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+            if w.dtype != x.dtype:
+                raise ValueError(f"moeblaze.moe_experts: argument '{arg}' must have the dtype of 'x' ({x.dtype}) to "
+                                 f"be quantized for precision='fp8', got {w.dtype}")
+            for n in w.shape[1:]:
+                fp8.check_blocked_width(f"{arg}'s dimension", n)
+        (w_gate_up, w_gate_up_scale), (w_down, w_down_scale) = fp8.quantize_blocks(w_gate_up), fp8.quantize_blocks(
+            w_down)
+    check_fp8_weights("moe_experts", x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, transposed)
+    return (w_gate_up, w_gate_up_scale), (w_down, w_down_scale)
 
 
 def _differentiates(*tensors) -> bool:

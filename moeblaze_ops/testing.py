@@ -230,8 +230,9 @@ def reference_moe_fp8(x, topk_ids, topk_weights, w_gate_up, w_down, activation="
     blocks and act(h) in 1 x 128 tiles before the down GEMM, each quantized to e4m3 and
     dequantized (the formats of ``moeblaze_ops.fp8``, tested on their own) so that every
     GEMM multiplies the quantized values, in float64 for float64 inputs: the math an FP8
-    kernel computes, summed exactly. ``h_dtype``: h rounded to it before the activation, as
-    a kernel that writes h in that dtype rounds it (None: not rounded). ``kwargs`` are
+    kernel computes, summed exactly. ``h_dtype``: h and act(h) rounded to it before their
+    next step, as kernels that write them in that dtype round them (None: not rounded).
+    ``kwargs`` are
     ``reference_moe``'s (biases, layout, ``alpha``, ``limit``); every width must be a
     multiple of 128."""
     from . import fp8
@@ -246,7 +247,8 @@ def reference_moe_fp8(x, topk_ids, topk_weights, w_gate_up, w_down, activation="
         kwargs.get("interleaved", False), kwargs.get("alpha", CLAMPED_SWIGLU_ALPHA),
         kwargs.get("limit", CLAMPED_SWIGLU_LIMIT),
         round_h=None if h_dtype is None else (lambda h: h.to(h_dtype).to(h.dtype)),
-        round_activated=lambda a: through_e4m3(a, fp8.quantize_rows, fp8.dequantize_rows))
+        round_activated=lambda a: through_e4m3(a if h_dtype is None else a.to(h_dtype).to(a.dtype),
+                                               fp8.quantize_rows, fp8.dequantize_rows))
     ys = ys * topk_weights.reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
     return torch.zeros_like(x).index_add(0, src_tok, ys)
 

@@ -51,6 +51,10 @@ class Backend:
     expert_down_activated: Callable
     expert_up_backward: Callable
     expert_down_backward: Callable
+    #: ``expert_layer`` on FP8 weights: ``(x, w_gate_up, w_gate_up_scale, w_down,
+    #: w_down_scale, <index arrays>, topk_weights, b_gate_up, b_down, activation, transposed,
+    #: interleaved, alpha, limit)``.
+    expert_layer_fp8: Callable
     #: ``(op, expert_token_indices, expert_offsets, token_index_map, num_tokens)``: checks the
     #: index arrays' values (on the host for the portable backend, on the device for Triton).
     check_index_values: Callable
@@ -70,6 +74,7 @@ TORCH = Backend(
     expert_down_activated=torch_experts.expert_down_activated,
     expert_up_backward=torch_experts.expert_up_backward,
     expert_down_backward=torch_experts.expert_down_backward,
+    expert_layer_fp8=torch_experts.expert_layer_fp8,
     check_index_values=checks.check_index_values,
     check_backward_index_values=checks.check_index_values,
 )
@@ -112,6 +117,7 @@ def load_triton_backend() -> Backend:
     from .triton_backend import dispatch as triton_dispatch
     from .triton_backend import experts as triton_experts
     from .triton_backend import experts_backward as triton_experts_backward
+    from .triton_backend import fp8_gemm as triton_fp8_gemm
 
     return Backend(
         name="triton",
@@ -123,6 +129,7 @@ def load_triton_backend() -> Backend:
         expert_down_activated=triton_experts.expert_down_activated,
         expert_up_backward=triton_experts_backward.expert_up_backward,
         expert_down_backward=triton_experts_backward.expert_down_backward,
+        expert_layer_fp8=triton_fp8_gemm.expert_layer_fp8,
         check_index_values=triton_dispatch.assert_index_arrays,
         check_backward_index_values=_trusted,
     )

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..activations import is_gated
-from ..checks import check_expert_down, check_expert_up, check_grad
+from ..checks import check_expert_down, check_expert_up, check_fp8_weights, check_grad
 from ..kernels import backward_backend, forward_backend
 from ..layouts import linear_dims
 from . import define
@@ -130,14 +130,31 @@ def _check_up_then_down(op, x, w_gate_up, w_down, eti, offsets, tim, topk_weight
     return x.shape[0], N, d
 
 
+def _check_layer(x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, activation, transposed,
+                 w_gate_up_scale, w_down_scale):
+    """``expert_layer``'s checks (``_check_up_then_down``), and with FP8 weights (scales
+    given) theirs (``checks.check_fp8_weights``), the rest checked as if the weights had
+    x's dtype. Returns ``(L, N, d)``."""
+    if w_gate_up_scale is not None or w_down_scale is not None:
+        check_fp8_weights("expert_layer", x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, transposed)
+        # Stand-ins of the weights' shapes in x's dtype and device, without memory.
+        w_gate_up, w_down = (x.new_empty(1).expand(w.shape) for w in (w_gate_up, w_down))
+    return _check_up_then_down("expert_layer", x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up,
+                               b_down, activation, transposed)
+
+
 def _expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                   b_gate_up=None, b_down=None, activation="swiglu", transposed=False, interleaved=False, alpha=1.702,
-                  limit=7.0, validate=True):
+                  limit=7.0, validate=True, w_gate_up_scale=None, w_down_scale=None):
     backend = forward_backend(x)
     if validate:
-        _check_up_then_down("expert_layer", x, w_gate_up, w_down, expert_token_indices, expert_offsets,
-                            token_index_map, topk_weights, b_gate_up, b_down, activation, transposed)
+        _check_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
+                     b_gate_up, b_down, activation, transposed, w_gate_up_scale, w_down_scale)
         backend.check_index_values("expert_layer", expert_token_indices, expert_offsets, token_index_map, x.shape[0])
+    if w_gate_up_scale is not None:
+        return backend.expert_layer_fp8(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, expert_token_indices,
+                                        expert_offsets, token_index_map, topk_weights, b_gate_up, b_down, activation,
+                                        transposed, interleaved, alpha, limit)
     a = backend.expert_up_activated(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up,
                                     transposed, activation, interleaved, alpha, limit)
     return backend.expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token_index_map,
@@ -147,20 +164,29 @@ def _expert_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, to
 
 def expert_layer_like(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
                       b_gate_up=None, b_down=None, activation="swiglu", transposed=False, interleaved=False,
-                      alpha=1.702, limit=7.0, validate=True):
-    L, _, d = _check_up_then_down("expert_layer", x, w_gate_up, w_down, expert_token_indices, expert_offsets,
-                                  token_index_map, topk_weights, b_gate_up, b_down, activation, transposed)
+                      alpha=1.702, limit=7.0, validate=True, w_gate_up_scale=None, w_down_scale=None):
+    L, _, d = _check_layer(x, w_gate_up, w_down, expert_token_indices, expert_offsets, token_index_map, topk_weights,
+                           b_gate_up, b_down, activation, transposed, w_gate_up_scale, w_down_scale)
     return x.new_empty(L, d)
 
 
 expert_layer = define(
     f"expert_layer(Tensor x, Tensor w_gate_up, Tensor w_down, {_INDICES}, Tensor topk_weights, "
-    f"Tensor? b_gate_up=None, Tensor? b_down=None, {_ACTIVATION}, bool validate=True) -> Tensor",
+    f"Tensor? b_gate_up=None, Tensor? b_down=None, {_ACTIVATION}, bool validate=True, "
+    "Tensor? w_gate_up_scale=None, Tensor? w_down_scale=None) -> Tensor",
     _expert_layer, expert_layer_like,
     """``expert_down(expert_up(x, ...), ...)`` in one op that never makes h: the up
     projection writes ``a = activation(h)`` ([L*K, I]) straight from its GEMM's epilogue
     (on Hopper, where the Gluon kernel applies; elsewhere the GEMM then one activation
     pass), and the down projection and combine read it. Arguments as the two ops'.
+
+    FP8 weights: with ``w_gate_up_scale`` and ``w_down_scale`` both weights
+    are e4m3 (``torch.float8_e4m3fn``) in 128 x 128 blocks and these are their float32
+    scales, in the weight's layout (``moeblaze_ops.fp8.quantize_blocks``; a fine-grained FP8
+    checkpoint's ``weight_scale_inv``), and the layer runs the FP8 recipe: x's rows and
+    act(h)'s quantized in 1 x 128 tiles, every GEMM on e4m3 operands with both scales
+    applied per 128-wide block of its reduction, fp32 accumulation, h and the output in
+    x's dtype. No gradients through it yet: its backward raises.
 
     ``moe_experts`` runs it where nothing is differentiated and for ``recompute=True``.
     Its autograd formula recomputes h (``expert_down_backward_recompute``, then

@@ -159,17 +159,23 @@ def _down_formula(ctx, grad_out):
 
 def _layer_setup_context(ctx, inputs, output):
     x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, *args = inputs
-    ctx.save_for_backward(x, w_gate_up, w_down, b_gate_up, b_down, topk_weights, eti, offsets, tim)
+    ctx.fp8 = len(args) > 6 and args[6] is not None  # args: activation..limit, validate, the two scales
+    ctx.save_for_backward(*(() if ctx.fp8 else (x, w_gate_up, w_down, b_gate_up, b_down, topk_weights, eti, offsets,
+                                                 tim)))
     ctx.args = tuple(args[:5])  # activation, transposed, interleaved, alpha, limit
 
 
 def _layer_formula(ctx, grad_out):
+    if ctx.fp8:
+        raise NotImplementedError("moeblaze.expert_layer: FP8 weights (scales given) have no backward yet: run the "
+                                  "FP8 layer without gradients (torch.no_grad(), torch.inference_mode()), or "
+                                  "differentiate the layer in bf16")
     x, w_gate_up, w_down, b_gate_up, b_down, topk_weights, eti, offsets, tim = ctx.saved_tensors
-    need = _needs(ctx, 15)  # x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, ...
+    need = _needs(ctx, 17)  # x, w_gate_up, w_down, eti, offsets, tim, topk_weights, b_gate_up, b_down, ...
     grad_x, grad_wgu, grad_wd, grad_bgu, grad_bd, grad_tw = recomputed_backward(
         grad_out, x, w_gate_up, w_down, b_gate_up, b_down, topk_weights, eti, offsets, tim, ctx.args,
         (need[0], need[1], need[2], need[7], need[8], need[6]))
-    return (grad_x, grad_wgu, grad_wd, None, None, None, grad_tw, grad_bgu, grad_bd) + (None,) * 6
+    return (grad_x, grad_wgu, grad_wd, None, None, None, grad_tw, grad_bgu, grad_bd) + (None,) * 8
 
 
 for _name, _formula, _setup in (("expert_up", _up_formula, _up_setup_context),

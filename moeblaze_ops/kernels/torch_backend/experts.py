@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from ... import fp8
 from ...activations import activation_backward, activation_forward
 from ...layouts import expert_matrix, linear_dims
 
@@ -132,6 +133,42 @@ def _down_projection(a, dtype, w_down, expert_offsets, token_index_map, topk_wei
         y[s:t] = ye
     return combine(y, token_index_map, topk_weights.shape[0], topk_weights,
                    num_real_rows=int(expert_offsets[-1])).to(dtype)
+
+
+def expert_layer_fp8(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, expert_token_indices, expert_offsets,
+                     token_index_map, topk_weights, b_gate_up, b_down, activation, transposed, interleaved, alpha,
+                     limit):
+    """``expert_layer`` on FP8 weights: the recipe's quantized math (``moeblaze_ops.fp8``):
+    x's rows and act(h)'s in 1 x 128 tiles and the e4m3 weights, each dequantized in the
+    accumulation dtype (one expert's weight at a time), so each GEMM multiplies exactly the
+    quantized values; h is stored in x's dtype before its activation, as the FP8 kernels
+    store it. Output in x's dtype."""
+    acc = _acc_dtype(x.dtype)
+    _, N, _ = linear_dims(w_gate_up, transposed)
+    xq = fp8.dequantize_rows(*fp8.quantize_rows(x), acc)
+    h = x.new_zeros(expert_token_indices.shape[0], N)
+    for e, s, t in _expert_ranges(expert_offsets):
+        he = _gather_rows(xq, expert_token_indices, s, t, acc) @ _fp8_matrix(w_gate_up, w_gate_up_scale, e, transposed,
+                                                                               acc)
+        if b_gate_up is not None:
+            he += b_gate_up[e].to(acc)
+        h[s:t] = he
+    a = _activated(h, activation, alpha, limit, interleaved)
+    aq = fp8.dequantize_rows(*fp8.quantize_rows(a), acc)
+    _, d, _ = linear_dims(w_down, transposed)
+    y = torch.zeros(a.shape[0], d, dtype=acc, device=a.device)
+    for e, s, t in _expert_ranges(expert_offsets):
+        ye = aq[s:t] @ _fp8_matrix(w_down, w_down_scale, e, transposed, acc)
+        if b_down is not None:
+            ye += b_down[e].to(acc)
+        y[s:t] = ye
+    return combine(y, token_index_map, topk_weights.shape[0], topk_weights,
+                   num_real_rows=int(expert_offsets[-1])).to(x.dtype)
+
+
+def _fp8_matrix(w, scale, e, transposed, acc):
+    """Expert e's e4m3 weight dequantized with its block scales, as [in, out] in ``acc``."""
+    return expert_matrix(fp8.dequantize_blocks(w[e:e + 1], scale[e:e + 1], acc), 0, transposed)
 
 
 def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,

@@ -10,7 +10,10 @@ has one A scale per row and one B scale per column: the step's e4m3 product, acc
 by the tensor cores in fp32, is scaled by both and added to an fp32 accumulator. The
 output is in ``out``'s dtype (bf16 for the recipe); the sentinel group's rows are zeros.
 
-Not yet called by the ops: the FP8 path of the public API builds on it.
+``expert_layer_fp8`` is ``expert_layer`` on FP8 weights, made of it: x's rows quantized
+once, the up GEMM, the activation pass, act(h)'s rows quantized, the down GEMM, the
+combine. The quantizations are ``fp8.quantize_rows``'s torch operations for now (no host
+sync; a pass each over x and act(h)).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ... import fp8
+from ...activations import activation_code
 from ...layouts import linear_dims, linear_strides
 from .. import config
 from . import grouped_gemm as gg
@@ -118,3 +122,27 @@ def launch_fp8_gathered_gemm(a, a_scale, a_row_ids, b, b_scale, bias, offsets, o
            GATHER_A=a_row_ids is not None, HAS_BIAS=bias is not None, GROUPS=gg.next_power_of_2(E + 1),
            BAND=config.ROW_BAND, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, SCALE_BLOCK=fp8.BLOCK,
            num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def expert_layer_fp8(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, expert_token_indices, expert_offsets,
+                     token_index_map, topk_weights, b_gate_up, b_down, activation, transposed, interleaved, alpha,
+                     limit):
+    """``expert_layer`` on FP8 weights (see the module docstring): h and the output in x's
+    dtype, the sentinel rows adding nothing."""
+    from .combine import combine
+    from .experts import launch_activation
+
+    L, LK = x.shape[0], expert_token_indices.shape[0]
+    E, N, _ = linear_dims(w_gate_up, transposed)
+    _, d, I = linear_dims(w_down, transposed)
+    out = gg.empty(L, d, dtype=x.dtype, device=x.device)
+    if LK == 0:
+        return out.zero_()
+    h = gg.empty(LK, N, dtype=x.dtype, device=x.device)
+    launch_fp8_gathered_gemm(*fp8.quantize_rows(x), expert_token_indices, w_gate_up, w_gate_up_scale, b_gate_up,
+                             expert_offsets, h, transposed)
+    a = gg.empty(LK, I, dtype=x.dtype, device=x.device)
+    launch_activation(h, a, activation_code(activation), interleaved, alpha, limit)
+    y = gg.empty(LK, d, dtype=x.dtype, device=x.device)
+    launch_fp8_gathered_gemm(*fp8.quantize_rows(a), None, w_down, w_down_scale, b_down, expert_offsets, y, transposed)
+    return combine(y, token_index_map, topk_weights, expert_offsets, out, E)
