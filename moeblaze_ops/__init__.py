@@ -73,6 +73,14 @@ def _register_hf_backends(_module=None):
     hf.register()  # idempotent; also covers a reload of transformers' module
 
 
+def _register_hf_fp8_backend(_module=None):
+    """Registers the FP8 experts backend (``hf.register_fp8``) in transformers'
+    ``FP8ExpertsInterface``."""
+    from . import hf
+
+    hf.register_fp8()
+
+
 def _register_hf_expert_parallel(_module=None):
     """Registers ``DistributedConfig(ep_implementation="moeblaze")`` (transformers >= 5.19)."""
     from . import hf_expert_parallel
@@ -92,3 +100,4 @@ def _register_lowerings(_module=None):
 when_imported(_HF_EXPERTS_MODULE, _register_hf_backends)
 when_imported("torch._inductor.lowering", _register_lowerings)
 when_imported(_HF_EXPERT_PARALLEL_MODULE, _register_hf_expert_parallel)
+when_imported("transformers.integrations.finegrained_fp8", _register_hf_fp8_backend)

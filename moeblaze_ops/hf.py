@@ -21,6 +21,10 @@ module's flags: ``is_transposed`` and ``is_concatenated`` (weight layout), ``has
 config's ``hidden_act`` (silu -> swiglu, gelu -> geglu), or GPT-OSS's clamped gate.
 Expert-parallel sentinel ids (>= num_experts) contribute nothing, as ``dispatch`` defines.
 
+The FP8 experts of fine-grained FP8 models (transformers' ``FP8Experts``: e4m3 weights with
+128 x 128 block scales) run through ``"moeblaze"`` in transformers' ``FP8ExpertsInterface``
+(``moeblaze_fp8_experts_forward``), on the weights as stored, without gradients for now.
+
 Not covered, with a clear error: experts with ``has_post_expert_norm``, other custom
 ``_apply_gate`` functions, activations without a moeblaze kernel (e.g. tanh-approximated
 GELU), and Llama 4, whose experts are not decorated (its ``Llama4TextExperts`` keeps the
@@ -28,6 +32,8 @@ transformers implementation).
 """
 
 from __future__ import annotations
+
+import sys
 
 from .functional import moe_experts
 
@@ -98,6 +104,47 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights, recompute)
         b_gate_up=b_up, b_down=b_down, transposed=self.is_transposed, interleaved=not self.is_concatenated,
         alpha=alpha, limit=limit, recompute=recompute,
     )
+
+
+def moeblaze_fp8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The forward of transformers' FP8 experts (``FP8Experts``, a fine-grained FP8 model's:
+    e4m3 ``gate_up_proj`` or ``up_proj`` and ``down_proj``, each with the float32
+    ``*_scale_inv`` of its 128 x 128 blocks) through ``moeblaze_ops.moe_experts`` on the
+    weights as stored, no bf16 copy of them: the FP8 recipe (``moeblaze_ops.fp8``), token
+    rows gathered by index. Registered as ``"moeblaze"`` in transformers'
+    ``FP8ExpertsInterface`` (``register_fp8``). Without gradients for now."""
+    activation = _fp8_activation(self)
+    if self.has_gate:
+        w_up, s_up = self.gate_up_proj, self.gate_up_proj_scale_inv
+    else:
+        w_up, s_up = self.up_proj, self.up_proj_scale_inv
+    return moe_experts(hidden_states, top_k_index, top_k_weights, w_up, self.down_proj, activation,
+                       w_gate_up_scale=s_up, w_down_scale=self.down_proj_scale_inv)
+
+
+def _fp8_activation(module):
+    """The activation of an FP8 experts module, or a clear error for one the FP8 backend
+    cannot run (blocks other than 128 x 128, static activation scales, a gate of its own)."""
+    name = type(module).__name__
+    block = tuple(module.block_size) if getattr(module, "block_size", None) is not None else None
+    if block != (128, 128):
+        raise NotImplementedError(f"moeblaze FP8 experts backend: {name} has weight blocks {block}; moeblaze runs "
+                                  "128 x 128 blocks (DeepSeek-V3's, HF's fine-grained FP8 default)")
+    if getattr(module, "activation_scheme", "dynamic") != "dynamic":
+        raise NotImplementedError(f"moeblaze FP8 experts backend: {name} has activation_scheme="
+                                  f"{module.activation_scheme!r}; moeblaze quantizes activations per 1 x 128 tile "
+                                  "as they come ('dynamic')")
+    custom = [attr for attr in ("gate_softcap", "up_softcap", "swiglu_alpha", "limit")
+              if getattr(module, attr, None) is not None]
+    if custom:
+        raise NotImplementedError(f"moeblaze FP8 experts backend: {name} sets {custom}, a gate moeblaze's FP8 path "
+                                  "does not implement")
+    hidden_act = getattr(getattr(module, "config", None), "hidden_act", None)
+    table = _GATED if module.has_gate else _PLAIN
+    if hidden_act not in table:
+        raise NotImplementedError(f"moeblaze FP8 experts backend: {name} uses hidden_act={hidden_act!r}; "
+                                  f"supported: {sorted(table)}")
+    return table[hidden_act]
 
 
 #: The MoE families whose experts the backend runs, with how each config names its sizes.
@@ -206,11 +253,29 @@ def check_model(model) -> int:
 
 def register() -> None:
     """Registers ``"moeblaze"`` and ``"moeblaze_recompute"`` in transformers'
-    ``ExpertsInterface`` (idempotent)."""
+    ``ExpertsInterface`` (idempotent), and ``"moeblaze"`` in its ``FP8ExpertsInterface``
+    where transformers has loaded that (``register_fp8``)."""
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(BACKEND, moeblaze_experts_forward)
     ExpertsInterface.register(RECOMPUTE_BACKEND, moeblaze_recompute_experts_forward)
+    # Loaded, and past defining the interface (it imports the module this runs after).
+    if hasattr(sys.modules.get(FP8_EXPERTS_MODULE), "FP8ExpertsInterface"):
+        register_fp8()
+
+
+#: The transformers module of ``FP8ExpertsInterface`` (fine-grained FP8 models' experts).
+FP8_EXPERTS_MODULE = "transformers.integrations.finegrained_fp8"
+
+
+def register_fp8() -> None:
+    """Registers ``"moeblaze"`` in transformers' ``FP8ExpertsInterface`` (idempotent):
+    ``experts_implementation="moeblaze"`` on a fine-grained FP8 model runs its experts
+    through ``moeblaze_fp8_experts_forward``. ``import moeblaze_ops`` does it once
+    transformers loads that module."""
+    import importlib
+
+    importlib.import_module(FP8_EXPERTS_MODULE).FP8ExpertsInterface.register(BACKEND, moeblaze_fp8_experts_forward)
 
 
 register()

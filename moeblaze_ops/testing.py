@@ -225,14 +225,15 @@ def router_grad_scale(grad_out, x, topk_ids, topk_weights, w_gate_up, w_down, ac
 
 
 def reference_moe_fp8(x, topk_ids, topk_weights, w_gate_up, w_down, activation="swiglu", *, h_dtype=None,
-                      **kwargs):
+                      w_gate_up_scale=None, w_down_scale=None, **kwargs):
     """``reference_moe`` in the FP8 recipe: x in 1 x 128 tiles, both weights in 128 x 128
     blocks and act(h) in 1 x 128 tiles before the down GEMM, each quantized to e4m3 and
     dequantized (the formats of ``moeblaze_ops.fp8``, tested on their own) so that every
     GEMM multiplies the quantized values, in float64 for float64 inputs: the math an FP8
     kernel computes, summed exactly. ``h_dtype``: h and act(h) rounded to it before their
     next step, as kernels that write them in that dtype round them (None: not rounded).
-    ``kwargs`` are
+    ``w_gate_up_scale``, ``w_down_scale``: the weights are e4m3 already, with these block
+    scales (a checkpoint's), and are dequantized with them in float64. ``kwargs`` are
     ``reference_moe``'s (biases, layout, ``alpha``, ``limit``); every width must be a
     multiple of 128."""
     from . import fp8
@@ -240,7 +241,11 @@ def reference_moe_fp8(x, topk_ids, topk_weights, w_gate_up, w_down, activation="
     def through_e4m3(t, quantize, dequantize):
         return dequantize(*quantize(t), t.dtype)
 
-    w_gate_up, w_down = (through_e4m3(w, fp8.quantize_blocks, fp8.dequantize_blocks) for w in (w_gate_up, w_down))
+    if w_gate_up_scale is not None:
+        w_gate_up, w_down = (fp8.dequantize_blocks(w, s, torch.float64)
+                             for w, s in ((w_gate_up, w_gate_up_scale), (w_down, w_down_scale)))
+    else:
+        w_gate_up, w_down = (through_e4m3(w, fp8.quantize_blocks, fp8.dequantize_blocks) for w in (w_gate_up, w_down))
     ys, order, src_tok = _routed_rows(
         through_e4m3(x, fp8.quantize_rows, fp8.dequantize_rows), topk_ids, w_gate_up, w_down, activation,
         kwargs.get("b_gate_up"), kwargs.get("b_down"), kwargs.get("transposed", False),

@@ -120,3 +120,55 @@ def test_fp8_layer_on_gpu(activation, layout, bias, seed):
         out = moe_experts(**on_gpu, precision="fp8")
     assert out.dtype == torch.bfloat16
     assert rel_err(out.double().cpu(), _reference(layer, torch.bfloat16)) < 2e-2
+
+
+def _fp8_experts_module(seed, **attrs):
+    """transformers' ``FP8Experts`` (a fine-grained FP8 model's experts, 4 experts, d 256,
+    I 128, SiLU gate), its e4m3 weights and scales from random bf16 ones."""
+    import types
+
+    finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    config = types.SimpleNamespace(hidden_size=256, num_experts=4, moe_intermediate_size=128, hidden_act="silu")
+    module = finegrained.FP8Experts(config, block_size=attrs.pop("block_size", (128, 128)), **attrs)
+    g = torch.Generator().manual_seed(seed)
+    for name, shape, fan_in in (("gate_up_proj", (4, 256, 256), 256), ("down_proj", (4, 256, 128), 128)):
+        q, scale = fp8.quantize_blocks(torch.randn(*shape, generator=g) * fan_in ** -0.5)
+        getattr(module, name).data.copy_(q)
+        getattr(module, f"{name}_scale_inv").data.copy_(scale)
+    return module
+
+
+def test_hf_fp8_experts_backend(seed):
+    """``"moeblaze"`` is registered in transformers' ``FP8ExpertsInterface``, and runs an
+    ``FP8Experts`` module on its e4m3 weights and ``*_scale_inv`` as stored: within 1e-3 of
+    the recipe in float64 on those weights (dequantized with those scales)."""
+    finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from moeblaze_ops import hf
+
+    assert finegrained.FP8ExpertsInterface._global_mapping["moeblaze"] is hf.moeblaze_fp8_experts_forward
+    module = _fp8_experts_module(seed)
+    layer = make_layer(10, 256, 128, 4, 2, seed=seed)
+    with torch.no_grad():
+        out = hf.moeblaze_fp8_experts_forward(module, layer["x"], layer["topk_ids"], layer["topk_weights"])
+    reference = reference_moe_fp8(layer["x"].double(), layer["topk_ids"], layer["topk_weights"].double(),
+                                  module.gate_up_proj, module.down_proj, h_dtype=torch.float32,
+                                  w_gate_up_scale=module.gate_up_proj_scale_inv,
+                                  w_down_scale=module.down_proj_scale_inv)
+    assert rel_err(out, reference) < 1e-3
+
+
+@pytest.mark.parametrize("attrs,message", [({"block_size": (64, 64)}, "blocks \\(64, 64\\)"),
+                                           ({"activation_scheme": "static"}, "activation_scheme='static'")])
+def test_hf_fp8_experts_backend_refuses(attrs, message, seed):
+    from moeblaze_ops import hf
+
+    module = _fp8_experts_module(seed, **attrs) if "block_size" not in attrs else None
+    if module is None:  # 64 x 64 blocks: the module's own scales are shaped for them
+        finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
+        import types
+
+        config = types.SimpleNamespace(hidden_size=256, num_experts=4, moe_intermediate_size=128, hidden_act="silu")
+        module = finegrained.FP8Experts(config, **attrs)
+    layer = make_layer(4, 256, 128, 4, 2, seed=seed)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match=message):
+        hf.moeblaze_fp8_experts_forward(module, layer["x"], layer["topk_ids"], layer["topk_weights"])
