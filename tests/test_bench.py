@@ -255,6 +255,29 @@ def test_cuda_graph_peers_are_timed_without_memory_columns():
     assert all(math.isnan(rows[peer]["activation_gb"]) for peer in CUDA_GRAPH_PEERS)
 
 
+def test_fp8_peer_runs_forward_only(monkeypatch):
+    """``moeblaze_fp8``: offered in forward mode where every width is a multiple of 128 (not
+    in train mode, not for a layer variant, not at the smoke config's d = 64), within its
+    quantization of moeblaze's output, and timed by the forward benchmark without a
+    training forward (it has no backward: measuring one would raise)."""
+    from moeblaze_ops.bench import peers
+
+    inputs = make_inputs(64, 256, 128, 4, 2, device="cpu")
+    offered = peers(*inputs)
+    assert "moeblaze_fp8" in offered
+    assert "moeblaze_fp8" not in peers(*inputs, train=True)
+    assert "moeblaze_fp8" not in peers(*inputs, variant={"activation": "gelu"})
+    assert "moeblaze_fp8" not in peers(*make_inputs(*CONFIGS["smoke"], device="cpu"))
+    with torch.no_grad():
+        assert 1e-3 < rel_err(offered["moeblaze_fp8"](), offered["moeblaze"]()) < 1e-1
+    monkeypatch.setitem(CONFIGS, "fp8_check", (64, 256, 128, 4, 2))
+    ctx = measure.BenchContext(device="cpu", skip=frozenset(PEER_NAMES) - {"moeblaze", "moeblaze_fp8"})
+    rows = {r["peer"]: r for r in measure.bench_forward(ctx, ["fp8_check"])}
+    assert set(rows) == {"moeblaze", "moeblaze_fp8"}
+    assert_timed(rows.values())
+    assert math.isnan(rows["moeblaze_fp8"]["train_fwd_peak_gb"])
+
+
 def test_dispatch_table_shows_graph_times_where_measured():
     """The dispatch rows' CUDA-graph columns (``--cudagraphs``) appear only where the rows
     have them, each speedup beside its own times."""

@@ -5,9 +5,12 @@ HF's ``eager`` backend (a loop over experts), its ``grouped_mm`` backend eager a
 importable), and ``moeblaze_ops.moe_experts`` eager and compiled; train mode adds
 moeblaze's full-recompute mode and moeblaze compiled with its backward under compiled
 autograd (``train_step``: the accumulation of the weights' gradients traced into the
-backward graph); ``cuda_graphs`` adds ``grouped_mm`` and moeblaze compiled
+backward graph), forward mode moeblaze in FP8 (``moeblaze_fp8``: the weights quantized once
+into 128 x 128 e4m3 blocks, where every width is a multiple of 128; no backward);
+``cuda_graphs`` adds ``grouped_mm`` and moeblaze compiled
 with ``mode="reduce-overhead"`` (CUDA graphs). Every peer computes the same SwiGLU experts layer on the
-same weights, so their outputs can be compared with each other. A layer variant with biases or
+same weights, so their outputs can be compared with each other (``moeblaze_fp8``'s differs by
+its quantization, a few per cent). A layer variant with biases or
 another activation (``peers``' ``variant``, ``configs.make_variant``'s arguments) is moeblaze's
 peers' alone: HF's and SonicMoE compute plain SwiGLU without biases, so they are not offered.
 """
@@ -23,17 +26,21 @@ import moeblaze_ops
 
 from .console import note
 
-__all__ = ["CUDA_GRAPH_PEERS", "HFExpertsModule", "PEER_NAMES", "hf_eager_forward", "peers", "train_step"]
+__all__ = ["CUDA_GRAPH_PEERS", "HFExpertsModule", "INFERENCE_PEERS", "PEER_NAMES", "hf_eager_forward", "peers",
+           "train_step"]
 
 #: Every peer ``peers`` may offer, in its order (which ones it offers depends on the mode,
 #: ``cuda_graphs``, the device and what is importable): the names ``--skip`` takes.
 PEER_NAMES = ("hf_eager", "hf_grouped_mm", "hf_grouped_mm_compiled", "hf_grouped_mm_cudagraphs", "moeblaze",
               "moeblaze_compiled", "moeblaze_cudagraphs", "moeblaze_recompute", "moeblaze_recompute_compiled",
-              "moeblaze_compiled_autograd", "sonicmoe")
+              "moeblaze_compiled_autograd", "moeblaze_fp8", "sonicmoe")
 
 #: The peers that replay CUDA graphs: their memory lives in the graphs' private pool,
 #: allocated once, so a call's peak and saved bytes are not measured for them.
 CUDA_GRAPH_PEERS = ("hf_grouped_mm_cudagraphs", "moeblaze_cudagraphs")
+
+#: The peers without a backward (forward mode only): no training forward is measured for them.
+INFERENCE_PEERS = ("moeblaze_fp8",)
 
 
 class HFExpertsModule(torch.nn.Module):
@@ -169,6 +176,17 @@ def peers(x, ids, w, w_gate_up, w_down, train=False, cuda_graphs=False, variant=
     fns["moeblaze_compiled"] = _bound(torch.compile(ours, fullgraph=True), x, ids, w)
     if cuda_graphs:
         fns["moeblaze_cudagraphs"] = _graphed(ours, x, ids, w)
+    widths = (*w_gate_up.shape[1:], *w_down.shape[1:])
+    if not train and not layer and all(n % moeblaze_ops.fp8.BLOCK == 0 for n in widths):
+        # The FP8 recipe on weights quantized once, here (as a checkpoint stores them).
+        (gate_up8, gate_up_scale), (down8, down_scale) = (moeblaze_ops.fp8.quantize_blocks(t.detach())
+                                                          for t in (w_gate_up, w_down))
+
+        def ours_fp8(x, ids, w):
+            return moeblaze_ops.moe_experts(x, ids, w, gate_up8, down8, w_gate_up_scale=gate_up_scale,
+                                            w_down_scale=down_scale)
+
+        fns["moeblaze_fp8"] = _bound(ours_fp8, x, ids, w)
     if train:
         def recompute(x, ids, w):
             return moeblaze_ops.moe_experts(x, ids, w, w_gate_up, w_down, recompute=True, **layer)

@@ -18,7 +18,7 @@ import torch
 
 from .configs import CONFIGS, DISPATCH_CASES, load_imbalance, make_inputs, make_variant, variant_dtype
 from .console import emit, note, progress
-from .implementations import CUDA_GRAPH_PEERS, peers, train_step
+from .implementations import CUDA_GRAPH_PEERS, INFERENCE_PEERS, peers, train_step
 
 NAN = float("nan")
 
@@ -220,6 +220,10 @@ def bench_forward(ctx, names):
                 continue
             with torch.no_grad():
                 mem = peak_bytes(fn, ctx.device)
+            if peer in INFERENCE_PEERS:  # no backward: no training forward to measure
+                rows.append(_row(ctx, case, imbalance, peer, ms, flops, peak_gb=mem / 1e9, train_fwd_peak_gb=NAN,
+                                 rel_diff_vs_first=err))
+                continue
             # A training forward: the weights require grad, so each peer also keeps what its
             # backward needs. Measured once, after a warm-up (compile) call.
             trainable = [inputs[i] for i in (0, 2, 3, 4)] + biases  # x, topk_weights, w_gate_up, w_down, biases
