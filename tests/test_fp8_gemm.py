@@ -97,19 +97,25 @@ from moeblaze_ops.kernels.triton_backend import fp8_gemm
 fn = fp8_gemm._fp8_gathered_gemm_kernel
 types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "bias_ptr": "*bf16",
          "out_ptr": "*bf16", "a_row_ids_ptr": "*i32", "offsets_ptr": "*i32"}
-constexprs = dict(GATHER_A=True, HAS_BIAS=True, GROUPS=16, BAND=config.ROW_BAND, BLOCK_M=128, BLOCK_N=256,
-                  SCALE_BLOCK=128)
 names = list(fn.arg_names)
-signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
-kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
-print(json.dumps({"ptx": kernel.asm["ptx"]}))
+signature = None
+ptx = []
+# The training-size tile (wgmma) and the decode-size one (16 rows: below a warpgroup's 64).
+for block_m, block_n, warps in ((128, 256, 8), (16, 64, 4)):
+    constexprs = dict(GATHER_A=True, HAS_BIAS=True, GROUPS=16, BAND=config.ROW_BAND, BLOCK_M=block_m,
+                      BLOCK_N=block_n, SCALE_BLOCK=128)
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
+    ptx.append(kernel.asm["ptx"])
+print(json.dumps({"ptx": ptx}))
 '''
 
 
 def test_fp8_gemm_compiles_to_e4m3_wgmma():
     """On a Hopper target the kernel's products are e4m3 tensor-core MMAs (wgmma with e4m3
-    operands and fp32 accumulators), not upcasts to 16 bits: compiled offline with this
+    operands and fp32 accumulators), not upcasts to 16 bits; at decode's 16-row tiles, f16
+    MMAs on operands converted exactly from the e4m3 bytes read: compiled offline with this
     machine's Triton and ptxas, in a subprocess (the interpreter's ``@triton.jit`` functions
     do not compile)."""
     import json
@@ -123,5 +129,9 @@ def test_fp8_gemm_compiles_to_e4m3_wgmma():
     if run.returncode != 0 and "ptxas" in run.stderr and "FileNotFoundError" in run.stderr:
         pytest.skip("a Triton wheel without its bundled ptxas")
     assert run.returncode == 0, run.stderr[-3000:]
-    ptx = json.loads(run.stdout.strip().splitlines()[-1])["ptx"]
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx)
+    wide, narrow = json.loads(run.stdout.strip().splitlines()[-1])["ptx"]
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", wide)
+    # 16-row tiles (decode: bound by the weight bytes, which stay e4m3 in memory): below a
+    # warpgroup's 64 rows Triton converts the e4m3 operands to f16, exactly, for the warp-level MMA.
+    assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32", narrow)
+    assert re.search(r"cvt\.rn\.f16x2\.e4m3x2", narrow)
