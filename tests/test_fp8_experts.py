@@ -172,3 +172,34 @@ def test_hf_fp8_experts_backend_refuses(attrs, message, seed):
     layer = make_layer(4, 256, 128, 4, 2, seed=seed)
     with torch.no_grad(), pytest.raises(NotImplementedError, match=message):
         hf.moeblaze_fp8_experts_forward(module, layer["x"], layer["topk_ids"], layer["topk_weights"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hf_fp8_model_logits_match_grouped_mm(seed):
+    """A tiny Qwen3-MoE-shaped model quantized by transformers' fine-grained FP8 (128 x 128
+    blocks): its logits with ``experts_implementation="moeblaze"`` match those of HF's own
+    FP8 ``grouped_mm`` experts (both quantize activations per 1 x 128 tile; they round h at
+    different points), on the same weights."""
+    transformers = pytest.importorskip("transformers")
+    from moeblaze_ops import hf
+
+    config = hf.model_config("qwen3_moe", hidden_size=256, num_heads=4, expert_intermediate_size=128,
+                             num_experts=8, top_k=2)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():  # random weights of a trained model's scale
+            p.normal_(0, 0.02)
+    path = f"/tmp/moeblaze_fp8_model_{seed}"
+    model.save_pretrained(path)
+    quantization = transformers.FineGrainedFP8Config(weight_block_size=(128, 128))
+    logits = {}
+    ids = torch.randint(0, config.vocab_size, (2, 24), device="cuda")
+    for backend in ("grouped_mm", "moeblaze"):
+        fp8_model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=quantization, torch_dtype=torch.bfloat16, device_map="cuda",
+            experts_implementation=backend)
+        with torch.no_grad():
+            logits[backend] = fp8_model(ids).logits.double().cpu()
+    assert rel_err(logits["moeblaze"], logits["grouped_mm"]) < 3e-2
