@@ -91,7 +91,7 @@ def moe_experts(
             128-wide block of each GEMM's reduction, h and the output in x's dtype. With
             weights of x's dtype, ``"fp8"`` quantizes them in the call (a pass over them
             each call: quantize once and pass the e4m3 weights where they do not change).
-            Without gradients only, for now: a call that would differentiate raises.
+            No gradients yet: a backward through an FP8 layer raises ``NotImplementedError``.
         w_gate_up_scale, w_down_scale: FP8 weights: ``w_gate_up`` and ``w_down`` are e4m3
             (``torch.float8_e4m3fn``) and these are the float32 scales of their 128 x 128
             blocks in the weight's layout (``moeblaze_ops.fp8.quantize_blocks``; a
@@ -148,7 +148,9 @@ def moe_experts(
     eti, offsets, tim = ops.dispatch(ids, E)
     differentiates = _differentiates(x2, w_gate_up, w_down, b_gate_up, b_down, tw)
     if scales is not None:
-        unrecorded = not torch.compiler.is_compiling()
+        # Recorded where gradients are on, so that only a backward through it raises (the
+        # formula's): a forward with gradients on (evaluation without torch.no_grad) runs.
+        unrecorded = not differentiates and not torch.compiler.is_compiling()
         with torch._C._AutoDispatchBelowAutograd() if unrecorded else contextlib.nullcontext():
             out = ops.expert_layer.default(x2, w_gate_up, w_down, eti, offsets, tim, tw, b_gate_up, b_down, *args,
                                            False, w_gate_up_scale, w_down_scale)
@@ -193,10 +195,6 @@ def _fp8_weights(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down, transpos
     given = w_gate_up_scale is not None or w_down_scale is not None or fp8.E4M3 in (w_gate_up.dtype, w_down.dtype)
     if not given and precision != "fp8":
         return None
-    if _differentiates(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down):
-        raise NotImplementedError(
-            "moeblaze.moe_experts: FP8 experts have no backward yet: run them without gradients "
-            "(torch.no_grad(), torch.inference_mode()), or differentiate the layer with precision='default'")
     if not given:
         for arg, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
             if w.dtype != x.dtype:

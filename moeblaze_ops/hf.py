@@ -23,7 +23,7 @@ Expert-parallel sentinel ids (>= num_experts) contribute nothing, as ``dispatch`
 
 The FP8 experts of fine-grained FP8 models (transformers' ``FP8Experts``: e4m3 weights with
 128 x 128 block scales) run through ``"moeblaze"`` in transformers' ``FP8ExpertsInterface``
-(``moeblaze_fp8_experts_forward``), on the weights as stored, without gradients for now.
+(``moeblaze_fp8_experts_forward``), on the weights as stored; no backward through them yet.
 
 Not covered, with a clear error: experts with ``has_post_expert_norm``, other custom
 ``_apply_gate`` functions, activations without a moeblaze kernel (e.g. tanh-approximated
@@ -112,7 +112,7 @@ def moeblaze_fp8_experts_forward(self, hidden_states, top_k_index, top_k_weights
     ``*_scale_inv`` of its 128 x 128 blocks) through ``moeblaze_ops.moe_experts`` on the
     weights as stored, no bf16 copy of them: the FP8 recipe (``moeblaze_ops.fp8``), token
     rows gathered by index. Registered as ``"moeblaze"`` in transformers'
-    ``FP8ExpertsInterface`` (``register_fp8``). Without gradients for now."""
+    ``FP8ExpertsInterface`` (``register_fp8``). No backward yet (it raises)."""
     activation = _fp8_activation(self)
     if self.has_gate:
         w_up, s_up = self.gate_up_proj, self.gate_up_proj_scale_inv

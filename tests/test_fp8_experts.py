@@ -93,8 +93,12 @@ def test_fp8_errors(seed):
     (wgu, sgu), (wd, sd) = fp8.quantize_blocks(layer["w_gate_up"]), fp8.quantize_blocks(layer["w_down"])
     with pytest.raises(ValueError, match="'precision' must be one of"):
         moe_experts(**layer, precision="fp4")
+    # With gradients on, the forward runs (evaluation without no_grad); a backward raises.
+    out = moe_experts(**{**layer, "x": layer["x"].requires_grad_(True)}, precision="fp8")
+    with torch.no_grad():
+        assert torch.equal(out, moe_experts(**layer, precision="fp8"))
     with pytest.raises(NotImplementedError, match="no backward yet"):
-        moe_experts(**{**layer, "x": layer["x"].requires_grad_(True)}, precision="fp8")
+        out.sum().backward()
     with torch.no_grad():
         with pytest.raises(ValueError, match="'w_down_scale' must be given"):
             moe_experts(**{**layer, "w_gate_up": wgu, "w_down": wd}, w_gate_up_scale=sgu)
