@@ -30,6 +30,8 @@ from ...layouts import linear_dims, linear_strides
 from .. import config
 from . import grouped_gemm as gg
 from ..launch import launch
+from .combine import combine
+from .experts import launch_activation
 
 
 @triton.jit
@@ -129,9 +131,6 @@ def expert_layer_fp8(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, expert
                      limit):
     """``expert_layer`` on FP8 weights (see the module docstring): h and the output in x's
     dtype, the sentinel rows adding nothing."""
-    from .combine import combine
-    from .experts import launch_activation
-
     L, LK = x.shape[0], expert_token_indices.shape[0]
     E, N, _ = linear_dims(w_gate_up, transposed)
     _, d, I = linear_dims(w_down, transposed)
