@@ -858,7 +858,8 @@ def test_every_moeblaze_peer_computes_the_variants_layer():
     assert "hf_eager" in peers(*inputs) and "hf_eager" in peers(*inputs, variant={})
     layer = make_variant("clamped", inputs[3], inputs[4])
     fns = peers(*inputs, train=True, cuda_graphs=True, variant=layer)
-    assert list(fns) == [name for name in PEER_NAMES if name.startswith("moeblaze")]
+    # The FP8 peer computes the plain layer in forward mode alone.
+    assert list(fns) == [name for name in PEER_NAMES if name.startswith("moeblaze") and name != "moeblaze_fp8"]
     ref = variant_reference("clamped", *inputs, *assert_biases(layer, inputs[3], inputs[4]))
     with torch.no_grad():
         for name, fn in fns.items():

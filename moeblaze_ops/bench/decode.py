@@ -409,14 +409,6 @@ def _fp8_call(peer, draw):
     return capture_graph(call) if peer in _GRAPHED and draw.x.is_cuda else call
 
 
-def _without_fp8(fns):
-    """``peers()``' callables less its ``moeblaze_fp8``, which holds an e4m3 copy of the
-    draw's weights of its own: the FP8 peers here read the draw's (``Draw.fp8_inputs``), and
-    a second copy per draw would sit in memory through the measurements uncounted."""
-    fns.pop("moeblaze_fp8", None)
-    return fns
-
-
 def _reference(fns):
     """Eager grouped_mm's call on one draw: the output every peer must match (HF's eager
     loop where transformers is missing)."""
@@ -490,7 +482,9 @@ def _measure_tokens(opts, shape, T, weights, bandwidth):
     base = dict(shape=shape, T=T, d=d, I=I, E=E, K=K, draws=len(draws), distinct_experts=statistics.fmean(counts),
                 distinct_experts_per_draw=counts, **_floor_fields(moved, opts, bandwidth))
     fp8_floor = _floor_fields(fp8_floor_bytes(draws, d, I, element_size)[1], opts, bandwidth) if fp8 else None
-    fns_per_draw = [_without_fp8(peers(*draw.inputs, cuda_graphs=opts.on_cuda)) for draw in draws]
+    # fp8=False: the FP8 peers here read the draw's own e4m3 weights (``Draw.fp8_inputs``), quantized once
+    # per copy; peers() would quantize (and hold) another copy per draw at every T.
+    fns_per_draw = [peers(*draw.inputs, cuda_graphs=opts.on_cuda, fp8=False) for draw in draws]
     refs = [_reference(fns)().clone() for fns in fns_per_draw]
     rows = []
     for peer in opts.peer_names:

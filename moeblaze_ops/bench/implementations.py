@@ -141,7 +141,7 @@ def _sonicmoe_forward():
     return forward
 
 
-def peers(x, ids, w, w_gate_up, w_down, train=False, cuda_graphs=False, variant=None):
+def peers(x, ids, w, w_gate_up, w_down, train=False, cuda_graphs=False, variant=None, fp8=True):
     """name -> callable running the experts' forward on these inputs.
 
     The first peer is the reference the forward benchmark compares outputs with. Train
@@ -153,6 +153,9 @@ def peers(x, ids, w, w_gate_up, w_down, train=False, cuda_graphs=False, variant=
     moeblaze peer passes on; None or empty is the plain SwiGLU layer without biases. Only
     that plain layer has the HF peers and SonicMoE (they compute nothing else), so a
     variant that changes the layer offers moeblaze's peers alone.
+
+    ``fp8``: offer ``moeblaze_fp8`` where it applies (it quantizes the weights here, once);
+    False for a caller that quantizes its weights itself (decode mode).
     """
     layer = dict(variant or {})
     mod = HFExpertsModule(w_gate_up, w_down)
@@ -177,7 +180,7 @@ def peers(x, ids, w, w_gate_up, w_down, train=False, cuda_graphs=False, variant=
     if cuda_graphs:
         fns["moeblaze_cudagraphs"] = _graphed(ours, x, ids, w)
     widths = (*w_gate_up.shape[1:], *w_down.shape[1:])
-    if not train and not layer and all(n % moeblaze_ops.fp8.BLOCK == 0 for n in widths):
+    if fp8 and not train and not layer and all(n % moeblaze_ops.fp8.BLOCK == 0 for n in widths):
         # The FP8 recipe on weights quantized once, here (as a checkpoint stores them).
         (gate_up8, gate_up_scale), (down8, down_scale) = (moeblaze_ops.fp8.quantize_blocks(t.detach())
                                                           for t in (w_gate_up, w_down))
