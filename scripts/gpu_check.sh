@@ -86,7 +86,7 @@ fi
 
 # The benchmark's peers other than moeblaze eager and compiled, left out; each side's
 # benchmark is given those it knows (an older one refuses a name it has not).
-SKIP_PEERS="hf_eager hf_grouped_mm hf_grouped_mm_compiled moeblaze_recompute moeblaze_recompute_compiled moeblaze_compiled_autograd sonicmoe"
+SKIP_PEERS="hf_eager hf_grouped_mm hf_grouped_mm_compiled moeblaze_recompute moeblaze_recompute_compiled moeblaze_compiled_autograd moeblaze_fp8 sonicmoe"
 known_peers() {
   local side=$1; shift
   PYTHONPATH=$(pypath "$side") python3 -c "import sys
