@@ -74,12 +74,14 @@ def row_weights(token_index_map: torch.Tensor, topk_weights: torch.Tensor, acc) 
 
 
 def expert_up(x, w_gate_up, expert_token_indices, expert_offsets, token_index_map,
-              b_gate_up, transposed):
-    acc = _acc_dtype(x.dtype)
+              b_gate_up, transposed, *, matrix=_matrix, dtype=None):
+    """h in ``dtype`` (x's by default); ``matrix(w, e, transposed, acc)`` gives expert e's
+    weight as [in, out] (``_fp8_matrix`` for e4m3 weights, with their scales bound)."""
+    acc = _acc_dtype(dtype or x.dtype)
     _, N, _ = linear_dims(w_gate_up, transposed)
-    h = x.new_zeros(expert_token_indices.shape[0], N)
+    h = torch.zeros(expert_token_indices.shape[0], N, dtype=dtype or x.dtype, device=x.device)
     for e, s, t in _expert_ranges(expert_offsets):
-        he = _gather_rows(x, expert_token_indices, s, t, acc) @ _matrix(w_gate_up, e, transposed, acc)
+        he = _gather_rows(x, expert_token_indices, s, t, acc) @ matrix(w_gate_up, e, transposed, acc)
         if b_gate_up is not None:
             he += b_gate_up[e].to(acc)
         h[s:t] = he
@@ -120,14 +122,16 @@ def expert_down_activated(a, w_down, expert_token_indices, expert_offsets, token
     return _down_projection(a, a.dtype, w_down, expert_offsets, token_index_map, topk_weights, b_down, transposed)
 
 
-def _down_projection(a, dtype, w_down, expert_offsets, token_index_map, topk_weights, b_down, transposed):
+def _down_projection(a, dtype, w_down, expert_offsets, token_index_map, topk_weights, b_down, transposed,
+                     matrix=_matrix):
     """The down GEMM of every expert's activated rows ``a`` and the combine, in the
-    accumulation dtype, the result in ``dtype``; sentinel rows stay zero."""
+    accumulation dtype, the result in ``dtype``; sentinel rows stay zero. ``matrix`` as
+    ``expert_up``'s."""
     acc = _acc_dtype(dtype)
     _, d, _ = linear_dims(w_down, transposed)
     y = torch.zeros(a.shape[0], d, dtype=acc, device=a.device)
     for e, s, t in _expert_ranges(expert_offsets):
-        ye = a[s:t].to(acc) @ _matrix(w_down, e, transposed, acc)
+        ye = a[s:t].to(acc) @ matrix(w_down, e, transposed, acc)
         if b_down is not None:
             ye += b_down[e].to(acc)
         y[s:t] = ye
@@ -144,31 +148,22 @@ def expert_layer_fp8(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, expert
     quantized values; h is stored in x's dtype before its activation, as the FP8 kernels
     store it. Output in x's dtype."""
     acc = _acc_dtype(x.dtype)
-    _, N, _ = linear_dims(w_gate_up, transposed)
     xq = fp8.dequantize_rows(*fp8.quantize_rows(x), acc)
-    h = x.new_zeros(expert_token_indices.shape[0], N)
-    for e, s, t in _expert_ranges(expert_offsets):
-        he = _gather_rows(xq, expert_token_indices, s, t, acc) @ _fp8_matrix(w_gate_up, w_gate_up_scale, e, transposed,
-                                                                               acc)
-        if b_gate_up is not None:
-            he += b_gate_up[e].to(acc)
-        h[s:t] = he
+    h = expert_up(xq, w_gate_up, expert_token_indices, expert_offsets, token_index_map, b_gate_up, transposed,
+                  matrix=_fp8_matrix(w_gate_up_scale), dtype=x.dtype)
     a = _activated(h, activation, alpha, limit, interleaved)
     aq = fp8.dequantize_rows(*fp8.quantize_rows(a), acc)
-    _, d, _ = linear_dims(w_down, transposed)
-    y = torch.zeros(a.shape[0], d, dtype=acc, device=a.device)
-    for e, s, t in _expert_ranges(expert_offsets):
-        ye = aq[s:t] @ _fp8_matrix(w_down, w_down_scale, e, transposed, acc)
-        if b_down is not None:
-            ye += b_down[e].to(acc)
-        y[s:t] = ye
-    return combine(y, token_index_map, topk_weights.shape[0], topk_weights,
-                   num_real_rows=int(expert_offsets[-1])).to(x.dtype)
+    return _down_projection(aq, x.dtype, w_down, expert_offsets, token_index_map, topk_weights, b_down, transposed,
+                            matrix=_fp8_matrix(w_down_scale))
 
 
-def _fp8_matrix(w, scale, e, transposed, acc):
-    """Expert e's e4m3 weight dequantized with its block scales, as [in, out] in ``acc``."""
-    return expert_matrix(fp8.dequantize_blocks(w[e:e + 1], scale[e:e + 1], acc), 0, transposed)
+def _fp8_matrix(scale):
+    """``_matrix`` of an e4m3 weight stack whose 128 x 128 blocks have ``scale``: expert e's
+    weight dequantized, as [in, out] in ``acc``."""
+    def matrix(w, e, transposed, acc):
+        return expert_matrix(fp8.dequantize_blocks(w[e:e + 1], scale[e:e + 1], acc), 0, transposed)
+
+    return matrix
 
 
 def expert_down_backward(grad_out, h, w_down, expert_token_indices, expert_offsets, token_index_map,
