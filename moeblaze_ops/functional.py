@@ -91,7 +91,9 @@ def moe_experts(
             128-wide block of each GEMM's reduction, h and the output in x's dtype. With
             weights of x's dtype, ``"fp8"`` quantizes them in the call (a pass over them
             each call: quantize once and pass the e4m3 weights where they do not change).
-            No gradients yet: a backward through an FP8 layer raises ``NotImplementedError``.
+            No gradients yet: a backward through an FP8 layer raises ``NotImplementedError``,
+            and so does compiling one with gradients on (AOTAutograd traces the backward
+            with the forward): compile it under ``torch.no_grad()`` or ``inference_mode``.
         w_gate_up_scale, w_down_scale: FP8 weights: ``w_gate_up`` and ``w_down`` are e4m3
             (``torch.float8_e4m3fn``) and these are the float32 scales of their 128 x 128
             blocks in the weight's layout (``moeblaze_ops.fp8.quantize_blocks``; a

@@ -86,6 +86,10 @@ def test_fp8_op_registration(seed):
     out = ops.expert_layer(x, *args[1:])
     with pytest.raises(NotImplementedError, match="no backward yet"):
         out.sum().backward()
+    # Compiled with gradients on, AOTAutograd traces the backward at once: the same clear error.
+    compiled = torch.compile(lambda **kw: moe_experts(**kw, precision="fp8"), fullgraph=True)
+    with pytest.raises(Exception, match="no backward yet.*torch.no_grad"):
+        compiled(**{**layer, "x": layer["x"].detach().requires_grad_(True)})
 
 
 def test_fp8_errors(seed):
@@ -99,6 +103,10 @@ def test_fp8_errors(seed):
         assert torch.equal(out, moe_experts(**layer, precision="fp8"))
     with pytest.raises(NotImplementedError, match="no backward yet"):
         out.sum().backward()
+    # Compiled with gradients on, AOTAutograd traces the backward at once: the same clear error.
+    compiled = torch.compile(lambda **kw: moe_experts(**kw, precision="fp8"), fullgraph=True)
+    with pytest.raises(Exception, match="no backward yet.*torch.no_grad"):
+        compiled(**{**layer, "x": layer["x"].detach().requires_grad_(True)})
     with torch.no_grad():
         with pytest.raises(ValueError, match="'w_down_scale' must be given"):
             moe_experts(**{**layer, "w_gate_up": wgu, "w_down": wd}, w_gate_up_scale=sgu)
