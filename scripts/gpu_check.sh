@@ -23,7 +23,9 @@
 # TESTS_K=<pytest -k expression>; BENCH_TIMEOUT=300 (s, each benchmark run); HOST_ROUNDS=2 (host-time
 # runs per side and mode, alternating; the least counts); HOST_CONFIG=qwen3_100m
 # (the benchmark config whose layer host_overhead.py times). Extra arguments
-# go to both sides' benchmark (e.g. --set column_slab=None: both packages must take them).
+# go to both sides' benchmark (e.g. --set column_slab=None: both packages must take them;
+# --settle 3 times each peer after 3 s of steps, at the power limit's clocks, where the
+# short timings of small steps can hide a change: both sides 891c390 or later).
 # A call runs at most 10 minutes: where tests and benchmark together take longer, make two
 # calls on the warm machine, SKIP_BENCH=1 then SKIP_TESTS=1.
 set -uo pipefail
