@@ -60,7 +60,7 @@ import moeblaze_ops
 from ..testing import rel_err
 from .configs import DECODE_SHAPES, DECODE_TOKENS
 from .console import emit, note, progress
-from .implementations import HFExpertsModule, peers
+from .implementations import HFExpertsModule, fp8_fits, fp8_layer, fp8_weights, peers
 from .report import title
 
 __all__ = ["CPU_PEERS", "CUDA_PEERS", "DECODE_PEER_NAMES", "DEFAULT_SHAPES", "DecodeOptions", "Draw",
@@ -168,7 +168,7 @@ class Draw:
     @property
     def fp8_inputs(self) -> tuple:
         """``(x, ids, w, w_gate_up8, w_down8, w_gate_up_scale, w_down_scale)``: the arguments
-        of the FP8 layer (``_fp8_layer``)."""
+        of the FP8 layer (``fp8_layer``)."""
         return self.x, self.ids, self.w, self.w_gate_up8, self.w_down8, self.w_gate_up_scale, self.w_down_scale
 
 
@@ -178,9 +178,8 @@ def expert_bytes(d, I, element_size):
 
 
 def fp8_applies(d, I):
-    """Whether the FP8 peers run at widths ``d`` and ``I``: every one a multiple of the FP8
-    block (``fp8.BLOCK``, 128)."""
-    return d % moeblaze_ops.fp8.BLOCK == 0 and I % moeblaze_ops.fp8.BLOCK == 0
+    """Whether the FP8 peers run at widths ``d`` and ``I`` (``implementations.fp8_fits``)."""
+    return fp8_fits(d, I)
 
 
 def fp8_expert_bytes(d, I):
@@ -235,15 +234,9 @@ def make_weights(d, I, E, count, dtype, device, seed):
 
 
 def quantize_weights(weights):
-    """The e4m3 copy of each copy of ``weights``: ``(w_gate_up8, w_down8, w_gate_up_scale,
-    w_down_scale)`` each (``fp8.quantize_blocks``, 128 x 128 blocks). Made once per copy at
-    setup: a timed call that quantized would read the bf16 weights too."""
-    copies = []
-    for w_gate_up, w_down in weights:
-        (gate_up8, gate_up_scale), (down8, down_scale) = (moeblaze_ops.fp8.quantize_blocks(t)
-                                                          for t in (w_gate_up, w_down))
-        copies.append((gate_up8, down8, gate_up_scale, down_scale))
-    return copies
+    """The e4m3 copy of each copy of ``weights`` (``implementations.fp8_weights``), made
+    once per copy at setup."""
+    return [fp8_weights(w_gate_up, w_down) for w_gate_up, w_down in weights]
 
 
 def build_draws(T, K, weights, dtype, device, seed, fp8=None):
@@ -342,19 +335,13 @@ def mark_static(draws):
             torch._dynamo.mark_static_address(t)
 
 
-def _fp8_layer(x, ids, w, w_gate_up8, w_down8, w_gate_up_scale, w_down_scale):
-    """The FP8 layer on weights quantized beforehand (``Draw.fp8_inputs``' arguments)."""
-    return moeblaze_ops.moe_experts(x, ids, w, w_gate_up8, w_down8, w_gate_up_scale=w_gate_up_scale,
-                                    w_down_scale=w_down_scale)
-
-
 def _stack_layer(peer):
     """The plain layer function of graph peer ``peer``, which its stack repeats: ``(x, ids,
-    w, w_gate_up, w_down) -> out``, or ``_fp8_layer`` for an FP8 peer."""
+    w, w_gate_up, w_down) -> out``, or ``fp8_layer`` for an FP8 peer."""
     if peer in ("moeblaze_cudagraphs", "moeblaze_graph"):
         return moeblaze_ops.moe_experts
     if peer in FP8_PEERS:
-        return _fp8_layer
+        return fp8_layer
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     return lambda x, ids, w, w_gate_up, w_down: grouped_mm_experts_forward(
@@ -404,7 +391,7 @@ def _fp8_call(peer, draw):
     """The call of FP8 peer ``peer`` on one draw: the FP8 layer on the draw's e4m3 weights,
     captured into a graph for ``moeblaze_fp8_graph``."""
     def call():
-        return _fp8_layer(*draw.fp8_inputs)
+        return fp8_layer(*draw.fp8_inputs)
 
     return capture_graph(call) if peer in _GRAPHED and draw.x.is_cuda else call
 

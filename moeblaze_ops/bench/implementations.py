@@ -26,8 +26,8 @@ import moeblaze_ops
 
 from .console import note
 
-__all__ = ["CUDA_GRAPH_PEERS", "HFExpertsModule", "INFERENCE_PEERS", "PEER_NAMES", "hf_eager_forward", "peers",
-           "train_step"]
+__all__ = ["CUDA_GRAPH_PEERS", "HFExpertsModule", "INFERENCE_PEERS", "PEER_NAMES", "fp8_fits", "fp8_layer",
+           "fp8_weights", "hf_eager_forward", "peers", "train_step"]
 
 #: Every peer ``peers`` may offer, in its order (which ones it offers depends on the mode,
 #: ``cuda_graphs``, the device and what is importable): the names ``--skip`` takes.
@@ -141,6 +141,26 @@ def _sonicmoe_forward():
     return forward
 
 
+def fp8_fits(*widths):
+    """Whether a layer of these widths can run the FP8 recipe: every one a multiple of its
+    128 x 128 blocks."""
+    return all(n % moeblaze_ops.fp8.BLOCK == 0 for n in widths)
+
+
+def fp8_weights(w_gate_up, w_down):
+    """``(w_gate_up8, w_down8, w_gate_up_scale, w_down_scale)``: both weights in e4m3 128 x
+    128 blocks with their scales (``fp8.quantize_blocks``), made once, before any timed call
+    (quantizing in a call reads the bf16 weights: as many bytes as the layer)."""
+    (gate_up8, gate_up_scale), (down8, down_scale) = (moeblaze_ops.fp8.quantize_blocks(t) for t in (w_gate_up, w_down))
+    return gate_up8, down8, gate_up_scale, down_scale
+
+
+def fp8_layer(x, ids, w, w_gate_up8, w_down8, w_gate_up_scale, w_down_scale):
+    """The FP8 peers' layer: ``moe_experts`` on weights ``fp8_weights`` quantized beforehand."""
+    return moeblaze_ops.moe_experts(x, ids, w, w_gate_up8, w_down8, w_gate_up_scale=w_gate_up_scale,
+                                    w_down_scale=w_down_scale)
+
+
 def peers(x, ids, w, w_gate_up, w_down, train=False, cuda_graphs=False, variant=None, fp8=True):
     """name -> callable running the experts' forward on these inputs.
 
@@ -179,17 +199,10 @@ def peers(x, ids, w, w_gate_up, w_down, train=False, cuda_graphs=False, variant=
     fns["moeblaze_compiled"] = _bound(torch.compile(ours, fullgraph=True), x, ids, w)
     if cuda_graphs:
         fns["moeblaze_cudagraphs"] = _graphed(ours, x, ids, w)
-    widths = (*w_gate_up.shape[1:], *w_down.shape[1:])
-    if fp8 and not train and not layer and all(n % moeblaze_ops.fp8.BLOCK == 0 for n in widths):
+    if fp8 and not train and not layer and fp8_fits(*w_gate_up.shape[1:], *w_down.shape[1:]):
         # The FP8 recipe on weights quantized once, here (as a checkpoint stores them).
-        (gate_up8, gate_up_scale), (down8, down_scale) = (moeblaze_ops.fp8.quantize_blocks(t.detach())
-                                                          for t in (w_gate_up, w_down))
-
-        def ours_fp8(x, ids, w):
-            return moeblaze_ops.moe_experts(x, ids, w, gate_up8, down8, w_gate_up_scale=gate_up_scale,
-                                            w_down_scale=down_scale)
-
-        fns["moeblaze_fp8"] = _bound(ours_fp8, x, ids, w)
+        weights8 = fp8_weights(w_gate_up.detach(), w_down.detach())
+        fns["moeblaze_fp8"] = _bound(lambda x, ids, w: fp8_layer(x, ids, w, *weights8), x, ids, w)
     if train:
         def recompute(x, ids, w):
             return moeblaze_ops.moe_experts(x, ids, w, w_gate_up, w_down, recompute=True, **layer)
